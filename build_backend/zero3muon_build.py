@@ -1,0 +1,325 @@
+"""PEP 517 build backend: builds DeepSpeed with the ZeRO-3 Muon patch.
+
+The repository holds only our own code. A wheel is made by
+  1. choosing the base release (env DS_ZERO3MUON_BASE, else [tool.zero3muon] default-base),
+  2. getting that release's sdist (env DS_ZERO3MUON_SDIST, else ``pip download`` into a cache),
+  3. checking its sha256 against the pin in pyproject.toml,
+  4. unpacking it and adding the files under the repository's ``deepspeed/`` (new files only),
+  5. applying ``patches/<base>/*.patch`` in sorted order with ``git apply -p1``,
+  6. writing ``build.txt`` (version label) and ``deepspeed/runtime/zero/muon/_build_info.py``,
+  7. handing the prepared tree to setuptools' legacy backend (DeepSpeed ships a setup.py).
+
+``prepare_tree`` does steps 3-6 and can be called on its own (the unit tests do).
+"""
+
+import contextlib
+import hashlib
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python < 3.11 only
+    import tomli as tomllib
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOCAL_LABEL = "+zero3muon"
+BUILD_INFO_REL = Path("deepspeed/runtime/zero/muon/_build_info.py")
+ENV_BASE = "DS_ZERO3MUON_BASE"
+ENV_SDIST = "DS_ZERO3MUON_SDIST"
+ENV_CACHE = "DS_ZERO3MUON_CACHE"
+
+
+class BuildError(Exception):
+    """A build step failed; the message says which and why."""
+
+
+def _log(msg):
+    print(f"[zero3muon] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def load_config(root=REPO_ROOT):
+    """Return the [tool.zero3muon] table of ``root/pyproject.toml``."""
+    with open(Path(root) / "pyproject.toml", "rb") as f:
+        cfg = tomllib.load(f).get("tool", {}).get("zero3muon")
+    if not cfg or "sdist-sha256" not in cfg or "default-base" not in cfg or "version" not in cfg:
+        raise BuildError("pyproject.toml: [tool.zero3muon] needs 'version', 'default-base' and "
+                         "a [tool.zero3muon.sdist-sha256] table")
+    return cfg
+
+
+def select_base(cfg, requested=None):
+    """The base version to build on: ``requested``, else env DS_ZERO3MUON_BASE, else the default."""
+    base = requested or os.environ.get(ENV_BASE) or cfg["default-base"]
+    known = cfg["sdist-sha256"]
+    if base not in known:
+        raise BuildError(f"unknown DeepSpeed base version {base!r}; known base versions: "
+                         f"{', '.join(sorted(known))} (pins are in pyproject.toml [tool.zero3muon.sdist-sha256])")
+    return base
+
+
+# --------------------------------------------------------------------------- getting the sdist
+
+
+def sha256_of(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_sha256(path, expected):
+    actual = sha256_of(path)
+    if actual != expected.lower():
+        raise BuildError(f"sha256 mismatch for {path}: expected {expected}, actual {actual}")
+
+
+def default_cache_dir():
+    if os.environ.get(ENV_CACHE):
+        return Path(os.environ[ENV_CACHE])
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "zero3muon" / "sdists"
+
+
+def obtain_sdist(base, expected_sha256, cache_dir=None):
+    """Path of a verified ``deepspeed-<base>.tar.gz``: env DS_ZERO3MUON_SDIST, the cache, or pip download."""
+    local = os.environ.get(ENV_SDIST)
+    if local:
+        path = Path(local).expanduser().resolve()
+        if not path.is_file():
+            raise BuildError(f"{ENV_SDIST}={local}: no such file")
+        verify_sha256(path, expected_sha256)
+        _log(f"using sdist {path}")
+        return path
+
+    cache_dir = Path(cache_dir or default_cache_dir())
+    cached = cache_dir / f"deepspeed-{base}.tar.gz"
+    if cached.is_file():
+        if sha256_of(cached) == expected_sha256:
+            _log(f"using cached sdist {cached}")
+            return cached
+        _log(f"cached {cached} has the wrong sha256; downloading again")
+        cached.unlink()
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", f"deepspeed=={base}", "--no-deps",
+               "--no-binary", ":all:", "--no-build-isolation", "-d", tmp]
+        _log("downloading: " + " ".join(cmd[1:]))
+        res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if res.returncode != 0:
+            raise BuildError(f"pip download of deepspeed=={base} failed (exit {res.returncode}); "
+                             f"set {ENV_SDIST} to a local deepspeed-{base}.tar.gz to build offline.\n"
+                             f"{res.stdout}")
+        found = sorted(Path(tmp).glob("deepspeed-*.tar.gz"))
+        if len(found) != 1:
+            raise BuildError(f"pip download of deepspeed=={base} gave {[p.name for p in Path(tmp).iterdir()]}, "
+                             f"expected one deepspeed-{base}.tar.gz")
+        verify_sha256(found[0], expected_sha256)
+        os.replace(found[0], cached)
+    return cached
+
+
+# --------------------------------------------------------------------------- preparing the tree
+
+
+def _safe_extract(sdist, dest):
+    with tarfile.open(sdist) as tar:
+        if hasattr(tarfile, "data_filter"):
+            try:
+                tar.extractall(dest, filter="data")
+            except tarfile.FilterError as e:
+                raise BuildError(f"{sdist}: unsafe archive member: {e}") from e
+            return
+        # Python without extraction filters: refuse anything but plain files and directories
+        # whose names stay inside dest.
+        dest_real = os.path.realpath(dest)
+        for m in tar.getmembers():
+            target = os.path.realpath(os.path.join(dest, m.name))
+            if not (m.isfile() or m.isdir()) or os.path.commonpath([dest_real, target]) != dest_real:
+                raise BuildError(f"{sdist}: unsafe archive member {m.name!r}")
+        tar.extractall(dest)  # noqa: S202 - members checked above
+
+
+def _find_git():
+    git = shutil.which("git")
+    if git is None:
+        raise BuildError("git is needed to apply patches/<base>/*.patch (git apply), but no 'git' was found on PATH")
+    return git
+
+
+def _git_env(tree):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    # The tree is not a git repository: stop git from finding one in a parent directory,
+    # which would make it resolve patch paths relative to that repository.
+    env["GIT_CEILING_DIRECTORIES"] = str(Path(tree).parent)
+    return env
+
+
+def apply_patches(tree, patches):
+    """Apply ``patches`` (in the given order) to ``tree`` with ``git apply -p1``."""
+    git = _find_git()
+    env = _git_env(tree)
+    for patch in patches:
+        for extra in (["--check"], []):
+            cmd = [git, "apply", "-p1", "--whitespace=nowarn", *extra, str(patch)]
+            res = subprocess.run(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            if res.returncode != 0:
+                raise BuildError(f"patch {patch} does not apply to the upstream tree "
+                                 f"(git apply{' --check' if extra else ''} exit {res.returncode}):\n"
+                                 f"{res.stderr.strip()}")
+        _log(f"applied {patch.name}")
+
+
+def overlay_files(src_pkg, tree):
+    """Copy every file under ``src_pkg`` (the repo's deepspeed/) into ``tree/deepspeed``.
+
+    Only new files are allowed: a change to an upstream file must be a patch.
+    """
+    src_pkg = Path(src_pkg)
+    files = []
+    for dirpath, dirnames, filenames in os.walk(src_pkg):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        files += [Path(dirpath, f) for f in sorted(filenames) if not f.endswith((".pyc", ".pyo"))]
+    rels = [Path("deepspeed") / f.relative_to(src_pkg) for f in files]
+    if BUILD_INFO_REL in rels:
+        raise BuildError(f"{BUILD_INFO_REL} is generated at build time and must not be in the repository; delete it")
+    clashes = [str(r) for r in rels if (tree / r).exists()]
+    if clashes:
+        raise BuildError("these repository files already exist in the upstream DeepSpeed tree and would overwrite it: "
+                         f"{', '.join(clashes)}. Changes to upstream files must be patches under patches/<base>/.")
+    for src, rel in zip(files, rels):
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, tree / rel)
+    return rels
+
+
+def prepare_tree(sdist, expected_sha256, base, project_version, work_dir, repo_root=REPO_ROOT):
+    """Verify, unpack, overlay, patch and label ``sdist``; return the prepared source tree.
+
+    The tree is created under ``work_dir`` (which must exist). ``repo_root`` supplies
+    ``deepspeed/`` (new files) and ``patches/<base>/``.
+    """
+    sdist, work_dir, repo_root = Path(sdist), Path(work_dir), Path(repo_root)
+    verify_sha256(sdist, expected_sha256)
+
+    patch_dir = repo_root / "patches" / base
+    if not patch_dir.is_dir():
+        raise BuildError(f"no patch directory {patch_dir} for base {base}")
+    patches = sorted(patch_dir.glob("*.patch"))
+
+    unpack = work_dir / "unpack"
+    unpack.mkdir()
+    _safe_extract(sdist, unpack)
+    tops = list(unpack.iterdir())
+    if len(tops) != 1 or not (tops[0] / "setup.py").is_file():
+        raise BuildError(f"{sdist}: expected a single top-level directory holding setup.py, got "
+                         f"{sorted(p.name for p in tops)}")
+    tree = tops[0]
+
+    if (repo_root / "deepspeed").is_dir():
+        added = overlay_files(repo_root / "deepspeed", tree)
+        _log(f"added {len(added)} new file(s) from deepspeed/")
+    apply_patches(tree, patches)
+
+    (tree / "build.txt").write_text(LOCAL_LABEL + "\n")
+    info = tree / BUILD_INFO_REL
+    info.parent.mkdir(parents=True, exist_ok=True)
+    info.write_text(
+        '"""Generated by build_backend/zero3muon_build.py when the wheel was built. Do not edit."""\n'
+        f"BASE_VERSION = {base!r}\n"
+        f"PATCH_VERSION = {project_version!r}\n"
+        f"SDIST_SHA256 = {expected_sha256.lower()!r}\n"
+        f"PATCHES = {tuple(p.name for p in patches)!r}\n")
+    _log(f"prepared DeepSpeed {base}{LOCAL_LABEL} with {len(patches)} patch(es) in {tree}")
+    return tree
+
+
+@contextlib.contextmanager
+def _prepared_tree(config_settings=None):
+    cfg = load_config()
+    base = select_base(cfg, (config_settings or {}).get("base"))
+    sha = cfg["sdist-sha256"][base]
+    sdist = obtain_sdist(base, sha)
+    with tempfile.TemporaryDirectory(prefix="zero3muon-build-") as tmp:
+        tree = prepare_tree(sdist, sha, base, cfg["version"], tmp)
+        old = os.getcwd()
+        os.chdir(tree)
+        try:
+            yield tree
+        finally:
+            os.chdir(old)
+
+
+def _setuptools():
+    from setuptools import build_meta
+    return build_meta.__legacy__
+
+
+# --------------------------------------------------------------------------- PEP 517 hooks
+
+
+def get_requires_for_build_wheel(config_settings=None):
+    return []  # everything needed is in [build-system] requires; DeepSpeed has no setup_requires
+
+
+def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
+    metadata_directory = os.path.abspath(metadata_directory)
+    with _prepared_tree(config_settings):
+        return _setuptools().prepare_metadata_for_build_wheel(metadata_directory, config_settings)
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    wheel_directory = os.path.abspath(wheel_directory)
+    with _prepared_tree(config_settings):
+        return _setuptools().build_wheel(wheel_directory, config_settings)
+
+
+def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
+    raise BuildError("editable installs are not supported: the package is upstream DeepSpeed plus patches, "
+                     "assembled at build time. Use 'pip install .' (or 'python3 dev.py setup').")
+
+
+# Our own sdist: the repository inputs of the build (not DeepSpeed's source).
+SDIST_INCLUDE = ("pyproject.toml", "build_backend", "deepspeed", "patches", "requirements")
+
+
+def get_requires_for_build_sdist(config_settings=None):
+    return []
+
+
+def build_sdist(sdist_directory, config_settings=None):
+    cfg = load_config()
+    base = select_base(cfg, (config_settings or {}).get("base"))
+    version = f"{base}{LOCAL_LABEL}"
+    stem = f"deepspeed-{version}"
+    pkg_info = f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {version}\n".encode()
+    out = Path(sdist_directory).resolve() / f"{stem}.tar.gz"
+
+    def keep(info):
+        if "__pycache__" in info.name or info.name.endswith((".pyc", ".pyo")):
+            return None
+        if info.name.endswith(BUILD_INFO_REL.name):
+            return None
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        return info
+
+    with tarfile.open(out, "w:gz", format=tarfile.PAX_FORMAT) as tar:
+        for name in SDIST_INCLUDE:
+            if (REPO_ROOT / name).exists():
+                tar.add(REPO_ROOT / name, arcname=f"{stem}/{name}", filter=keep)
+        info = tarfile.TarInfo(f"{stem}/PKG-INFO")
+        info.size = len(pkg_info)
+        tar.addfile(info, io.BytesIO(pkg_info))
+    return out.name

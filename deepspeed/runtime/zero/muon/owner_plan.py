@@ -1,0 +1,223 @@
+# Copyright (c) 2026 The zero3muon authors
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Which rank orthogonalizes which Muon matrix: the owner plan.
+
+Pure Python, no torch and no processes: every rank builds the same plan from the same list of
+matrix shapes, so the plan never has to be communicated (the binding only checks, once at
+initialization, that all ranks agree).
+
+Terms:
+- *partition*: under ZeRO-3 every rank holds ``partition_numel = ceil(ds_numel / W)`` elements of
+  each parameter's flattened gradient; rank ``r`` holds elements ``[r * partition_numel,
+  (r + 1) * partition_numel)``, zero-padded past ``ds_numel``.
+- *owner rank*: the one rank that receives every partition of a matrix's Newton-Schulz (NS) input,
+  runs NS once on the whole matrix, and sends each rank its partition of the result.
+- *bucket*: a run of consecutive matrices whose total ``ds_numel`` is at most the bucket size
+  (``reduce_bucket_size``); one bucket is exchanged at a time, which bounds the extra memory. A
+  matrix larger than the bucket size gets a bucket of its own.
+
+Owners are assigned per bucket in two moves. First the bucket's matrices are split into W bins
+by greedy longest-processing-time-first (LPT, Graham 1969, "Bounds on multiprocessing timing
+anomalies"): each matrix, most expensive first, goes to the bin with the least NS work. Balancing
+within a bucket keeps the ranks busy together, since every rank waits for the slowest owner of a
+bucket before its results come back. Then the heaviest bin goes to the rank with the least work
+over all buckets so far, the next heaviest to the next, so that the totals stay balanced too
+(a bucket holding one large matrix sends it to the least loaded rank).
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+NS_STEPS_DEFAULT = 5
+"""Newton-Schulz iterations upstream ``muon_update`` runs (its ``ns_steps`` default)."""
+
+
+@dataclass(frozen=True)
+class MatrixSpec:
+    """One Muon parameter of a sub-group, as the plan sees it.
+
+    Attributes:
+        shape: the full parameter shape (``param.ds_shape``), at least 2-D.
+        partition_numel: elements of this parameter each rank holds (``param.partition_numel()``).
+        ns_method: ``"gram"`` or ``"standard"`` (the parameter group's ``ns_method``).
+        is_expert_group: ``param.is_expert_group``; NS is batched over the leading dimensions.
+        num_heads: ``param.muon_num_heads``; NS runs per attention head (rows split into heads).
+    """
+    shape: Tuple[int, ...]
+    partition_numel: int
+    ns_method: str = "gram"
+    is_expert_group: bool = False
+    num_heads: Optional[int] = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def newton_schulz_problems(spec: MatrixSpec) -> Tuple[int, int, int]:
+    """The batch of matrices Newton-Schulz runs on for ``spec``, as ``(batch, rows, cols)``.
+
+    Mirrors the dispatch in upstream ``deepspeed.runtime.zero.muon.original_muon.muon_update``:
+    per-head projections are viewed as ``(num_heads, rows / num_heads, cols)``, expert groups and
+    other N-D tensors are batched over their leading dimensions, and 4-D convolution weights
+    (not expert) are flattened to ``(out_channels, in_channels * kh * kw)``.
+
+    Raises:
+        ValueError: if the shape has fewer than 2 dimensions, or ``num_heads`` does not divide the
+            rows (the message names ``muon_num_heads``).
+    """
+    shape = tuple(int(d) for d in spec.shape)
+    if len(shape) < 2:
+        raise ValueError(f"Muon needs a matrix, got a parameter of shape {shape}; only parameters with "
+                         "`use_muon = True` and at least 2 dimensions belong in a Muon group.")
+    if spec.num_heads is not None:
+        rows, cols = shape[0], 1
+        for d in shape[1:]:
+            cols *= d
+        if spec.num_heads < 1 or rows % spec.num_heads:
+            raise ValueError(f"muon_num_heads={spec.num_heads} does not divide the {rows} rows of a "
+                             f"parameter of shape {shape}.")
+        return spec.num_heads, rows // spec.num_heads, cols
+    if len(shape) == 4 and not spec.is_expert_group:
+        return 1, shape[0], shape[1] * shape[2] * shape[3]
+    batch = 1
+    for d in shape[:-2]:
+        batch *= d
+    return batch, shape[-2], shape[-1]
+
+
+def newton_schulz_cost(spec: MatrixSpec, ns_steps: int = NS_STEPS_DEFAULT) -> float:
+    """Approximate floating-point operations of one Newton-Schulz orthogonalization of ``spec``.
+
+    With ``m = min(rows, cols)`` and ``n = max(rows, cols)`` (NS works on the wide orientation):
+    the standard quintic iteration (upstream ``zeropower_via_newtonschulz5``) costs per step
+    ``X X^T`` (2 m^2 n), ``A A`` (2 m^3) and ``B X`` (2 m^2 n). The Gram variant (upstream
+    ``zeropower_via_gram_newtonschulz``, used when ``m < n``) forms ``X X^T`` once, iterates on the
+    ``m x m`` Gram matrix (about 6 m^3 per step) and applies ``Q X`` twice (restart and end).
+
+    Returns:
+        float: the operation count (a cost for balancing, not a time).
+    """
+    batch, rows, cols = newton_schulz_problems(spec)
+    m, n = min(rows, cols), max(rows, cols)
+    if spec.ns_method == "gram" and m < n:
+        per_matrix = 3 * (2.0 * m * m * n) + ns_steps * 6.0 * m**3
+    else:
+        per_matrix = ns_steps * (4.0 * m * m * n + 2.0 * m**3)
+    return batch * per_matrix
+
+
+@dataclass(frozen=True)
+class OwnerPlan:
+    """The owner of every matrix of one sub-group and how the matrices are bucketed.
+
+    Attributes:
+        world_size: ranks in the sub-group's partition process group (W).
+        owners: ``owners[j]`` is the owner rank of matrix ``j`` (sub-group order).
+        buckets: tuple of buckets, each a tuple of matrix indices in sub-group order; every matrix
+            is in exactly one bucket.
+        costs: ``costs[j]`` is ``newton_schulz_cost`` of matrix ``j``.
+    """
+    world_size: int
+    owners: Tuple[int, ...]
+    buckets: Tuple[Tuple[int, ...], ...]
+    costs: Tuple[float, ...]
+
+    def load(self) -> List[float]:
+        """NS cost each rank owns, summed over all buckets (list of length ``world_size``)."""
+        load = [0.0] * self.world_size
+        for owner, cost in zip(self.owners, self.costs):
+            load[owner] += cost
+        return load
+
+    def imbalance(self) -> float:
+        """``max(load) / mean(load)``: 1.0 is perfect balance; 0.0 for an empty plan."""
+        load = self.load()
+        total = sum(load)
+        return max(load) * self.world_size / total if total > 0 else 0.0
+
+    def owned_by(self, rank: int) -> List[int]:
+        """Indices of the matrices ``rank`` owns, in sub-group order."""
+        return [j for j, owner in enumerate(self.owners) if owner == rank]
+
+    def signature(self) -> List[int]:
+        """Integers that identify the plan: the owners, then each matrix's bucket number.
+
+        Ranks compare these to check that they built the same plan.
+        """
+        bucket_of = [0] * len(self.owners)
+        for b, bucket in enumerate(self.buckets):
+            for j in bucket:
+                bucket_of[j] = b
+        return list(self.owners) + bucket_of
+
+
+def make_buckets(numels: Sequence[int], bucket_numel: int) -> Tuple[Tuple[int, ...], ...]:
+    """Split matrices ``0..len(numels)-1`` into consecutive runs of at most ``bucket_numel`` elements.
+
+    A matrix with more elements than ``bucket_numel`` forms a bucket on its own.
+
+    Raises:
+        ValueError: if ``bucket_numel`` is not positive (the message names ``reduce_bucket_size``).
+    """
+    if bucket_numel <= 0:
+        raise ValueError(f"zero_optimization.reduce_bucket_size must be positive, got {bucket_numel}.")
+    buckets, current, current_numel = [], [], 0
+    for j, numel in enumerate(numels):
+        if current and current_numel + numel > bucket_numel:
+            buckets.append(tuple(current))
+            current, current_numel = [], 0
+        current.append(j)
+        current_numel += numel
+    if current:
+        buckets.append(tuple(current))
+    return tuple(buckets)
+
+
+def plan_owners(specs: Sequence[MatrixSpec],
+                world_size: int,
+                bucket_numel: int,
+                ns_steps: int = NS_STEPS_DEFAULT) -> OwnerPlan:
+    """Assign an owner rank to every matrix of a sub-group; deterministic in its inputs.
+
+    Args:
+        specs: the sub-group's Muon matrices, in sub-group order.
+        world_size: ranks in the sub-group's partition process group.
+        bucket_numel: most full-matrix elements per exchange bucket (``reduce_bucket_size``).
+        ns_steps: Newton-Schulz iterations, for the cost model.
+
+    Returns:
+        OwnerPlan: per bucket, the LPT bound ``max(bin) <= sum(bucket) / W + max(cost in bucket)``;
+        over the plan, ``max(load) - min(load)`` is at most the largest spread
+        ``max(bin) - min(bin)`` of any one bucket.
+
+    Raises:
+        ValueError: for ``world_size < 1`` or a bad shape (see ``newton_schulz_problems``).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}.")
+    costs = tuple(newton_schulz_cost(spec, ns_steps) for spec in specs)
+    buckets = make_buckets([spec.numel for spec in specs], bucket_numel) if specs else ()
+    owners = [0] * len(specs)
+    total_load = [0.0] * world_size
+    for bucket in buckets:
+        # LPT into W bins: balances the NS work of this bucket.
+        bin_of, bin_load = {}, [0.0] * world_size
+        for j in sorted(bucket, key=lambda j: (-costs[j], j)):
+            b = min(range(world_size), key=lambda b: (bin_load[b], b))
+            bin_of[j] = b
+            bin_load[b] += costs[j]
+        # Heaviest bin to the rank with the least work so far: balances the whole plan.
+        bins = sorted(range(world_size), key=lambda b: (-bin_load[b], b))
+        ranks = sorted(range(world_size), key=lambda r: (total_load[r], r))
+        rank_of_bin = dict(zip(bins, ranks))
+        for j in bucket:
+            owners[j] = rank_of_bin[bin_of[j]]
+        for b, r in rank_of_bin.items():
+            total_load[r] += bin_load[b]
+    return OwnerPlan(world_size=world_size, owners=tuple(owners), buckets=buckets, costs=costs)

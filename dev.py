@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Developer commands for the ZeRO-3 Muon patch (stdlib only; Python >= 3.9).
+
+  python3 dev.py setup [--base X]            venv .venv/<X>/ with torch, test deps and patched DeepSpeed
+  python3 dev.py test  [--base X] [ARGS...]  setup, then pytest (ARGS go to pytest)
+  python3 dev.py demo  [--base X] [ARGS...]  setup, then examples/demo/run_demo.py ARGS
+
+--base defaults to $DS_ZERO3MUON_BASE, else [tool.zero3muon] default-base in pyproject.toml.
+Setup is idempotent: requirements are reinstalled only when requirements/*.txt change, and
+DeepSpeed is rebuilt only when pyproject.toml, build_backend/, deepspeed/ or patches/<base>/ change.
+"""
+
+import argparse
+import hashlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+REQUIREMENTS = [ROOT / "requirements" / "torch.txt", ROOT / "requirements" / "dev.txt"]  # installed in this order
+DEMO = ROOT / "examples" / "demo" / "run_demo.py"
+
+# DeepSpeed JIT-compiles two C++ ops on the CPU accelerator the first time they are used: the
+# shared-memory comm op (at init_distributed) and the CPU FusedAdam that Muon's auxiliary Adam
+# uses. That takes minutes, so setup builds them once, into the venv's own extensions dir (a
+# cache shared between venvs is rebuilt whenever another venv's torch path appears in it).
+JIT_OPS = ("ShareMemCommBuilder", "FusedAdamBuilder")
+WARM_JIT_OPS = f"""
+from deepspeed.accelerator import get_accelerator
+for name in {JIT_OPS!r}:
+    builder = get_accelerator().create_op_builder(name)
+    if builder is not None and builder.is_compatible():
+        builder.load()
+"""
+
+
+def log(msg):
+    print(f"[dev] {msg}", flush=True)
+
+
+def run(cmd, env=None):
+    subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env, check=True)
+
+
+def project_config():
+    """(default base, known bases) from pyproject.toml's [tool.zero3muon]."""
+    text = (ROOT / "pyproject.toml").read_text()
+    try:
+        import tomllib  # Python >= 3.11
+        cfg = tomllib.loads(text)["tool"]["zero3muon"]
+        return cfg["default-base"], sorted(cfg["sdist-sha256"])
+    except ImportError:  # Python 3.9/3.10: the two fields are simple enough to read directly
+        default = re.search(r'^default-base\s*=\s*"([^"]+)"', text, re.M).group(1)
+        pins = re.search(r"^\[tool\.zero3muon\.sdist-sha256\][^\n]*$(.*?)(?=^\[|\Z)", text, re.M | re.S).group(1)
+        return default, sorted(re.findall(r'^"([^"]+)"\s*=', pins, re.M))
+
+
+def tree_hash(paths, extra=""):
+    """sha256 over the names and contents of the files under ``paths`` (caches skipped)."""
+    h = hashlib.sha256(extra.encode())
+    for top in paths:
+        files = [top] if top.is_file() else sorted(p for p in top.rglob("*") if p.is_file())
+        for f in files:
+            if "__pycache__" in f.parts or f.suffix in (".pyc", ".pyo"):
+                continue
+            h.update(f"\0{f.relative_to(ROOT).as_posix()}\0".encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+class Venv:
+    def __init__(self, base):
+        self.base = base
+        self.dir = ROOT / ".venv" / base
+        self.python = self.dir / "bin" / "python"
+        self.extensions = self.dir / "torch_extensions"
+
+    def env(self, **extra):
+        """Environment for running the project: CPU accelerator, this venv's JIT op cache, and no
+        current directory on sys.path (the repo's partial deepspeed/ must not shadow the install)."""
+        return dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(self.extensions), PYTHONSAFEPATH="1",
+                    **extra)
+
+    def stamp(self, name):
+        return self.dir / f".zero3muon-{name}.sha256"
+
+    def is_current(self, name, digest):
+        f = self.stamp(name)
+        return f.is_file() and f.read_text().strip() == digest
+
+    def mark(self, name, digest):
+        self.stamp(name).write_text(digest + "\n")
+
+    def pip(self, *args, env=None):
+        run([self.python, "-m", "pip", "--disable-pip-version-check", *args], env=env)
+
+
+def setup(base):
+    venv = Venv(base)
+    if not venv.python.exists():
+        if sys.version_info < (3, 10):
+            sys.exit(f"[dev] the pinned torch (requirements/torch.txt) needs Python >= 3.10 in the venv, "
+                     f"and this is Python {sys.version.split()[0]}: run dev.py with a newer python3")
+        log(f"creating venv {venv.dir.relative_to(ROOT)}")
+        run([sys.executable, "-m", "venv", venv.dir])
+
+    req_hash = tree_hash(REQUIREMENTS)
+    if venv.is_current("requirements", req_hash):
+        log("requirements up to date")
+    else:
+        for req in REQUIREMENTS:
+            log(f"installing {req.relative_to(ROOT)}")
+            venv.pip("install", "-q", "-r", req)
+        venv.mark("requirements", req_hash)
+
+    inputs = [ROOT / "pyproject.toml", ROOT / "build_backend", ROOT / "deepspeed", ROOT / "patches" / base]
+    build_hash = tree_hash([p for p in inputs if p.exists()], extra=f"base={base}")
+    if venv.is_current("build", build_hash):
+        log(f"deepspeed {base}+zero3muon up to date")
+    else:
+        log(f"building and installing deepspeed {base}+zero3muon (pip install .)")
+        venv.stamp("build").unlink(missing_ok=True)
+        env = dict(os.environ, DS_ZERO3MUON_BASE=base)
+        venv.pip("install", "-q", "-c", REQUIREMENTS[0], ".", env=env)
+        venv.mark("build", build_hash)
+        venv.stamp("jit-ops").unlink(missing_ok=True)
+
+    if venv.is_current("jit-ops", build_hash):
+        log("DeepSpeed JIT ops up to date")
+    else:
+        log(f"building DeepSpeed's JIT ops for the CPU accelerator once: {', '.join(JIT_OPS)}")
+        run([venv.python, "-c", WARM_JIT_OPS], env=venv.env())
+        venv.mark("jit-ops", build_hash)
+    return venv
+
+
+def cmd_setup(args, _extra):
+    setup(args.base)
+    return 0
+
+
+def cmd_test(args, extra):
+    venv = setup(args.base)
+    log(f"pytest {' '.join(extra)}".rstrip())
+    rc = subprocess.run([str(venv.python), "-m", "pytest", *extra], cwd=ROOT,
+                        env=venv.env(TORCHDYNAMO_DISABLE="1")).returncode
+    if rc == 5:
+        log("pytest collected no tests: treated as a failure")
+        return 1
+    return rc
+
+
+def cmd_demo(args, extra):
+    if not DEMO.is_file():
+        log(f"{DEMO.relative_to(ROOT)} does not exist (yet): no demo to run")
+        return 1
+    venv = setup(args.base)
+    return subprocess.run([str(venv.python), str(DEMO), *extra], cwd=ROOT, env=venv.env()).returncode
+
+
+def main(argv=None):
+    default_base, known = project_config()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, func, helptext in (("setup", cmd_setup, "create/update .venv/<base>/"),
+                                 ("test", cmd_test, "setup, then run pytest (extra args go to pytest)"),
+                                 ("demo", cmd_demo, "setup, then run examples/demo/run_demo.py")):
+        p = sub.add_parser(name, help=helptext, allow_abbrev=False)
+        p.add_argument("--base", default=os.environ.get("DS_ZERO3MUON_BASE") or default_base,
+                       help=f"DeepSpeed base release, one of {', '.join(known)} (default: %(default)s)")
+        p.set_defaults(func=func)
+    args, extra = parser.parse_known_args(argv)
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    if args.command == "setup" and extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.base not in known:
+        parser.error(f"unknown base {args.base!r}; known: {', '.join(known)}")
+    try:
+        return args.func(args, extra)
+    except subprocess.CalledProcessError as e:
+        log(f"failed (exit {e.returncode}): {' '.join(map(str, e.cmd))}")
+        return e.returncode or 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

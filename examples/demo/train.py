@@ -1,0 +1,232 @@
+"""One demo training run, one process per rank (launched by ``run_demo.py`` through torchrun).
+
+Trains a small Llama built from a ``LlamaConfig`` (random init from ``--seed``, nothing
+downloaded) on byte windows of the standard library's source with DeepSpeed ZeRO-``--stage``
+and the Muon optimizer, fp32, ``gradient_clipping: 0``. Each optimizer step consumes the same
+``--global-batch`` windows whatever ``--gas`` is; ``--gas`` only decides how each rank's share
+is cut into micro-batches (the engine divides each micro-batch loss by ``gas``).
+
+Rank 0 writes, into ``--out``:
+- ``result.json``: per-step loss (float, nats/token, mean over the global batch), NS-kernel
+  calls and Muon boundary traffic counters, timings;
+- ``weights.pt``: ``{name: fp32 CPU tensor}`` of every parameter at full shape after training.
+"""
+import argparse
+import json
+import logging
+import os
+import pathlib
+import sys
+import time
+import warnings
+
+T_START = time.perf_counter()
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # built from a config: the hub is never needed
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# torch deprecation notices raised inside DeepSpeed/inductor, once per rank; not actionable here.
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import data  # noqa: E402
+
+# The Newton-Schulz kernels Muon calls, looked up as globals of this module at call time.
+NS_MODULE = "deepspeed.runtime.zero.muon.original_muon"
+NS_KERNELS = ("zeropower_via_gram_newtonschulz", "zeropower_via_newtonschulz5")
+# Counters the patched build keeps on `engine.optimizer.muon_boundary.stats` (cumulative, per rank).
+BOUNDARY_FIELDS = ("optimizer_steps", "ns_calls", "elements_sent", "elements_received", "bytes_sent",
+                   "bytes_received")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="directory for result.json and weights.pt")
+    p.add_argument("--stage", type=int, choices=(2, 3), required=True)
+    p.add_argument("--gas", type=int, required=True, help="gradient_accumulation_steps")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps")
+    p.add_argument("--global-batch", type=int, default=16, help="windows per optimizer step, all ranks together")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per window")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--intermediate", type=int, default=176)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--muon-lr", type=float, default=0.02)
+    p.add_argument("--adam-lr", type=float, default=3e-3)
+    p.add_argument("--momentum", type=float, default=0.95)
+    p.add_argument("--max-corpus-bytes", type=int, default=None)
+    p.add_argument("--omit-reduce-scatter", action="store_true",
+                   help="leave `reduce_scatter` out of the ZeRO-3 config (stock DeepSpeed refuses Muon without "
+                   "`reduce_scatter: false`)")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def ds_config(args, micro_batch):
+    """The DeepSpeed config dict: fp32, no clipping, Muon with explicit lr/momentum."""
+    zero = {"stage": args.stage}
+    if args.stage == 3:
+        # Every parameter of this small model is under the default persistence threshold (1e5
+        # elements), which would leave the parameters unpartitioned; 0 partitions them all.
+        zero["stage3_param_persistence_threshold"] = 0
+        if not args.omit_reduce_scatter:
+            zero["reduce_scatter"] = False  # stock <= 0.19.8: "Muon and reduce scatter cannot be used together"
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": args.gas,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 1 << 30,
+        "optimizer": {
+            "type": "Muon",
+            "params": {
+                "muon_lr": args.muon_lr,
+                "adam_lr": args.adam_lr,
+                "momentum": args.momentum,
+                "betas": [0.9, 0.95],
+                "eps": 1e-8,
+                "weight_decay": 0.0,
+            },
+        },
+        "zero_optimization": zero,
+    }
+
+
+class NSCounter:
+    """Counts calls into the Newton-Schulz kernels by replacing them with counting wrappers.
+
+    Must be installed before the first optimizer step: ``muon_update`` is ``torch.compile``d and
+    resolves the kernels as module globals when it is traced; dynamo replays the counter
+    increment as a side effect on every call of the compiled function.
+    """
+
+    def __init__(self):
+        self.calls = 0
+
+    def install(self):
+        import importlib
+        module = importlib.import_module(NS_MODULE)
+        for name in NS_KERNELS:
+            original = getattr(module, name)
+
+            def counted(*args, _original=original, **kwargs):
+                self.calls += 1
+                return _original(*args, **kwargs)
+
+            setattr(module, name, counted)
+        return self
+
+
+def full_weights(engine, stage):
+    """``{name: fp32 CPU tensor}`` at full shape, on rank 0 (``{}`` elsewhere). Collective."""
+    import deepspeed
+    params = list(engine.module.named_parameters())
+    rank0 = torch.distributed.get_rank() == 0
+    if stage == 3:
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+            return {n: p.detach().float().cpu().clone() for n, p in params} if rank0 else {}
+    return {n: p.detach().float().cpu().clone() for n, p in params} if rank0 else {}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+    import deepspeed
+    from deepspeed.utils import logger as ds_logger
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+    ds_logger.setLevel(logging.WARNING)
+    hf_logging.set_verbosity_error()
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    per_rank = args.global_batch // world
+    micro = per_rank // args.gas
+    if micro * args.gas * world != args.global_batch:
+        raise SystemExit(f"--global-batch {args.global_batch} must be a multiple of world size {world} "
+                         f"x gas {args.gas}")
+
+    torch.manual_seed(args.seed)
+    config = LlamaConfig(vocab_size=data.VOCAB_SIZE, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.heads, max_position_embeddings=args.seq_len,
+                         tie_word_embeddings=False, attention_dropout=0.0)
+    model = LlamaForCausalLM(config).float()
+    corpus = data.load_corpus(args.max_corpus_bytes)
+
+    counter = NSCounter().install()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_config(args, micro))
+    muon_params = [p for p in engine.module.parameters() if getattr(p, "use_muon", False)]
+    muon_elements = sum(getattr(p, "ds_numel", p.numel()) for p in muon_params)
+    t_ready = time.perf_counter()
+
+    losses = torch.zeros(args.steps, dtype=torch.float64)
+    bar = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=args.steps, desc=os.path.basename(os.path.normpath(args.out)), unit="step",
+                   dynamic_ncols=True)
+    engine.train()
+    for step in range(args.steps):
+        batch = data.global_batch(corpus, step, args.global_batch, args.seq_len, args.seed)
+        for m in range(args.gas):
+            ids = data.micro_batch(batch, rank, world, args.gas, m)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses[step] += loss.item() / args.gas
+        if bar is not None:
+            bar.set_postfix(rank0_loss=f"{losses[step]:.4f}", refresh=False)
+            bar.update()
+    if bar is not None:
+        bar.close()
+    t_trained = time.perf_counter()
+
+    # Per-step loss averaged over ranks: the mean token loss of the whole global batch.
+    torch.distributed.all_reduce(losses)
+    losses /= world
+    ns_total = torch.tensor([counter.calls], dtype=torch.int64)
+    torch.distributed.all_reduce(ns_total)
+
+    stats = getattr(getattr(engine.optimizer, "muon_boundary", None), "stats", None)
+    boundary = None
+    if stats is not None:
+        local = torch.tensor([int(getattr(stats, f)) for f in BOUNDARY_FIELDS], dtype=torch.int64)
+        per_rank_stats = [torch.zeros_like(local) for _ in range(world)]
+        torch.distributed.all_gather(per_rank_stats, local)
+        boundary = [dict(zip(BOUNDARY_FIELDS, t.tolist())) for t in per_rank_stats]
+
+    weights = full_weights(engine, args.stage)
+    if rank == 0:
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(weights, out / "weights.pt")
+        result = {
+            "stage": args.stage,
+            "gas": args.gas,
+            "micro_batch_per_rank": micro,
+            "global_batch": args.global_batch,
+            "world_size": world,
+            "steps": args.steps,
+            "optimizer_steps": engine.global_steps,
+            "losses": losses.tolist(),
+            "ns_calls_total": int(ns_total.item()),  # summed over ranks, all steps
+            "muon_matrices": len(muon_params),
+            "muon_elements": int(muon_elements),  # P
+            "params": int(sum(w.numel() for w in weights.values())),
+            "boundary_stats": boundary,  # per rank, or None on a build without the counters
+            "seconds_setup": t_ready - T_START,
+            "seconds_train": t_trained - t_ready,
+            "deepspeed": deepspeed.__version__,
+            "torch": torch.__version__,
+            "ds_config": ds_config(args, micro),
+        }
+        (out / "result.json").write_text(json.dumps(result, indent=1))
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
