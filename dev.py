@@ -22,11 +22,12 @@ ROOT = Path(__file__).resolve().parent
 REQUIREMENTS = [ROOT / "requirements" / "torch.txt", ROOT / "requirements" / "dev.txt"]  # installed in this order
 DEMO = ROOT / "examples" / "demo" / "run_demo.py"
 
-# DeepSpeed JIT-compiles two C++ ops on the CPU accelerator the first time they are used: the
-# shared-memory comm op (at init_distributed) and the CPU FusedAdam that Muon's auxiliary Adam
-# uses. That takes minutes, so setup builds them once, into the venv's own extensions dir (a
-# cache shared between venvs is rebuilt whenever another venv's torch path appears in it).
-JIT_OPS = ("ShareMemCommBuilder", "FusedAdamBuilder")
+# DeepSpeed JIT-compiles its C++ ops on the CPU accelerator the first time they are used: the
+# shared-memory comm op (at init_distributed), the CPU FusedAdam of Muon's auxiliary Adam, CPU
+# Adam (optimizer offload) and async I/O (NVMe offload; only where libaio is installed). That
+# takes minutes, so setup builds them once, into the venv's own extensions dir (a cache shared
+# between venvs is rebuilt whenever another venv's torch path appears in it).
+JIT_OPS = ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
 WARM_JIT_OPS = f"""
 from deepspeed.accelerator import get_accelerator
 for name in {JIT_OPS!r}:
@@ -127,12 +128,13 @@ def setup(base):
         venv.mark("build", build_hash)
         venv.stamp("jit-ops").unlink(missing_ok=True)
 
-    if venv.is_current("jit-ops", build_hash):
+    ops_hash = tree_hash([], extra=f"{build_hash} {JIT_OPS}")
+    if venv.is_current("jit-ops", ops_hash):
         log("DeepSpeed JIT ops up to date")
     else:
         log(f"building DeepSpeed's JIT ops for the CPU accelerator once: {', '.join(JIT_OPS)}")
         run([venv.python, "-c", WARM_JIT_OPS], env=venv.env())
-        venv.mark("jit-ops", build_hash)
+        venv.mark("jit-ops", ops_hash)
     return venv
 
 

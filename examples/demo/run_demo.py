@@ -72,8 +72,6 @@ def parse_args(argv=None):
     p.add_argument("--tolerance", type=float, default=TOLERANCE,
                    help="max relative weight difference, ZeRO-3 gas=4 vs gas=1")
     p.add_argument("--no-check", action="store_true", help="report the difference without failing on it")
-    p.add_argument("--omit-reduce-scatter", action="store_true",
-                   help="drop `reduce_scatter: false` from the ZeRO-3 config (the patched build accepts that)")
     p.add_argument("--no-plot", action="store_true", help="skip loss.png")
     args = p.parse_args(argv)
     if args.quick:
@@ -121,8 +119,6 @@ def launch(args, stage, gas, run_dir):
     ]
     if args.max_corpus_bytes is not None:
         cmd += ["--max-corpus-bytes", str(args.max_corpus_bytes)]
-    if args.omit_reduce_scatter:
-        cmd.append("--omit-reduce-scatter")
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.setdefault("DS_ACCELERATOR", "cpu")
     env.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())

@@ -57,22 +57,23 @@ def parse_args(argv=None):
     p.add_argument("--adam-lr", type=float, default=3e-3)
     p.add_argument("--momentum", type=float, default=0.95)
     p.add_argument("--max-corpus-bytes", type=int, default=None)
-    p.add_argument("--omit-reduce-scatter", action="store_true",
-                   help="leave `reduce_scatter` out of the ZeRO-3 config (stock DeepSpeed refuses Muon without "
-                   "`reduce_scatter: false`)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
 
-def ds_config(args, micro_batch):
-    """The DeepSpeed config dict: fp32, no clipping, Muon with explicit lr/momentum."""
+def ds_config(args, micro_batch, patched=True):
+    """The DeepSpeed config dict: fp32, no clipping, Muon with explicit lr/momentum.
+
+    ``patched``: the +zero3muon build takes ZeRO-3's defaults; stock DeepSpeed refuses Muon at
+    stage 3 unless ``reduce_scatter`` is off ("Muon and reduce scatter cannot be used together").
+    """
     zero = {"stage": args.stage}
     if args.stage == 3:
         # Every parameter of this small model is under the default persistence threshold (1e5
         # elements), which would leave the parameters unpartitioned; 0 partitions them all.
         zero["stage3_param_persistence_threshold"] = 0
-        if not args.omit_reduce_scatter:
-            zero["reduce_scatter"] = False  # stock <= 0.19.8: "Muon and reduce scatter cannot be used together"
+        if not patched:
+            zero["reduce_scatter"] = False
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": args.gas,
@@ -134,6 +135,7 @@ def main(argv=None):
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     import deepspeed
+    patched = deepspeed.__version__.endswith("+zero3muon")
     from deepspeed.utils import logger as ds_logger
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
@@ -158,7 +160,7 @@ def main(argv=None):
 
     counter = NSCounter().install()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=ds_config(args, micro))
+                                           config=ds_config(args, micro, patched))
     muon_params = [p for p in engine.module.parameters() if getattr(p, "use_muon", False)]
     muon_elements = sum(getattr(p, "ds_numel", p.numel()) for p in muon_params)
     t_ready = time.perf_counter()
@@ -222,7 +224,7 @@ def main(argv=None):
             "seconds_train": t_trained - t_ready,
             "deepspeed": deepspeed.__version__,
             "torch": torch.__version__,
-            "ds_config": ds_config(args, micro),
+            "ds_config": ds_config(args, micro, patched),
         }
         (out / "result.json").write_text(json.dumps(result, indent=1))
     torch.distributed.barrier()

@@ -182,7 +182,8 @@ def make_buckets(numels: Sequence[int], bucket_numel: int) -> Tuple[Tuple[int, .
 def plan_owners(specs: Sequence[MatrixSpec],
                 world_size: int,
                 bucket_numel: int,
-                ns_steps: int = NS_STEPS_DEFAULT) -> OwnerPlan:
+                ns_steps: int = NS_STEPS_DEFAULT,
+                initial_load: Optional[Sequence[float]] = None) -> OwnerPlan:
     """Assign an owner rank to every matrix of a sub-group; deterministic in its inputs.
 
     Args:
@@ -190,6 +191,9 @@ def plan_owners(specs: Sequence[MatrixSpec],
         world_size: ranks in the sub-group's partition process group.
         bucket_numel: most full-matrix elements per exchange bucket (``reduce_bucket_size``).
         ns_steps: Newton-Schulz iterations, for the cost model.
+        initial_load: NS cost each rank already owns in earlier sub-groups of the same process
+            group (length ``world_size``), so that several sub-groups balance together; zeros
+            when omitted.
 
     Returns:
         OwnerPlan: per bucket, the LPT bound ``max(bin) <= sum(bucket) / W + max(cost in bucket)``;
@@ -197,14 +201,17 @@ def plan_owners(specs: Sequence[MatrixSpec],
         ``max(bin) - min(bin)`` of any one bucket.
 
     Raises:
-        ValueError: for ``world_size < 1`` or a bad shape (see ``newton_schulz_problems``).
+        ValueError: for ``world_size < 1``, an ``initial_load`` of the wrong length, or a bad
+            shape (see ``newton_schulz_problems``).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}.")
+    if initial_load is not None and len(initial_load) != world_size:
+        raise ValueError(f"initial_load has {len(initial_load)} entries for {world_size} ranks.")
     costs = tuple(newton_schulz_cost(spec, ns_steps) for spec in specs)
     buckets = make_buckets([spec.numel for spec in specs], bucket_numel) if specs else ()
     owners = [0] * len(specs)
-    total_load = [0.0] * world_size
+    total_load = list(initial_load) if initial_load is not None else [0.0] * world_size
     for bucket in buckets:
         # LPT into W bins: balances the NS work of this bucket.
         bin_of, bin_load = {}, [0.0] * world_size

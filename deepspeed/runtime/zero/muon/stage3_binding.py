@@ -44,7 +44,6 @@ MOMENTUM_KEY = "momentum_buffer"
 @dataclass
 class _SubGroup:
     """What the boundary update needs to know about one Muon sub-group, fixed at initialization."""
-    params: list
     offsets: List[int]  # offset of each parameter's partition in the sub-group's flat partition
     partition_numels: List[int]
     specs: List[MatrixSpec]
@@ -52,6 +51,54 @@ class _SubGroup:
     layouts: List[BucketLayout]  # one per bucket of ``plan``
     exchange: OwnerExchange
     group: object  # the partition process group
+
+
+def refuse_unsupported(optimizer) -> None:
+    """Refuse the ZeRO-3 configurations the Muon boundary update cannot serve, before anything is
+    allocated (called from ``DeepSpeedZeroOptimizer_Stage3.__init__`` once offloading is configured).
+
+    Raises:
+        ValueError: naming every offending config key and why.
+    """
+    from deepspeed.runtime.torch_autocast import get_autocast_dtype, is_autocast_initialized
+    problems = []
+    if getattr(optimizer, "zenflow", False):
+        problems.append("zero_optimization.zenflow: ZenFlow's selective, overlapped optimizer step does not run "
+                        "the Muon boundary update; train Muon without zenflow.")
+    if is_autocast_initialized() and get_autocast_dtype() == torch.float16:
+        problems.append("torch_autocast with fp16: torch's GradScaler unscales the gradients inside the optimizer "
+                        "step, after Muon has fed them to its momentum. Use DeepSpeed's fp16 section (its loss "
+                        "scale is divided out before Muon) or bf16.")
+    if getattr(optimizer, "all2all_process_group", None) is not None and _quantized_reduce_unavailable():
+        problems.append("zero_optimization.zero_quantized_gradients: its all-to-all reduction needs DeepSpeed's "
+                        f"quantizer op, which the {get_accelerator().device_name()} accelerator does not provide; "
+                        "training would fail at the first backward. Turn zero_quantized_gradients off here.")
+    if getattr(optimizer, "swap_optimizer", False) and not _async_io_available():
+        problems.append("zero_optimization.offload_optimizer.device 'nvme': DeepSpeed's async I/O op cannot be "
+                        "built here (it needs libaio: on Debian/Ubuntu `apt-get install libaio-dev`); use "
+                        "offload_optimizer.device 'cpu' or install libaio.")
+    if problems:
+        raise ValueError("ZeRO-3 with the Muon optimizer cannot run this configuration:\n- " + "\n- ".join(problems))
+
+
+def _async_io_available() -> bool:
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    return builder is not None and builder.is_compatible(verbose=False)
+
+
+def _quantized_reduce_unavailable() -> bool:
+    """Whether ZeRO-3's quantized all-to-all gradient reduction would run and fail here.
+
+    Stage 3 only takes that path with more than one node (``world_size / device_count() > 1``,
+    as ``__avg_scatter_grads`` decides); it then loads the accelerator's ``QuantizerBuilder``.
+    """
+    accelerator = get_accelerator()
+    if dist.get_world_size() // max(1, accelerator.device_count()) <= 1:
+        return False
+    builder = accelerator.create_op_builder("QuantizerBuilder")
+    if builder is None or getattr(builder, "NAME", "") == "deepspeed_not_implemented":
+        return True
+    return not builder.is_compatible(verbose=False)
 
 
 class Zero3MuonBoundary:
@@ -65,7 +112,8 @@ class Zero3MuonBoundary:
 
     Raises:
         ValueError: at initialization, for a Muon parameter that is not a matrix or whose
-            ``muon_num_heads`` does not divide its rows.
+            ``muon_num_heads`` does not divide its rows (configurations are checked earlier, by
+            ``check_config``).
         RuntimeError: at initialization, if the ranks of a partition group built different
             owner plans.
     """
@@ -75,11 +123,18 @@ class Zero3MuonBoundary:
         self.stats = ExchangeStats()
         self.device = torch.device(get_accelerator().current_device_name())
         self.sub_groups = {}
+        loads = {}  # NS cost owned per rank so far, per partition process group
         for i, params in enumerate(optimizer.fp16_groups):
             if optimizer.sub_groups_using_muon[i] and params:
-                self.sub_groups[i] = self._build_sub_group(i, params)
+                self.sub_groups[i] = self._build_sub_group(i, params, loads)
         self._check_plans_agree()
         self._log_plan()
+
+    @staticmethod
+    def check_config(optimizer) -> None:
+        """For a Muon optimizer, ``refuse_unsupported``; nothing otherwise."""
+        if getattr(optimizer, "use_muon", False):
+            refuse_unsupported(optimizer)
 
     @classmethod
     def create(cls, optimizer) -> Optional["Zero3MuonBoundary"]:
@@ -92,11 +147,14 @@ class Zero3MuonBoundary:
         opt = self.optimizer
         return opt.optimizer.param_groups[opt.sub_group_to_group_id[sub_group_id]]
 
-    def _build_sub_group(self, i, params) -> _SubGroup:
+    def _build_sub_group(self, i, params, loads) -> _SubGroup:
         opt = self.optimizer
         ns_method = self._param_group(i).get("ns_method", "gram")
         group = opt._get_sub_group_process_group(i)
         rank, world_size = dist.get_rank(group=group), dist.get_world_size(group=group)
+        # Every rank meets its sub-groups in the same order, so keying by the local group object
+        # pools the same sub-groups on every rank.
+        load = loads.setdefault(id(group), [0.0] * world_size)
         offsets, partition_numels, specs = [], [], []
         for param in params:
             _, offset, partition_numel = opt.grad_position[opt.get_param_id(param)]
@@ -108,7 +166,9 @@ class Zero3MuonBoundary:
                            ns_method=ns_method,
                            is_expert_group=bool(getattr(param, "is_expert_group", False)),
                            num_heads=getattr(param, "muon_num_heads", None)))
-        plan = plan_owners(specs, world_size, opt.reduce_bucket_size)
+        plan = plan_owners(specs, world_size, opt.reduce_bucket_size, initial_load=load)
+        for r, cost in enumerate(plan.load()):
+            load[r] += cost
         layouts = [
             BucketLayout(owners=[plan.owners[j] for j in bucket],
                          shapes=[specs[j].shape for j in bucket],
@@ -117,7 +177,7 @@ class Zero3MuonBoundary:
                          world_size=world_size) for bucket in plan.buckets
         ]
         exchange = OwnerExchange(group, rank, world_size, self.device, dist.all_to_all_single, self.stats)
-        return _SubGroup(params, offsets, partition_numels, specs, plan, layouts, exchange, group)
+        return _SubGroup(offsets, partition_numels, specs, plan, layouts, exchange, group)
 
     def _check_plans_agree(self):
         for i, sg in self.sub_groups.items():

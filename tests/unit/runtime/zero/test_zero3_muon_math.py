@@ -19,6 +19,7 @@ import torch
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum_math import (all_finite_flags, momentum_and_ns_input_, ns_output_dtype,
                                                        orthogonalize)
+from zero3_muon_common import reference_muon_update
 
 HAS_PER_HEAD = hasattr(original_muon, "_per_head_orthogonalize")
 
@@ -59,22 +60,12 @@ def _partitioned_update(grad, momentum, world_size, beta, **kwargs):
     return update, _reassemble(momenta, grad.shape)
 
 
-def _upstream_update(grad, momentum, beta, **kwargs):
+def _upstream_update(grad, momentum, beta, ns_method="gram", is_expert_group=False, num_heads=None):
     momentum = momentum.clone()
-    if grad.ndim == 4 and not kwargs.get("is_expert_group"):
-        # Upstream muon_update flattens a conv weight for NS but then fails in its final
-        # torch.where(finite, update, grad), which cannot broadcast (out, in*kh*kw) against
-        # (out, in, kh, kw). Compose its own steps instead (Keller Jordan's Muon): the same lerps,
-        # NS on the flattened matrix, scaled by the weight's last two dimensions.
-        momentum.lerp_(grad, 1 - beta)
-        x = grad.lerp(momentum, beta).view(len(grad), -1)
-        kernel = original_muon.zeropower_via_gram_newtonschulz
-        if kwargs.get("ns_method") == "standard":
-            kernel = original_muon.zeropower_via_newtonschulz5
-        scale = max(1, grad.size(-2) / grad.size(-1))**0.5
-        return kernel(x, steps=5) * scale, momentum
-    update = original_muon.muon_update(grad.clone(), momentum, beta=beta, **kwargs)
-    return update, momentum
+    if num_heads is not None:
+        return original_muon.muon_update(grad.clone(), momentum, beta=beta, ns_method=ns_method,
+                                         num_heads=num_heads), momentum
+    return reference_muon_update(grad.clone(), momentum, beta, ns_method, is_expert_group), momentum
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

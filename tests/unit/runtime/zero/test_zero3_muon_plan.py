@@ -89,6 +89,20 @@ def test_large_single_matrices_spread_over_ranks():
     assert sorted(plan.owners) == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
+def test_sub_groups_balance_together():
+    """Sub-groups planned one after another, each starting from the load the earlier ones left,
+    spread single matrices over the ranks instead of giving each sub-group's first one to rank 0."""
+    load = [0.0] * 4
+    owners = []
+    for _ in range(8):  # eight one-matrix sub-groups, as several Muon parameter groups give
+        plan = plan_owners([_spec((64, 64))], 4, bucket_numel=10**9, initial_load=load)
+        owners += plan.owners
+        load = [a + b for a, b in zip(load, plan.load())]
+    assert sorted(owners) == [0, 0, 1, 1, 2, 2, 3, 3]
+    with pytest.raises(ValueError, match="initial_load"):
+        plan_owners([_spec((4, 4))], 4, 10, initial_load=[0.0])
+
+
 def test_empty_plan():
     plan = plan_owners([], 4, 100)
     assert plan.owners == () and plan.buckets == () and plan.imbalance() == 0.0
