@@ -118,11 +118,12 @@ class BucketLayout:
 
     def unpack(self, buffer: torch.Tensor, partitions: Sequence[torch.Tensor]) -> None:
         """Inverse of ``pack``: copy ``buffer`` (the back receive buffer) into ``partitions``,
-        casting to each partition's dtype."""
+        casting to each partition's dtype. Blocking: under optimizer offload the partitions are
+        (possibly pinned) host memory that the CPU optimizer reads next."""
         offset = 0
         for k in self.send_order:
             n = self.partition_numels[k]
-            partitions[k].view(-1).copy_(buffer.narrow(0, offset, n), non_blocking=True)
+            partitions[k].view(-1).copy_(buffer.narrow(0, offset, n))
             offset += n
 
     def owned_matrices(self, recv: torch.Tensor) -> List[torch.Tensor]:
