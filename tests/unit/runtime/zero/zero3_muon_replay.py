@@ -33,7 +33,9 @@ class Recorder:
     """Hooks on a ZeRO-3 optimizer that record every Muon matrix at every optimizer step.
 
     Attributes:
-        steps: one dict per optimizer step: ``skipped`` (no update: overflow), ``loss_scale``,
+        steps: one dict per optimizer step: ``skipped`` (no update: overflow), ``loss_scale``
+            (the scale in force during the step's backward passes, read before ``step()`` may
+            grow or shrink it),
             ``norm`` (``get_global_grad_norm()``), ``norm_from_gradients`` (the norm of every
             parameter's accumulated gradient over the loss scale), and per Muon parameter name
             ``accumulated``
@@ -56,14 +58,14 @@ class Recorder:
         self.momentum_dtypes = []
         unscale, apply = opt.unscale_and_clip_grads, opt.muon_boundary.apply
 
-        def unscale_and_clip_grads(sub_group_id, total_norm):
+        def unscale_and_clip_grads(sub_group_id, total_norm, *args):
             grad = opt.fp32_partitioned_groups_flat[sub_group_id].grad
             self.current["local_sq"] = self.current.get("local_sq", 0.0) + float(grad.double().square().sum())
             if sub_group_id in self.muon:
-                self.current["loss_scale"] = float(opt.loss_scale)
+                self.current["loss_scale"] = self.current["backward_loss_scale"]
                 for name, p in self.muon[sub_group_id]:
                     self.current.setdefault(name, {})["accumulated"] = _full(opt, sub_group_id, grad, p)
-            return unscale(sub_group_id, total_norm)
+            return unscale(sub_group_id, total_norm, *args)
 
         def muon_apply(sub_group_id):
             grad = opt.fp32_partitioned_groups_flat[sub_group_id].grad
@@ -89,12 +91,14 @@ class Recorder:
         return gathered
 
     def begin_step(self):
-        self.current = {}
+        """Call before the step's first micro-step."""
+        self.current = {"backward_loss_scale": float(self.opt.loss_scale)}
 
     def end_step(self):
         import deepspeed.comm as dist
         step = self.current
         step["skipped"] = "loss_scale" not in step
+        step.pop("backward_loss_scale")
         norm = self.engine.get_global_grad_norm()
         step["norm"] = None if norm is None else float(norm)
         if not step["skipped"]:
