@@ -98,6 +98,14 @@ def ns_output_dtype(ns_method: str) -> torch.dtype:
     return torch.bfloat16 if get_accelerator().is_bf16_supported() else torch.float32
 
 
+def check_per_head_available() -> None:
+    """Raise ``ValueError`` if this DeepSpeed base has no per-head Muon (0.19.7 has none; 0.19.8's
+    is ``original_muon._per_head_orthogonalize``)."""
+    if getattr(original_muon, "_per_head_orthogonalize", None) is None:
+        raise ValueError("muon_num_heads is set on a parameter, but this DeepSpeed base has no per-head "
+                         "Muon; unset per_head_muon in the optimizer params.")
+
+
 def orthogonalize(x: torch.Tensor,
                   ns_method: str = "gram",
                   ns_steps: int = 5,
@@ -129,9 +137,7 @@ def orthogonalize(x: torch.Tensor,
     """
     ns_fn = _ns_kernel(ns_method)
     if num_heads is not None:
-        if getattr(original_muon, "_per_head_orthogonalize", None) is None:
-            raise ValueError("muon_num_heads is set on a parameter, but this DeepSpeed base has no per-head "
-                             "Muon; unset per_head_muon in the optimizer params.")
+        check_per_head_available()
         if x.ndim != 2 or num_heads < 1 or x.shape[0] % num_heads:
             raise ValueError(f"per-head Muon needs a 2-D projection whose rows divide into muon_num_heads="
                              f"{num_heads}; got shape {tuple(x.shape)}.")

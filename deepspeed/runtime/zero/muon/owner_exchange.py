@@ -43,7 +43,7 @@ class ExchangeStats:
         elements_sent / elements_received: Muon elements that crossed ranks in the two
             all-to-alls (a rank's own partitions are not counted).
         bytes_sent / bytes_received: the same in bytes.
-        exchanges: all-to-all collectives issued.
+        exchanges: all-to-all collectives issued (none with one rank).
     """
     optimizer_steps: int = 0
     ns_calls: int = 0
@@ -208,7 +208,6 @@ class OwnerExchange:
         self.stats = stats
 
     def _all_to_all(self, output, input, output_splits, input_splits, async_op):
-        self.stats.exchanges += 1
         itemsize = input.element_size()
         sent = sum(input_splits) - input_splits[self.rank]
         received = sum(output_splits) - output_splits[self.rank]
@@ -219,6 +218,7 @@ class OwnerExchange:
         if self.world_size == 1:
             output.copy_(input)
             return None
+        self.stats.exchanges += 1
         return self._all_to_all_single(output,
                                        input,
                                        output_split_sizes=list(output_splits),

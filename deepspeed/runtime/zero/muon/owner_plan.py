@@ -68,17 +68,18 @@ def newton_schulz_problems(spec: MatrixSpec) -> Tuple[int, int, int]:
     (not expert) are flattened to ``(out_channels, in_channels * kh * kw)``.
 
     Raises:
-        ValueError: if the shape has fewer than 2 dimensions, or ``num_heads`` does not divide the
-            rows (the message names ``muon_num_heads``).
+        ValueError: if the shape has fewer than 2 dimensions, or ``num_heads`` is set on a tensor
+            that is not 2-D or does not divide its rows (the message names ``muon_num_heads``).
     """
     shape = tuple(int(d) for d in spec.shape)
     if len(shape) < 2:
         raise ValueError(f"Muon needs a matrix, got a parameter of shape {shape}; only parameters with "
                          "`use_muon = True` and at least 2 dimensions belong in a Muon group.")
     if spec.num_heads is not None:
-        rows, cols = shape[0], 1
-        for d in shape[1:]:
-            cols *= d
+        if len(shape) != 2:
+            raise ValueError(f"muon_num_heads={spec.num_heads} is set on a parameter of shape {shape}; per-head "
+                             "Muon (per_head_muon) needs a 2-D projection.")
+        rows, cols = shape
         if spec.num_heads < 1 or rows % spec.num_heads:
             raise ValueError(f"muon_num_heads={spec.num_heads} does not divide the {rows} rows of a "
                              f"parameter of shape {shape}.")

@@ -134,7 +134,7 @@ def test_single_rank_copies_without_collective():
     recv, _ = exchange.send_to_owners(layout, parts, torch.float32)
     owned = layout.owned_matrices(recv)
     assert torch.equal(owned[0], torch.arange(6.0).view(2, 3)) and torch.equal(owned[1], torch.arange(3.0).view(3, 1))
-    assert stats.elements_received == 0 and stats.elements_sent == 0
+    assert stats.elements_received == 0 and stats.elements_sent == 0 and stats.exchanges == 0
 
 
 def test_layout_rejects_inconsistent_sizes():

@@ -130,6 +130,10 @@ def test_bad_inputs_are_refused_with_the_key():
         newton_schulz_problems(_spec((10, )))
     with pytest.raises(ValueError, match="muon_num_heads=5"):
         newton_schulz_problems(_spec((24, 8), num_heads=5))
+    # per-head on a 3-D tensor: refused when the plan is built at initialization, on every rank
+    # (the owner's Newton-Schulz would otherwise raise at the first step while the others wait)
+    with pytest.raises(ValueError, match="muon_num_heads=2 is set on a parameter of shape"):
+        newton_schulz_problems(_spec((2, 24, 8), num_heads=2))
     with pytest.raises(ValueError, match="reduce_bucket_size"):
         make_buckets([3, 4], 0)
     with pytest.raises(ValueError, match="world_size"):
