@@ -4,6 +4,7 @@
   python3 dev.py setup [--base X]            venv .venv/<X>/ with torch, test deps and patched DeepSpeed
   python3 dev.py test  [--base X] [ARGS...]  setup, then pytest (ARGS go to pytest)
   python3 dev.py demo  [--base X] [ARGS...]  setup, then examples/demo/run_demo.py ARGS
+  python3 dev.py bench [ARGS...]             patched and stock venvs of every base, then bench/run_bench.py ARGS
 
 --base defaults to $DS_ZERO3MUON_BASE, else [tool.zero3muon] default-base in pyproject.toml.
 Setup is idempotent: requirements are reinstalled only when requirements/*.txt change, and
@@ -21,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 REQUIREMENTS = [ROOT / "requirements" / "torch.txt", ROOT / "requirements" / "dev.txt"]  # installed in this order
 DEMO = ROOT / "examples" / "demo" / "run_demo.py"
+BENCH = ROOT / "bench" / "run_bench.py"
 
 # DeepSpeed JIT-compiles its C++ ops on the CPU accelerator the first time they are used: the
 # shared-memory comm op (at init_distributed), the CPU FusedAdam of Muon's auxiliary Adam, CPU
@@ -43,6 +45,12 @@ def log(msg):
 
 def run(cmd, env=None):
     subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env, check=True)
+
+
+def sdist_sha256(base):
+    """The sha256 pinned in pyproject.toml for the ``deepspeed==base`` sdist."""
+    text = (ROOT / "pyproject.toml").read_text()
+    return re.search(rf'^"{re.escape(base)}"\s*=\s*"([0-9a-fA-F]{{64}})"', text, re.M).group(1)
 
 
 def project_config():
@@ -72,9 +80,9 @@ def tree_hash(paths, extra=""):
 
 
 class Venv:
-    def __init__(self, base):
+    def __init__(self, base, stock=False):
         self.base = base
-        self.dir = ROOT / ".venv" / base
+        self.dir = ROOT / ".venv" / (f"stock-{base}" if stock else base)
         self.python = self.dir / "bin" / "python"
         self.extensions = self.dir / "torch_extensions"
 
@@ -98,8 +106,10 @@ class Venv:
         run([self.python, "-m", "pip", "--disable-pip-version-check", *args], env=env)
 
 
-def setup(base):
-    venv = Venv(base)
+def setup(base, stock=False):
+    """Create or update the venv of ``base``: patched DeepSpeed, or with ``stock`` the unpatched
+    release (same pinned torch and dependencies; used by the benchmark). Returns the ``Venv``."""
+    venv = Venv(base, stock)
     if not venv.python.exists():
         if sys.version_info < (3, 10):
             sys.exit(f"[dev] the pinned torch (requirements/torch.txt) needs Python >= 3.10 in the venv, "
@@ -116,15 +126,28 @@ def setup(base):
             venv.pip("install", "-q", "-r", req)
         venv.mark("requirements", req_hash)
 
-    inputs = [ROOT / "pyproject.toml", ROOT / "build_backend", ROOT / "deepspeed", ROOT / "patches" / base]
-    build_hash = tree_hash([p for p in inputs if p.exists()], extra=f"base={base}")
-    if venv.is_current("build", build_hash):
-        log(f"deepspeed {base}+zero3muon up to date")
+    if stock:
+        build_hash = tree_hash([], extra=f"stock deepspeed=={base} sha256={sdist_sha256(base)}")
     else:
-        log(f"building and installing deepspeed {base}+zero3muon (pip install .)")
+        inputs = [ROOT / "pyproject.toml", ROOT / "build_backend", ROOT / "deepspeed", ROOT / "patches" / base]
+        build_hash = tree_hash([p for p in inputs if p.exists()], extra=f"base={base}")
+    label = f"stock deepspeed {base}" if stock else f"deepspeed {base}+zero3muon"
+    if venv.is_current("build", build_hash):
+        log(f"{label} up to date")
+    else:
         venv.stamp("build").unlink(missing_ok=True)
-        env = dict(os.environ, DS_ZERO3MUON_BASE=base)
-        venv.pip("install", "-q", "-c", REQUIREMENTS[0], ".", env=env)
+        if stock:
+            log(f"installing {label} from its sdist, sha256-checked")
+            pin = venv.dir / "stock-deepspeed.txt"
+            pin.write_text(f"deepspeed=={base} --hash=sha256:{sdist_sha256(base)}\n")
+            # DeepSpeed's setup.py imports torch: build against the venv's pinned torch
+            venv.pip("install", "-q", "setuptools", "wheel", "-c", REQUIREMENTS[0])
+            venv.pip("install", "-q", "--no-deps", "--no-build-isolation", "--no-binary", "deepspeed",
+                     "--require-hashes", "-r", pin)
+        else:
+            log(f"building and installing {label} (pip install .)")
+            env = dict(os.environ, DS_ZERO3MUON_BASE=base)
+            venv.pip("install", "-q", "-c", REQUIREMENTS[0], ".", env=env)
         venv.mark("build", build_hash)
         venv.stamp("jit-ops").unlink(missing_ok=True)
 
@@ -162,13 +185,28 @@ def cmd_demo(args, extra):
     return subprocess.run([str(venv.python), str(DEMO), *extra], cwd=ROOT, env=venv.env()).returncode
 
 
+def cmd_bench(_args, extra):
+    """Every venv the benchmark compares (patched and stock, each base), then the benchmark, run by
+    the patched default-base venv's Python (it launches each build's own Python per workload)."""
+    default_base, known = project_config()
+    pythons = {}
+    for base in known:
+        for stock in (True, False):
+            venv = setup(base, stock)
+            pythons[f"{'stock' if stock else 'patched'}-{base}"] = str(venv.python)
+    driver = Venv(default_base)
+    args = [str(driver.python), str(BENCH)] + [f"--python={k}={v}" for k, v in sorted(pythons.items())] + extra
+    return subprocess.run(args, cwd=ROOT, env=driver.env()).returncode
+
+
 def main(argv=None):
     default_base, known = project_config()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, func, helptext in (("setup", cmd_setup, "create/update .venv/<base>/"),
                                  ("test", cmd_test, "setup, then run pytest (extra args go to pytest)"),
-                                 ("demo", cmd_demo, "setup, then run examples/demo/run_demo.py")):
+                                 ("demo", cmd_demo, "setup, then run examples/demo/run_demo.py"),
+                                 ("bench", cmd_bench, "stock and patched venvs of every base, then bench/run_bench.py")):
         p = sub.add_parser(name, help=helptext, allow_abbrev=False)
         p.add_argument("--base", default=os.environ.get("DS_ZERO3MUON_BASE") or default_base,
                        help=f"DeepSpeed base release, one of {', '.join(known)} (default: %(default)s)")

@@ -31,8 +31,8 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.zero.muon.momentum_math import (all_finite_flags, momentum_and_ns_input_, ns_output_dtype,
-                                                       orthogonalize)
+from deepspeed.runtime.zero.muon.momentum_math import (all_finite_flags, check_per_head_available,
+                                                       momentum_and_ns_input_, ns_output_dtype, orthogonalize)
 from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeStats, OwnerExchange
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, OwnerPlan, plan_owners
 from deepspeed.utils import logger
@@ -109,10 +109,15 @@ class Zero3MuonBoundary:
 
     Attributes:
         stats: ``ExchangeStats``, cumulative on this rank.
+        overlap: when True (default), the forward all-to-all of bucket k+1 and the back
+            all-to-all of bucket k run asynchronously while the owner orthogonalizes bucket k;
+            at most two buckets' exchange buffers are alive at once. False runs the buckets one
+            after the other (one bucket alive; the benchmark compares the two).
 
     Raises:
-        ValueError: at initialization, for a Muon parameter that is not a matrix or whose
-            ``muon_num_heads`` does not divide its rows (configurations are checked earlier, by
+        ValueError: at initialization, on every rank, for a Muon parameter that is not a matrix,
+            or with ``muon_num_heads`` on a tensor that is not 2-D, on rows it does not divide, or
+            on a base without per-head Muon (configurations are checked earlier, by
             ``check_config``).
         RuntimeError: at initialization, if the ranks of a partition group built different
             owner plans.
@@ -121,6 +126,7 @@ class Zero3MuonBoundary:
     def __init__(self, optimizer):
         self.optimizer = optimizer
         self.stats = ExchangeStats()
+        self.overlap = True
         self.device = torch.device(get_accelerator().current_device_name())
         self.sub_groups = {}
         loads = {}  # NS cost owned per rank so far, per partition process group
@@ -166,6 +172,8 @@ class Zero3MuonBoundary:
                            ns_method=ns_method,
                            is_expert_group=bool(getattr(param, "is_expert_group", False)),
                            num_heads=getattr(param, "muon_num_heads", None)))
+        if any(spec.num_heads is not None for spec in specs):
+            check_per_head_available()  # here, on every rank, not at the first step on the owner
         plan = plan_owners(specs, world_size, opt.reduce_bucket_size, initial_load=load)
         for r, cost in enumerate(plan.load()):
             load[r] += cost
@@ -227,6 +235,15 @@ class Zero3MuonBoundary:
                 opt.muon_momentum_buffer_partitioned_groups_flat[sub_group_id] = momentum
         return momentum
 
+    def peak_bucket_bytes(self) -> int:
+        """Bytes of the matrices this rank owns in its largest bucket, as exchanged (padding
+        included): what the boundary update holds beyond the partitions, per bucket in flight."""
+        opt = self.optimizer
+        itemsize = torch.empty((), dtype=opt.fp32_partitioned_groups_flat[0].dtype).element_size() if \
+            opt.fp32_partitioned_groups_flat else 4
+        return max((layout.world_size * layout.owned_numel * itemsize for sg in self.sub_groups.values()
+                    for layout in sg.layouts), default=0)
+
     def _finite_flags(self, sg: _SubGroup, grads: List[torch.Tensor]) -> List[bool]:
         flags = all_finite_flags(grads).to(self.device)
         if sg.plan.world_size > 1:
@@ -264,11 +281,24 @@ class Zero3MuonBoundary:
                 momentum_and_ns_input_(grads[j], momentum_flat.narrow(0, offset, numel), beta, nesterov, finite[j])
 
         result_dtype = ns_output_dtype(ns_method)
-        for bucket, layout in zip(sg.plan.buckets, sg.layouts):
-            partitions = [grads[j] for j in bucket]
-            recv, handle = sg.exchange.send_to_owners(layout, partitions, grad_flat.dtype)
-            if handle is not None:
-                handle.wait()
+        buckets = list(zip(sg.plan.buckets, sg.layouts))
+
+        def send_forward(b):
+            bucket, layout = buckets[b]
+            return sg.exchange.send_to_owners(layout, [grads[j] for j in bucket], grad_flat.dtype, self.overlap)
+
+        def finish_back(pending):
+            bucket, layout, back, handle = pending
+            _wait(handle)
+            layout.unpack(back, [grads[j] for j in bucket])
+
+        forward = send_forward(0) if buckets else None
+        pending_back = None
+        for b, (bucket, layout) in enumerate(buckets):
+            recv, handle = forward
+            _wait(handle)
+            if b + 1 < len(buckets) and self.overlap:
+                forward = send_forward(b + 1)  # in flight while this bucket is orthogonalized
             results = []
             for k, x in zip(layout.owned, layout.owned_matrices(recv)):
                 j = bucket[k]
@@ -278,9 +308,23 @@ class Zero3MuonBoundary:
                     self.stats.ns_calls += 1
                 else:
                     results.append(x)
-            back, handle = sg.exchange.send_to_ranks(layout, results, result_dtype)
-            if handle is not None:
-                handle.wait()
-            layout.unpack(back, partitions)
+            del recv
+            if pending_back is not None:
+                finish_back(pending_back)
+            back, handle = sg.exchange.send_to_ranks(layout, results, result_dtype, self.overlap)
+            pending_back = (bucket, layout, back, handle)
+            del results
+            if not self.overlap:
+                finish_back(pending_back)
+                pending_back = None
+                if b + 1 < len(buckets):
+                    forward = send_forward(b + 1)
+        if pending_back is not None:
+            finish_back(pending_back)
         if sub_group_id == min(self.sub_groups):
             self.stats.optimizer_steps += 1
+
+
+def _wait(handle) -> None:
+    if handle is not None:
+        handle.wait()
