@@ -5,6 +5,8 @@
   python3 dev.py test  [--base X] [ARGS...]  setup, then pytest (ARGS go to pytest)
   python3 dev.py demo  [--base X] [ARGS...]  setup, then examples/demo/run_demo.py ARGS
   python3 dev.py bench [ARGS...]             patched and stock venvs of every base, then bench/run_bench.py ARGS
+  python3 dev.py export [--base X] [--out DIR] the change as one diff against the release + PR text
+                                             (default DIR: out/export/<X>/; needs no venv)
 
 --base defaults to $DS_ZERO3MUON_BASE, else [tool.zero3muon] default-base in pyproject.toml.
 Setup is idempotent: requirements are reinstalled only when requirements/*.txt change, and
@@ -199,6 +201,20 @@ def cmd_bench(_args, extra):
     return subprocess.run(args, cwd=ROOT, env=driver.env()).returncode
 
 
+def cmd_export(args, _extra):
+    sys.path.insert(0, str(ROOT / "build_backend"))
+    import zero3muon_export
+    try:
+        result = zero3muon_export.export(args.base, args.out, ROOT)
+    except zero3muon_export.zb.BuildError as e:
+        log(f"export failed: {e}")
+        return 1
+    log(f"wrote {result.diff_path}")
+    log(f"wrote {result.pr_path}")
+    print(result.diffstat, end="")
+    return 0
+
+
 def main(argv=None):
     default_base, known = project_config()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -206,15 +222,19 @@ def main(argv=None):
     for name, func, helptext in (("setup", cmd_setup, "create/update .venv/<base>/"),
                                  ("test", cmd_test, "setup, then run pytest (extra args go to pytest)"),
                                  ("demo", cmd_demo, "setup, then run examples/demo/run_demo.py"),
-                                 ("bench", cmd_bench, "stock and patched venvs of every base, then bench/run_bench.py")):
+                                 ("bench", cmd_bench, "stock and patched venvs of every base, then bench/run_bench.py"),
+                                 ("export", cmd_export, "write the change as one diff against the release, "
+                                  "and a PR description")):
         p = sub.add_parser(name, help=helptext, allow_abbrev=False)
         p.add_argument("--base", default=os.environ.get("DS_ZERO3MUON_BASE") or default_base,
                        help=f"DeepSpeed base release, one of {', '.join(known)} (default: %(default)s)")
         p.set_defaults(func=func)
+        if name == "export":
+            p.add_argument("--out", type=Path, help="output directory (default: out/export/<base>/)")
     args, extra = parser.parse_known_args(argv)
     if extra[:1] == ["--"]:
         extra = extra[1:]
-    if args.command == "setup" and extra:
+    if args.command in ("setup", "export") and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.base not in known:
         parser.error(f"unknown base {args.base!r}; known: {', '.join(known)}")

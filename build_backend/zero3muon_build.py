@@ -9,13 +9,16 @@ The repository holds only our own code. A wheel is made by
   6. writing ``build.txt`` (version label) and ``deepspeed/runtime/zero/muon/_build_info.py``,
   7. handing the prepared tree to setuptools' legacy backend (DeepSpeed ships a setup.py).
 
-``prepare_tree`` does steps 3-6 and can be called on its own (the unit tests do).
+``prepare_tree`` does steps 3-6 and can be called on its own (the unit tests do). Steps 3-5
+without 6 are also what ``build_backend/zero3muon_export.py`` (``python3 dev.py export``) diffs
+against the pristine release to give one upstream-style patch.
 """
 
 import contextlib
 import hashlib
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,10 +26,13 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python < 3.11 only
-    import tomli as tomllib
+try:
+    import tomllib  # Python >= 3.11
+except ImportError:  # pragma: no cover - exercised on Python < 3.11 only
+    try:
+        import tomli as tomllib  # a [build-system] requirement on Python < 3.11
+    except ImportError:  # e.g. `python3 dev.py export` on the system Python 3.9/3.10
+        tomllib = None
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOCAL_LABEL = "+zero3muon"
@@ -47,10 +53,34 @@ def _log(msg):
 # --------------------------------------------------------------------------- configuration
 
 
+def _read_zero3muon_table(text):
+    """[tool.zero3muon] of a pyproject.toml without a TOML library: its flat ``key = "string"``
+    entries and the [tool.zero3muon.sdist-sha256] sub-table, which is all this file uses."""
+    cfg, table = {}, None
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        header = re.fullmatch(r"\[\s*([^\]]+?)\s*\]", line)
+        if header:
+            table = header.group(1).replace(" ", "")
+            if table == "tool.zero3muon.sdist-sha256":
+                cfg["sdist-sha256"] = {}
+            continue
+        entry = re.fullmatch(r'"?([A-Za-z0-9_.+-]+)"?\s*=\s*"([^"]*)"', line)
+        if entry and table == "tool.zero3muon":
+            cfg[entry.group(1)] = entry.group(2)
+        elif entry and table == "tool.zero3muon.sdist-sha256":
+            cfg["sdist-sha256"][entry.group(1)] = entry.group(2)
+    return cfg or None
+
+
 def load_config(root=REPO_ROOT):
     """Return the [tool.zero3muon] table of ``root/pyproject.toml``."""
     with open(Path(root) / "pyproject.toml", "rb") as f:
-        cfg = tomllib.load(f).get("tool", {}).get("zero3muon")
+        data = f.read()
+    if tomllib is not None:
+        cfg = tomllib.loads(data.decode()).get("tool", {}).get("zero3muon")
+    else:
+        cfg = _read_zero3muon_table(data.decode())
     if not cfg or "sdist-sha256" not in cfg or "default-base" not in cfg or "version" not in cfg:
         raise BuildError("pyproject.toml: [tool.zero3muon] needs 'version', 'default-base' and "
                          "a [tool.zero3muon.sdist-sha256] table")
@@ -204,6 +234,55 @@ def overlay_files(src_pkg, tree):
     return rels
 
 
+def list_patches(base, repo_root=REPO_ROOT):
+    """``repo_root/patches/<base>/*.patch`` in the order they are applied."""
+    patch_dir = Path(repo_root) / "patches" / base
+    if not patch_dir.is_dir():
+        raise BuildError(f"no patch directory {patch_dir} for base {base}")
+    return sorted(patch_dir.glob("*.patch"))
+
+
+def unpack_sdist(sdist, work_dir):
+    """Unpack ``sdist`` into ``work_dir/unpack``; return its single top-level directory (the source tree)."""
+    unpack = Path(work_dir) / "unpack"
+    unpack.mkdir()
+    _safe_extract(sdist, unpack)
+    tops = list(unpack.iterdir())
+    if len(tops) != 1 or not (tops[0] / "setup.py").is_file():
+        raise BuildError(f"{sdist}: expected a single top-level directory holding setup.py, got "
+                         f"{sorted(p.name for p in tops)}")
+    return tops[0]
+
+
+def apply_changes(tree, patches, repo_root=REPO_ROOT):
+    """Our change to an upstream tree: the new files under ``repo_root/deepspeed/``, then ``patches``.
+
+    This is exactly what ``dev.py export`` turns into one diff; the build adds only the labels
+    (``write_build_labels``) on top.
+    """
+    repo_root = Path(repo_root)
+    if (repo_root / "deepspeed").is_dir():
+        added = overlay_files(repo_root / "deepspeed", tree)
+        _log(f"added {len(added)} new file(s) from deepspeed/")
+    apply_patches(tree, patches)
+
+
+def write_build_labels(tree, base, project_version, sdist_sha256, patches):
+    """The packaging labels of this project's wheel: ``build.txt`` and ``_build_info.py``.
+
+    Not part of the change itself, so ``dev.py export`` leaves them out.
+    """
+    (tree / "build.txt").write_text(LOCAL_LABEL + "\n")
+    info = tree / BUILD_INFO_REL
+    info.parent.mkdir(parents=True, exist_ok=True)
+    info.write_text(
+        '"""Generated by build_backend/zero3muon_build.py when the wheel was built. Do not edit."""\n'
+        f"BASE_VERSION = {base!r}\n"
+        f"PATCH_VERSION = {project_version!r}\n"
+        f"SDIST_SHA256 = {sdist_sha256.lower()!r}\n"
+        f"PATCHES = {tuple(p.name for p in patches)!r}\n")
+
+
 def prepare_tree(sdist, expected_sha256, base, project_version, work_dir, repo_root=REPO_ROOT):
     """Verify, unpack, overlay, patch and label ``sdist``; return the prepared source tree.
 
@@ -212,35 +291,10 @@ def prepare_tree(sdist, expected_sha256, base, project_version, work_dir, repo_r
     """
     sdist, work_dir, repo_root = Path(sdist), Path(work_dir), Path(repo_root)
     verify_sha256(sdist, expected_sha256)
-
-    patch_dir = repo_root / "patches" / base
-    if not patch_dir.is_dir():
-        raise BuildError(f"no patch directory {patch_dir} for base {base}")
-    patches = sorted(patch_dir.glob("*.patch"))
-
-    unpack = work_dir / "unpack"
-    unpack.mkdir()
-    _safe_extract(sdist, unpack)
-    tops = list(unpack.iterdir())
-    if len(tops) != 1 or not (tops[0] / "setup.py").is_file():
-        raise BuildError(f"{sdist}: expected a single top-level directory holding setup.py, got "
-                         f"{sorted(p.name for p in tops)}")
-    tree = tops[0]
-
-    if (repo_root / "deepspeed").is_dir():
-        added = overlay_files(repo_root / "deepspeed", tree)
-        _log(f"added {len(added)} new file(s) from deepspeed/")
-    apply_patches(tree, patches)
-
-    (tree / "build.txt").write_text(LOCAL_LABEL + "\n")
-    info = tree / BUILD_INFO_REL
-    info.parent.mkdir(parents=True, exist_ok=True)
-    info.write_text(
-        '"""Generated by build_backend/zero3muon_build.py when the wheel was built. Do not edit."""\n'
-        f"BASE_VERSION = {base!r}\n"
-        f"PATCH_VERSION = {project_version!r}\n"
-        f"SDIST_SHA256 = {expected_sha256.lower()!r}\n"
-        f"PATCHES = {tuple(p.name for p in patches)!r}\n")
+    patches = list_patches(base, repo_root)
+    tree = unpack_sdist(sdist, work_dir)
+    apply_changes(tree, patches, repo_root)
+    write_build_labels(tree, base, project_version, expected_sha256, patches)
     _log(f"prepared DeepSpeed {base}{LOCAL_LABEL} with {len(patches)} patch(es) in {tree}")
     return tree
 
