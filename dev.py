@@ -33,11 +33,17 @@ BENCH = ROOT / "bench" / "run_bench.py"
 # between venvs is rebuilt whenever another venv's torch path appears in it).
 JIT_OPS = ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
 WARM_JIT_OPS = f"""
+import time
 from deepspeed.accelerator import get_accelerator
 for name in {JIT_OPS!r}:
     builder = get_accelerator().create_op_builder(name)
     if builder is not None and builder.is_compatible():
+        print(f"[dev]   {{name}}: loading (compiled on first use: minutes on a small machine)", flush=True)
+        start = time.time()
         builder.load()
+        print(f"[dev]   {{name}}: ready in {{time.time() - start:.0f}} s", flush=True)
+    else:
+        print(f"[dev]   {{name}}: not buildable here, skipped", flush=True)
 """
 
 

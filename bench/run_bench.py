@@ -45,6 +45,7 @@ SHAPES = {
     "rect1024": [(768, 1024), (1024, 768)] * 2,
 }
 TRAFFIC_TARGET = 0.10  # Muon traffic per rank within 10% of 2P(W-1)/W^2
+MODEL_WS = (2, 4, 8, 16, 64, 256, 1024)
 
 
 def grid(kind: str, steps: int, warmup: int):
@@ -174,6 +175,9 @@ def fmt(x, spec=".3g"):
 
 
 def print_table(headers, rows):
+    if not rows:
+        print("(nothing measured)")
+        return
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)] if rows else []
     print("  ".join(str(h).ljust(w) for h, w in zip(headers, widths)))
     print("  ".join("-" * w for w in widths))
@@ -315,6 +319,7 @@ def report(results, errors, builds, args, configs, extra, out, elapsed):
     print("=== targets (patched builds) ===")
     print_table(["target", "build", "W", "measured", "holds"], checks)
     print()
+    print_model(results, builds, args.world_sizes)
     if extra:
         print_overlap(results, errors, builds, args.world_sizes, extra)
     if not args.no_seed:
@@ -362,6 +367,30 @@ def target_checks(results, builds, w, names):
             worst_peak = max(pk / bb for pk, bb in peaks)
             rows.append(["boundary peak / owned bytes of one bucket (max)", build, w, f"{worst_peak:.2f}", "-"])
     return rows
+
+
+def print_model(results, builds, world_sizes):
+    print("=== model check: measured Muon recv per rank / bench/model.py (fp32, gas 4, no offload) ===")
+    rows = []
+    for w in world_sizes:
+        for wl, shapes in SHAPES.items():
+            for build, predict in (("patched-0.19.8", lambda: sum(model.patched_traffic(shapes, w)) / w),
+                                   ("patched-0.19.7", lambda: sum(model.patched_traffic(shapes, w)) / w),
+                                   ("stock-0.19.8", lambda: model.stock_0198_traffic(shapes, w))):
+                r = results.get((build, w, f"{wl}-gas4-fp32"))
+                if r:
+                    rows.append([w, wl, build, f"{muon_traffic(r):.0f}", f"{predict():.0f}",
+                                 f"{muon_traffic(r) / predict():.4f}"])
+    print_table(["W", "workload", "build", "measured", "model", "ratio"], rows)
+    print()
+    print("=== model: Llama-2 7B projections (224 Muon matrices, P = 6.48e9), default reduce_bucket_size ===")
+    print("traffic: Muon elements received per rank per step / P; NS work: busiest rank's share of all NS work")
+    rows = [[r["world_size"], f"{r['bound']:.4g}", f"{r['patched_mean']:.4g}", f"{r['patched_max']:.4g}",
+             f"{r['stock_0198']:.4g}", f"{r['stock_0198'] / r['patched_mean']:.1f}", f"{r['ns_patched_max']:.4g}",
+             f"{r['ns_stock_max']:.4g}", "1"] for r in model.summary(model.LLAMA_7B, MODEL_WS)]
+    print_table(["W", "bound", "patched mean", "patched max", "stock 0.19.8", "stock/patched", "NS patched",
+                 "NS stock", "NS stock offload"], rows)
+    print()
 
 
 def print_overlap(results, errors, builds, world_sizes, extra):

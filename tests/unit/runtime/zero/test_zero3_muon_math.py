@@ -127,7 +127,7 @@ def test_bad_head_count_is_refused():
         orthogonalize(torch.randn(24, 10), num_heads=5)
 
 
-@pytest.mark.skipif(HAS_PER_HEAD, reason="this DeepSpeed base has per-head Muon")
+@pytest.mark.skipif(HAS_PER_HEAD, reason="checks the refusal on a base without per-head Muon (0.19.7); this base has it")
 def test_per_head_refused_on_a_base_without_it():
     with pytest.raises(ValueError, match="per_head_muon"):
         orthogonalize(torch.randn(24, 10), num_heads=4)
