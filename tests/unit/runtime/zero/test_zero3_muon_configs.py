@@ -30,6 +30,8 @@ What each run covers:
 - ``routed`` / ``routed_adamw``: a parameter with no gradient in some micro-steps and in a whole
   step, under Muon and under AdamW (stock ZeRO-3 feeds it the previous step's gradient).
 - ``frozen``: a frozen layer; ``zero_init``: the model built under ``deepspeed.zero.Init``.
+- ``buckets`` / ``buckets_serial``: ``reduce_bucket_size`` small enough for one bucket per matrix,
+  with the next bucket's exchange overlapped with Newton-Schulz (the default) and without.
 """
 
 import atexit
@@ -60,6 +62,7 @@ ADAMW = {
     }
 }
 OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
+BUCKET = 600  # MixedMLP's Muon matrices have 693, 561 and 119 elements: one bucket each
 ASYNC_IO = get_accelerator().create_op_builder("AsyncIOBuilder").is_compatible(verbose=False)
 NVME_DIR = tempfile.mkdtemp(prefix="zero3muon-nvme-")
 atexit.register(shutil.rmtree, NVME_DIR, ignore_errors=True)
@@ -83,6 +86,8 @@ RUNS = {
         "routed_adamw": dict(model="routed", gas=4, optimizer=ADAMW),
         "frozen": dict(model="frozen", gas=4),
         "zero_init": dict(gas=4, zero_init=True),
+        "buckets": dict(gas=4, zero_extra={"reduce_bucket_size": BUCKET}),
+        "buckets_serial": dict(gas=4, zero_extra={"reduce_bucket_size": BUCKET}, muon_overlap=False),
         **({
             "heads": dict(model="heads", gas=4, opt_extra={"per_head_muon": True})
         } if HAS_PER_HEAD else {}),
@@ -91,6 +96,7 @@ RUNS = {
         "default_gas1": dict(gas=1, samples=24),
         "default": dict(gas=4, samples=24),
         "shapes": dict(model="shapes", gas=4, samples=24),
+        "buckets": dict(gas=4, samples=24, zero_extra={"reduce_bucket_size": BUCKET}),
     },
     4: {
         "default_gas1": dict(gas=1),
@@ -152,6 +158,16 @@ def test_offload_equals_device_run(name):
     if name not in RUNS[2]:
         pytest.skip("NVMe offload needs DeepSpeed's async I/O op, which cannot be built here (libaio missing)")
     runs = trained(2)
+    assert relative_difference(runs["default"][0]["weights"], runs[name][0]["weights"]) <= FLOOR
+
+
+@pytest.mark.parametrize("world_size,name", [(2, "buckets"), (2, "buckets_serial"), (3, "buckets")])
+def test_buckets_equal_one_bucket(world_size, name):
+    """Three buckets (two all-to-alls each per step), overlapped or not, give the weights of the
+    default single bucket: the owners change, the Newton-Schulz inputs do not."""
+    runs = trained(world_size)
+    assert runs[name][0]["stats"]["exchanges"] == 2 * 3 * STEPS
+    assert runs["default"][0]["stats"]["exchanges"] == 2 * STEPS
     assert relative_difference(runs["default"][0]["weights"], runs[name][0]["weights"]) <= FLOOR
 
 

@@ -86,6 +86,7 @@ def train_run(model="mixed",
               restart_after=None,
               checkpoint_dir=None,
               momentum_to_bf16=False,
+              muon_overlap=True,
               samples=TOTAL_SAMPLES):
     """Train ``model`` with DeepSpeed on this rank's share of every step's samples.
 
@@ -105,6 +106,8 @@ def train_run(model="mixed",
             engine away, build a new one and ``load_checkpoint``, then go on.
         momentum_to_bf16: before that ``load_checkpoint``, store the checkpoint's Muon momentum
             in bf16, as stock 0.19.8 writes it under bf16 training.
+        muon_overlap: ``Zero3MuonBoundary.overlap`` (exchange of the next bucket in flight while
+            the owner orthogonalizes this one).
 
     Returns:
         dict with ``weights`` (full parameters by name), ``ns_per_step`` (NS calls on this rank
@@ -125,6 +128,8 @@ def train_run(model="mixed",
         config["optimizer"] = optimizer
     config["optimizer"]["params"].update(opt_extra or {})
     engine = build_engine(model, config, groups, zero_init, fp16_on_cpu)
+    if getattr(engine.optimizer, "muon_boundary", None) is not None:
+        engine.optimizer.muon_boundary.overlap = muon_overlap
     recorder = None
     if record:
         from zero3_muon_replay import Recorder
