@@ -1,0 +1,71 @@
+# Copyright (c) 2026 The zero3muon authors
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""``python -m deepspeed.runtime.zero.muon``: one line saying whether this DeepSpeed has the ZeRO-3 Muon patch.
+
+On the patched build, for example::
+
+    deepspeed 0.19.8+zero3muon: upstream 0.19.8, zero3muon 0.1.0, ZeRO-3 Muon update: owner-centric at the
+    accumulation boundary (patches 0001-zero3-muon-boundary-update, 0002-zero3-grad-partition-first-use-in-window)
+
+(one line), exit status 0. The versions come from ``_build_info.py``, which the build backend
+(``build_backend/zero3muon_build.py``) writes into this package, and the check that ``stage3.py``
+really carries both patches reads the installed ``stage3.py``. Anything else (a stock DeepSpeed,
+a build whose ``stage3.py`` lacks a patch, a version that does not match the build info) is
+reported on the same one line, with exit status 1. (Importing DeepSpeed may log a line of its own
+before it, e.g. the accelerator auto-detection warning when ``DS_ACCELERATOR`` is not set.)
+"""
+
+import sys
+from pathlib import Path
+
+LOCAL_LABEL = "+zero3muon"
+
+# Something each patch adds to stage3.py, to check that the installed stage3.py is the patched one.
+PATCH_MARKERS = (
+    ("0001", "Zero3MuonBoundary"),  # the boundary update's call in step()
+    ("0002", "_zero_grad_partitions_without_gradient"),  # a partition's first use in a window replaces it
+)
+MODE = "owner-centric at the accumulation boundary"
+
+
+def _patch_name(filename):
+    return filename[:-len(".patch")] if filename.endswith(".patch") else filename
+
+
+def report():
+    """``(exit_status, line)`` describing the installed DeepSpeed."""
+    import deepspeed
+    version = deepspeed.__version__
+    try:
+        from deepspeed.runtime.zero.muon import _build_info as info
+    except ImportError:
+        return 1, (f"deepspeed {version}: not the zero3muon build (no deepspeed/runtime/zero/muon/_build_info.py); "
+                   "ZeRO-3 Muon runs upstream's update. Install it with `pip install .` from the zero3muon "
+                   "repository.")
+
+    head = f"deepspeed {version}: upstream {info.BASE_VERSION}, zero3muon {info.PATCH_VERSION}"
+    problems = []
+    if version != f"{info.BASE_VERSION}{LOCAL_LABEL}":
+        problems.append(f"the version is not {info.BASE_VERSION}{LOCAL_LABEL} "
+                        "(another DeepSpeed installed over the build?)")
+    from deepspeed.runtime.zero import stage3
+    source = Path(stage3.__file__).read_text(encoding="utf-8")
+    missing = [num for num, marker in PATCH_MARKERS if marker not in source]
+    if missing:
+        problems.append(f"{stage3.__file__} lacks patch(es) {', '.join(missing)}")
+    if problems:
+        return 1, f"{head}, ZeRO-3 Muon update: NOT the patched one: {'; '.join(problems)}"
+    patches = ", ".join(_patch_name(p) for p in info.PATCHES)
+    return 0, f"{head}, ZeRO-3 Muon update: {MODE} (patches {patches})"
+
+
+def main():
+    status, line = report()
+    print(line, flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
