@@ -11,7 +11,7 @@ On the patched build, for example::
 
 (one line), exit status 0. The versions come from ``_build_info.py``, which the build backend
 (``build_backend/zero3muon_build.py``) writes into this package, and the check that ``stage3.py``
-really carries both patches reads the installed ``stage3.py``. Anything else (a stock DeepSpeed,
+really carries every patch reads the installed ``stage3.py``. Anything else (a stock DeepSpeed,
 a build whose ``stage3.py`` lacks a patch, a version that does not match the build info) is
 reported on the same one line, with exit status 1. (Importing DeepSpeed may log a line of its own
 before it, e.g. the accelerator auto-detection warning when ``DS_ACCELERATOR`` is not set.)
@@ -26,6 +26,7 @@ LOCAL_LABEL = "+zero3muon"
 PATCH_MARKERS = (
     ("0001", "Zero3MuonBoundary"),  # the boundary update's call in step()
     ("0002", "_zero_grad_partitions_without_gradient"),  # a partition's first use in a window replaces it
+    ("0003", "backward_loss_scale"),  # unscale by the loss scale of the step's backward
 )
 MODE = "owner-centric at the accumulation boundary"
 
