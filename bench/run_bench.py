@@ -140,6 +140,10 @@ def launch(python, world_size, configs, workdir, timeout, log):
         ]
         env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world_size)),
                    TORCHDYNAMO_DISABLE="1", PYTHONSAFEPATH="1", DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
+        # each venv's own compiled DeepSpeed ops (dev.py builds them there at setup)
+        extensions = Path(python).absolute().parents[1] / "torch_extensions"  # venv/bin/python, links kept
+        if extensions.is_dir():
+            env["TORCH_EXTENSIONS_DIR"] = str(extensions)
         started = []
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -161,6 +165,29 @@ def launch(python, world_size, configs, workdir, timeout, log):
         remaining = remaining[names.index(failed) + 1:]
         remaining = [c for c in remaining if c["name"] not in done]
     return rows, errors
+
+
+def run_job(rep, w, build, python, configs, extra, tmp, out, timeout, log, samples, errors):
+    """One launch: the seed table at W=1, else the grid (plus the overlap runs on patched
+    builds, minus what already failed on this build and W); adds to ``samples`` and ``errors``."""
+    if w == 1:
+        cfgs = seed_grid()
+    else:
+        cfgs = configs + (extra if build.startswith("patched") else [])
+        cfgs = [c for c in cfgs if (build, w, c["name"]) not in errors]
+    workdir = tmp / f"{build}-w{w}-r{rep}"
+    workdir.mkdir()
+    rows, errs = launch(python, w, cfgs, workdir, timeout, log)
+    for row in rows:
+        samples.setdefault((build, w, row["name"]), []).append(row)
+    for name, err in errs.items():
+        errors[(build, w, name)] = err
+    if w == 1:  # keep the weights for the gas=1 vs gas=4 comparison
+        for c in cfgs:
+            f = workdir / f"{c['name']}.pt"
+            if f.exists():
+                samples[(build, w, c["name"])][-1]["weights_file"] = str(out / f"{build}-{c['name']}.pt")
+                os.replace(f, out / f"{build}-{c['name']}.pt")
 
 
 def relative_difference(a, b):
@@ -236,28 +263,17 @@ def main(argv=None):
         jobs += [(0, 1, b) for b in builds]
     samples, errors = {}, {}
     t0 = time.time()
+    interrupted = False
     with open(out / "launches.log", "w") as log, tempfile.TemporaryDirectory() as tmp:
-        for rep, w, build in tqdm(jobs, desc="launches", unit="launch"):
-            if w == 1:
-                cfgs = seed_grid()
-            else:
-                cfgs = configs + (extra if build.startswith("patched") else [])
-                cfgs = [c for c in cfgs if (build, w, c["name"]) not in errors]
-            workdir = Path(tmp) / f"{build}-w{w}-r{rep}"
-            workdir.mkdir()
-            rows, errs = launch(pythons[build], w, cfgs, workdir, args.timeout, log)
-            for row in rows:
-                samples.setdefault((build, w, row["name"]), []).append(row)
-            for name, err in errs.items():
-                errors[(build, w, name)] = err
-            if w == 1:
-                for c in cfgs:
-                    f = workdir / f"{c['name']}.pt"
-                    if f.exists():
-                        samples[(build, w, c["name"])][-1]["weights_file"] = str(out / f"{build}-{c['name']}.pt")
-                        os.replace(f, out / f"{build}-{c['name']}.pt")
+        try:
+            for rep, w, build in tqdm(jobs, desc="launches", unit="launch"):
+                run_job(rep, w, build, pythons[build], configs, extra, Path(tmp), out, args.timeout, log, samples, errors)
+        except KeyboardInterrupt:  # Ctrl-C: report what was measured so far
+            interrupted = True
     elapsed = time.time() - t0
     results = {k: aggregate(v) for k, v in samples.items()}
+    if interrupted:
+        print(f"\ninterrupted after {elapsed / 60:.1f} min: the tables hold the launches that finished")
     report(results, errors, builds, args, configs, extra, out, elapsed)
     failed_patched = [k for k in errors if k[0].startswith("patched")]
     return 1 if failed_patched else 0
@@ -439,7 +455,7 @@ def print_seed(results, errors, builds):
 def write_outputs(results, errors, builds, args, out):
     data = dict(builds=builds,
                 world_sizes=args.world_sizes,
-                rows=[dict(build=k[0], world_size=k[1], **v) for k, v in results.items()],
+                rows=[dict(v, build=k[0]) for k, v in results.items()],
                 errors=[dict(build=k[0], world_size=k[1], name=k[2], error=e) for k, e in errors.items()],
                 model={name: model.summary(shapes, args.world_sizes) for name, shapes in SHAPES.items()})
     (out / "results.json").write_text(json.dumps(data, indent=1, default=str))
