@@ -159,8 +159,10 @@ def launch(python, world_size, configs, workdir, timeout, log):
         if rc == 0 and len(done) == len(remaining):
             break
         failed = next((n for n in started if n not in done), remaining[0]["name"])
-        tail = [line for line in stderr.splitlines() if line.strip() and "Warning" not in line][-1:] or ["?"]
-        errors[failed] = ("timeout" if rc is None else "crash") + f": {tail[0][:160]}"
+        lines = [line for line in stderr.splitlines() if line.strip() and "Warning" not in line]
+        raised = [line for line in lines if "Error:" in line and "ChildFailedError" not in line]
+        tail = (raised or lines)[:1] or ["?"]
+        errors[failed] = ("timeout" if rc is None else "crash") + f": {tail[0].strip()[:160]}"
         names = [c["name"] for c in remaining]
         remaining = remaining[names.index(failed) + 1:]
         remaining = [c for c in remaining if c["name"] not in done]
