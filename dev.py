@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Developer commands for the ZeRO-3 Muon patch (stdlib only; Python >= 3.9).
+"""Developer commands for the ZeRO-3 Muon patch (stdlib only; runs on Python >= 3.9, the venv it
+creates needs Python >= 3.10).
 
   python3 dev.py setup [--base X]            venv .venv/<X>/ with torch, test deps and patched DeepSpeed
   python3 dev.py test  [--base X] [ARGS...]  setup, then pytest (ARGS go to pytest)
@@ -166,6 +167,7 @@ def setup(base, stock=False):
         log(f"building DeepSpeed's JIT ops for the CPU accelerator once: {', '.join(JIT_OPS)}")
         run([venv.python, "-c", WARM_JIT_OPS], env=venv.env())
         venv.mark("jit-ops", ops_hash)
+    log(f"ready: {venv.dir.relative_to(ROOT)} ({'stock' if stock else 'patched'} DeepSpeed {base})")
     return venv
 
 

@@ -8,9 +8,11 @@ pristine release, changed by ``apply_changes`` (our new files under ``deepspeed/
 ``b/`` prefixes, so ``git apply`` or ``patch -p1`` applies it to a DeepSpeed checkout of the tag.
 
 Left out on purpose: the build's packaging labels (``write_build_labels``), i.e. ``build.txt``
-(DeepSpeed's setup.py writes its own) and the generated ``deepspeed/runtime/zero/muon/_build_info.py``.
-They describe this project's wheel, not the change; code that reads ``_build_info`` must cope with
-its absence. The tests under ``tests/`` stay in this project (see the PR description).
+(DeepSpeed's setup.py writes its own) and the generated ``deepspeed/runtime/zero/muon/_build_info.py``,
+and ``PROJECT_ONLY``: ``python -m deepspeed.runtime.zero.muon``, the report of this project's
+wheel (merged upstream it would call the merged code "not the zero3muon build"). They describe
+this project's wheel, not the change. The tests under ``tests/`` stay in this project (see the PR
+description).
 
 Stdlib only, like the backend: ``dev.py`` imports this with the system Python, without torch.
 """
@@ -26,15 +28,21 @@ import zero3muon_build as zb
 
 PR_TEMPLATE = Path(__file__).resolve().parent / "export_pr_template.md"
 
+# New files of ours that belong to this project's wheel, not to the upstream change.
+PROJECT_ONLY = ("deepspeed/runtime/zero/muon/__main__.py", )
+
 # One line for each upstream file our patches change (new files describe themselves: their docstring).
 MODIFIED_FILE_NOTES = {
     "deepspeed/runtime/zero/stage3.py":
     "creates `Zero3MuonBoundary` (with its configuration check) in `__init__` and calls it in `step()` "
     "right after unscale-and-clip, instead of upstream's Muon call (0.19.7: in the gradient reduce path, "
     "per micro-batch; 0.19.8: before the norm); fp32 Muon momentum; lifts the refusals of `reduce_scatter` "
-    "and of Muon groups with different momenta (patch 0001). A parameter's first gradient in an "
-    "accumulation window replaces its partition, and a parameter without gradient in the window gets "
-    "a zero gradient (patch 0002).",
+    "and of Muon groups with different momenta, and upstream's refusal of Muon with the all-to-all "
+    "(quantized-gradient) reduction, which is now refused only where the accelerator lacks the "
+    "quantizer op (patch 0001). A parameter's first gradient in an accumulation window replaces its "
+    "partition, and a parameter without gradient in the window gets a zero gradient (patch 0002). "
+    "Gradients and their norm are unscaled by the loss scale of the step's backward, not by the scale "
+    "the dynamic loss scaler has just grown (patch 0003).",
 }
 
 
@@ -80,6 +88,8 @@ def make_diff(sdist, sha256, base, work_dir, repo_root=zb.REPO_ROOT):
     _git(tree, "init", "-q")
     pristine = _snapshot(tree)
     zb.apply_changes(tree, patches, repo_root)
+    for rel in PROJECT_ONLY:
+        (tree / rel).unlink(missing_ok=True)
     changed = _snapshot(tree)
     opts = ["--no-color", "--no-ext-diff", "--no-renames", "--src-prefix=a/", "--dst-prefix=b/", pristine, changed]
     diff = _git(tree, "diff", "--binary", *opts, raw=True)
