@@ -243,8 +243,9 @@ def main(argv=None):
                    help="a build's Python (dev.py bench passes all four)")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     p.add_argument("--grid", choices=("default", "full", "quick"), default="default")
-    p.add_argument("--repeats", type=int, default=2, help="interleaved launches per build and world size")
-    p.add_argument("--steps", type=int, default=2, help="measured optimizer steps per workload")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="interleaved launches per build and world size (3 on a quiet machine for tighter medians)")
+    p.add_argument("--steps", type=int, default=1, help="measured optimizer steps per workload")
     p.add_argument("--warmup", type=int, default=1, help="optimizer steps before measuring")
     p.add_argument("--no-seed", action="store_true", help="skip the seed table")
     p.add_argument("--no-overlap", action="store_true", help="skip the overlap comparison")
