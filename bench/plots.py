@@ -83,7 +83,8 @@ def time_vs_gas(results, path):
         ax.set_xticks([1, 4, 16], labels=["1", "4", "16"])
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel("optimizer step time, s")
-    axes[0][0].legend(fontsize=7)
+    for ax in axes[0]:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
