@@ -311,14 +311,14 @@ def run_workload(cfg, ns, comm, peak):
             steps.append(rec)
     result = dict(steps=steps)
     if boundary is not None:
-        result["muon_stats"] = vars(boundary.stats).copy() if hasattr(boundary.stats, "__dict__") else None
+        result["muon_stats"] = dict(vars(boundary.stats))
         result["bucket_bound_bytes"] = boundary.peak_bucket_bytes() if hasattr(boundary, "peak_bucket_bytes") else None
     if cfg.get("save_weights"):
         result["weights"] = gathered_weights(engine, cfg["stage"])
     muon_params = [p for p in engine.module.parameters() if getattr(p, "use_muon", False)]
     result["muon_elements"] = sum(getattr(p, "ds_numel", p.numel()) for p in muon_params)
     result["muon_matrices"] = len(muon_params)
-    engine.destroy() if hasattr(engine, "destroy") else None
+    engine.destroy()
     return result
 
 
