@@ -265,10 +265,14 @@ def batch(cfg, step, micro, rank, world_size, dim, device, dtype):
 
 
 def gathered_weights(engine, stage):
-    params = list(engine.module.parameters())
-    ctx = deepspeed.zero.GatheredParameters(params) if stage == 3 else contextlib.nullcontext()
-    with ctx:
-        return [p.detach().float().cpu().clone() for p in params]
+    """Full fp32 CPU copies of the parameters. Under ZeRO-3 one at a time: stock 0.19.7 waits on
+    the last handle only when it gathers several, which on gloo can return early."""
+    weights = []
+    for p in engine.module.parameters():
+        ctx = deepspeed.zero.GatheredParameters([p]) if stage == 3 else contextlib.nullcontext()
+        with ctx:
+            weights.append(p.detach().float().cpu().clone())
+    return weights
 
 
 def run_workload(cfg, ns, comm, peak):

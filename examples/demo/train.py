@@ -12,6 +12,7 @@ Rank 0 writes, into ``--out``:
 - ``weights.pt``: ``{name: fp32 CPU tensor}`` of every parameter at full shape after training.
 """
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -120,14 +121,22 @@ class NSCounter:
 
 
 def full_weights(engine, stage):
-    """``{name: fp32 CPU tensor}`` at full shape, on rank 0 (``{}`` elsewhere). Collective."""
+    """``{name: fp32 CPU tensor}`` at full shape, on rank 0 (``{}`` elsewhere). Collective.
+
+    Under ZeRO-3 one parameter at a time: stock 0.19.7 gathers several parameters of a group
+    with a wait on the last handle only, which on gloo can return before the others arrive
+    (fixed upstream in 0.19.8); the weights read would then be uninitialized memory.
+    """
     import deepspeed
     params = list(engine.module.named_parameters())
     rank0 = torch.distributed.get_rank() == 0
-    if stage == 3:
-        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
-            return {n: p.detach().float().cpu().clone() for n, p in params} if rank0 else {}
-    return {n: p.detach().float().cpu().clone() for n, p in params} if rank0 else {}
+    weights = {}
+    for n, p in params:
+        ctx = deepspeed.zero.GatheredParameters([p], modifier_rank=None) if stage == 3 else contextlib.nullcontext()
+        with ctx:
+            if rank0:
+                weights[n] = p.detach().float().cpu().clone()
+    return weights
 
 
 def main(argv=None):
