@@ -192,6 +192,8 @@ def cmd_demo(args, extra):
         log(f"{DEMO.relative_to(ROOT)} does not exist (yet): no demo to run")
         return 1
     venv = setup(args.base)
+    if not any(a == "--out" or a.startswith("--out=") for a in extra):
+        extra = ["--out", f"out/demo/{args.base}", *extra]  # one directory per base: runs do not overwrite
     return subprocess.run([str(venv.python), str(DEMO), *extra], cwd=ROOT, env=venv.env()).returncode
 
 
@@ -229,11 +231,12 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     for name, func, helptext in (("setup", cmd_setup, "create/update .venv/<base>/"),
                                  ("test", cmd_test, "setup, then run pytest (extra args go to pytest)"),
-                                 ("demo", cmd_demo, "setup, then run examples/demo/run_demo.py"),
+                                 ("demo", cmd_demo, "setup, then run examples/demo/run_demo.py (extra args go "
+                                  "to it, e.g. --quick; output in out/demo/<base>/ unless --out)"),
                                  ("bench", cmd_bench, "stock and patched venvs of every base, then bench/run_bench.py"),
                                  ("export", cmd_export, "write the change as one diff against the release, "
                                   "and a PR description")):
-        p = sub.add_parser(name, help=helptext, allow_abbrev=False)
+        p = sub.add_parser(name, help=helptext, description=helptext, allow_abbrev=False)
         p.add_argument("--base", default=os.environ.get("DS_ZERO3MUON_BASE") or default_base,
                        help=f"DeepSpeed base release, one of {', '.join(known)} (default: %(default)s)")
         p.set_defaults(func=func)
