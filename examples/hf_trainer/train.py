@@ -273,7 +273,8 @@ def serialize_gathers_on_old_gloo(args):
     initializes its weights inside one ``GatheredParameters`` over all of them, so a late
     all-gather could overwrite the initialization with uninitialized memory: in CI once, gas=4 vs
     gas=1 final weights 7.9e13 apart; 2 of 60 such initializations on 2 gloo ranks held values up
-    to 1.7e10, 0 of 60 with this setting. Sequential gathers are blocking. 0.19.8 waits on every handle; GPUs (NCCL) are not affected; neither changes.
+    to 1.7e10, 0 of 60 with this setting. Sequential gathers are blocking. 0.19.8 waits on every
+    handle and GPUs (NCCL) are not affected: neither is changed.
     Must run after ``TrainingArguments`` (which reads the config) and before the model is built.
     """
     import deepspeed
