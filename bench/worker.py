@@ -399,7 +399,11 @@ def main():
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"DONE {cfg['name']}", flush=True)
+    # Leave together and tear the process group down before the interpreter exits: without
+    # destroy_process_group a gloo rank can abort in teardown ("terminate called without an
+    # active exception", SIGABRT; pytorch/pytorch#190489).
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
     return 0
 
 

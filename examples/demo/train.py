@@ -236,7 +236,11 @@ def main(argv=None):
             "ds_config": ds_config(args, micro, patched),
         }
         (out / "result.json").write_text(json.dumps(result, indent=1))
+    # Leave together and tear the process group down before the interpreter exits: without
+    # destroy_process_group a gloo rank can abort in teardown ("terminate called without an
+    # active exception", SIGABRT, seen once in CI on 0.19.7; pytorch/pytorch#190489).
     torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
