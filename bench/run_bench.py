@@ -19,9 +19,7 @@ refuses the default ``true`` with Muon; the patched build accepts both) and
 
 import argparse
 import json
-import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +33,10 @@ from tqdm import tqdm
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import model  # noqa: E402  (bench/model.py)
+
+# Shared with the tests and the demo: tests/unit/runtime/zero/zero3_muon_helpers.py.
+sys.path.insert(0, str(HERE.parent / "tests"))
+from unit.runtime.zero.zero3_muon_helpers import free_port, relative_difference  # noqa: E402
 
 REFERENCE = "stock-0.19.8"
 BUILD_ORDER = ("stock-0.19.7", "stock-0.19.8", "patched-0.19.7", "patched-0.19.8")
@@ -115,12 +117,6 @@ def seed_grid():
     ]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(python, world_size, configs, workdir, timeout, log):
     """Run ``configs`` in one torchrun launch of ``world_size`` ranks under ``python``; relaunch
     after a crash or hang with the configs not yet run. Returns ``(rows, errors)``."""
@@ -190,12 +186,6 @@ def run_job(rep, w, build, python, configs, extra, tmp, out, timeout, log, sampl
             if f.exists():
                 samples[(build, w, c["name"])][-1]["weights_file"] = str(out / f"{build}-{c['name']}.pt")
                 os.replace(f, out / f"{build}-{c['name']}.pt")
-
-
-def relative_difference(a, b):
-    num = math.sqrt(sum(float(((x - y)**2).sum()) for x, y in zip(a, b)))
-    den = math.sqrt(sum(float((x**2).sum()) for x in a))
-    return num / den
 
 
 def fmt(x, spec=".3g"):

@@ -42,7 +42,9 @@ import deepspeed
 import deepspeed.comm as ds_comm
 from deepspeed.accelerator import get_accelerator
 
-NS_KERNELS = ("zeropower_via_gram_newtonschulz", "zeropower_via_newtonschulz5")
+# NSCounter and gathered_weights are shared with the tests (tests/unit/runtime/zero/zero3_muon_helpers.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from unit.runtime.zero.zero3_muon_helpers import NSCounter, gathered_weights  # noqa: E402
 
 # Workloads: dims of a chain of bias-free Linear layers (all Muon matrices), tanh between them.
 WORKLOADS = {
@@ -53,22 +55,6 @@ WORKLOADS = {
     "seed64": [64, 64, 64],  # the seed table's two Linear(64, 64)
     "tiny": [20, 36, 20, 36],  # 36x20, 20x36, 36x20: sizes W=2..4 do not divide (tests)
 }
-
-
-class NSCounter:
-    """Counts calls into upstream Newton-Schulz kernels (``original_muon`` module attributes)."""
-
-    def __init__(self):
-        from deepspeed.runtime.zero.muon import original_muon
-        self.count = 0
-        for name in NS_KERNELS:
-            kernel = getattr(original_muon, name)
-
-            def counted(*args, _kernel=kernel, **kwargs):
-                self.count += 1
-                return _kernel(*args, **kwargs)
-
-            setattr(original_muon, name, counted)
 
 
 def _is_muon_caller() -> bool:
@@ -264,17 +250,6 @@ def batch(cfg, step, micro, rank, world_size, dim, device, dtype):
     return x[sl].to(device, dtype), y[sl].to(device, dtype)
 
 
-def gathered_weights(engine, stage):
-    """Full fp32 CPU copies of the parameters. Under ZeRO-3 one at a time: stock 0.19.7 waits on
-    the last handle only when it gathers several, which on gloo can return early."""
-    weights = []
-    for p in engine.module.parameters():
-        ctx = deepspeed.zero.GatheredParameters([p]) if stage == 3 else contextlib.nullcontext()
-        with ctx:
-            weights.append(p.detach().float().cpu().clone())
-    return weights
-
-
 def run_workload(cfg, ns, comm, peak):
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     model = build_model(cfg["workload"])
@@ -318,7 +293,7 @@ def run_workload(cfg, ns, comm, peak):
         result["muon_stats"] = dict(vars(boundary.stats))
         result["bucket_bound_bytes"] = boundary.peak_bucket_bytes() if hasattr(boundary, "peak_bucket_bytes") else None
     if cfg.get("save_weights"):
-        result["weights"] = gathered_weights(engine, cfg["stage"])
+        result["weights"] = gathered_weights(engine)
     muon_params = [p for p in engine.module.parameters() if getattr(p, "use_muon", False)]
     result["muon_elements"] = sum(getattr(p, "ds_numel", p.numel()) for p in muon_params)
     result["muon_matrices"] = len(muon_params)
@@ -376,7 +351,7 @@ def main():
     args = p.parse_args()
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     rank = torch.distributed.get_rank()
-    ns, comm, peak = NSCounter(), CommCounter(), PeakMemory()
+    ns, comm, peak = NSCounter().install(), CommCounter(), PeakMemory()
     for cfg in json.loads(Path(args.configs).read_text()):
         if rank == 0:
             print(f"START {cfg['name']}", flush=True)

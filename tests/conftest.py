@@ -2,21 +2,26 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Test-session defaults: DeepSpeed on the CPU accelerator, TorchDynamo off.
+"""Test-session defaults: DeepSpeed on the CPU accelerator, TorchDynamo off, and the local
+stand-in of DeepSpeed's ``DistributedTest`` (``tests/unit/common.py``) wired into pytest.
 
-Newton-Schulz compiles slowly on the CPU, so ordinary tests run it eagerly; the one test of the
-compiled path (marked ``compiled``) turns TorchDynamo back on in its own worker processes.
-Set before anything imports torch or deepspeed.
+Newton-Schulz compiles slowly on the CPU, so ordinary tests run it eagerly; the test of the
+compiled path (marked ``compiled``) compiles upstream's kernels in its own ranks. Set before
+anything imports torch or deepspeed.
 """
 
 import os
 import sys
 
+import pytest
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
-# The multi-process helpers live next to the tests that use them; spawned ranks inherit sys.path.
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "unit", "runtime", "zero"))
+# As in DeepSpeed's tree: tests/ on sys.path, so `from unit.common import DistributedTest` and
+# `from unit.runtime.zero.zero3_muon_helpers import ...` resolve (and in the ranks, which
+# receive this sys.path).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_configure(config):
@@ -25,3 +30,22 @@ def pytest_configure(config):
         raise RuntimeError("`import deepspeed` found the repository's deepspeed/ folder (our new modules only), "
                            "not the installed patched DeepSpeed: run the tests with `python3 dev.py test`, or "
                            "with PYTHONSAFEPATH=1 so the current directory is not on sys.path.")
+    config.addinivalue_line("markers", "world_size(n): run this DistributedTest method on n ranks")
+    config.addinivalue_line("markers", "core: the subset of the multi-process tests run on every base")
+    config.addinivalue_line("markers", "compiled: runs upstream's torch.compile'd Newton-Schulz kernels")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A ``DistributedTest`` method runs on its ranks (unit.common), not in this process."""
+    cls = pyfuncitem.cls
+    if cls is not None and getattr(cls, "is_dist_test", False):
+        cls()(pyfuncitem._request)
+        return True
+    return None
+
+
+def pytest_sessionfinish(session):
+    common = sys.modules.get("unit.common")
+    if common is not None and hasattr(common, "close_pools"):
+        common.close_pools()

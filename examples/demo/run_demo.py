@@ -19,12 +19,14 @@ import argparse
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
+# Shared with the tests and the benchmark (tests/unit/runtime/zero/zero3_muon_helpers.py).
+sys.path.insert(0, str(HERE.parents[1] / "tests"))
+from unit.runtime.zero.zero3_muon_helpers import free_port, relative_difference  # noqa: E402
 NPROC = 2
 
 # Relative weight difference ||W_gas4 - W_gas1|| / ||W_gas4|| allowed between the two ZeRO-3
@@ -83,13 +85,6 @@ def parse_args(argv=None):
     return args
 
 
-def free_port():
-    """A TCP port on 127.0.0.1 that was free a moment ago (int)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def extensions_dir():
     """Where the ranks JIT-build DeepSpeed's CPU ops (shm comm, fused Adam): one dir per environment.
 
@@ -127,16 +122,6 @@ def launch(args, stage, gas, run_dir):
     start = time.perf_counter()
     code = subprocess.run(cmd, env=env).returncode
     return code, time.perf_counter() - start
-
-
-def rel_diff(wa, wb):
-    """||W_a - W_b|| / ||W_a|| over all parameters (float); dicts of name -> tensor."""
-    import torch
-    if wa.keys() != wb.keys():
-        raise ValueError("runs have different parameter names")
-    num = sum(float(torch.sum((wa[k].double() - wb[k].double())**2)) for k in wa)
-    den = sum(float(torch.sum(wa[k].double()**2)) for k in wa)
-    return (num / den)**0.5
 
 
 def exchanged_per_step(result):
@@ -190,7 +175,7 @@ def print_losses(results, steps):
 def weight_diffs(results, weights):
     """{"a vs b": relative weight difference} for each pair of runs, printed."""
     names = list(results)
-    diffs = {f"{a} vs {b}": rel_diff(weights[a], weights[b]) for i, a in enumerate(names) for b in names[i + 1:]}
+    diffs = {f"{a} vs {b}": relative_difference(weights[a], weights[b]) for i, a in enumerate(names) for b in names[i + 1:]}
     if diffs:
         first = results[names[0]]
         print(f"\nrelative weight difference ||W_a - W_b|| / ||W_a|| over all {first['params']} parameters, "

@@ -33,9 +33,10 @@ import torch  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import data  # noqa: E402
 
-# The Newton-Schulz kernels Muon calls, looked up as globals of this module at call time.
-NS_MODULE = "deepspeed.runtime.zero.muon.original_muon"
-NS_KERNELS = ("zeropower_via_gram_newtonschulz", "zeropower_via_newtonschulz5")
+# NSCounter and gathered_weights are shared with the tests (tests/unit/runtime/zero/zero3_muon_helpers.py).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
+from unit.runtime.zero.zero3_muon_helpers import NSCounter, gathered_weights  # noqa: E402
+
 # Counters the patched build keeps on `engine.optimizer.muon_boundary.stats` (cumulative, per rank).
 BOUNDARY_FIELDS = ("optimizer_steps", "ns_calls", "elements_sent", "elements_received", "bytes_sent",
                    "bytes_received")
@@ -93,50 +94,6 @@ def ds_config(args, micro_batch, patched=True):
         },
         "zero_optimization": zero,
     }
-
-
-class NSCounter:
-    """Counts calls into the Newton-Schulz kernels by replacing them with counting wrappers.
-
-    Must be installed before the first optimizer step: ``muon_update`` is ``torch.compile``d and
-    resolves the kernels as module globals when it is traced; dynamo replays the counter
-    increment as a side effect on every call of the compiled function.
-    """
-
-    def __init__(self):
-        self.calls = 0
-
-    def install(self):
-        import importlib
-        module = importlib.import_module(NS_MODULE)
-        for name in NS_KERNELS:
-            original = getattr(module, name)
-
-            def counted(*args, _original=original, **kwargs):
-                self.calls += 1
-                return _original(*args, **kwargs)
-
-            setattr(module, name, counted)
-        return self
-
-
-def full_weights(engine, stage):
-    """``{name: fp32 CPU tensor}`` at full shape, on rank 0 (``{}`` elsewhere). Collective.
-
-    Under ZeRO-3 one parameter at a time: stock 0.19.7 gathers several parameters of a group
-    with a wait on the last handle only, which on gloo can return before the others arrive
-    (fixed upstream in 0.19.8); the weights read would then be uninitialized memory.
-    """
-    import deepspeed
-    params = list(engine.module.named_parameters())
-    rank0 = torch.distributed.get_rank() == 0
-    weights = {}
-    for n, p in params:
-        ctx = deepspeed.zero.GatheredParameters([p], modifier_rank=None) if stage == 3 else contextlib.nullcontext()
-        with ctx:
-            if rank0:
-                weights[n] = p.detach().float().cpu().clone()
-    return weights
 
 
 def main(argv=None):
@@ -199,7 +156,7 @@ def main(argv=None):
     # Per-step loss averaged over ranks: the mean token loss of the whole global batch.
     torch.distributed.all_reduce(losses)
     losses /= world
-    ns_total = torch.tensor([counter.calls], dtype=torch.int64)
+    ns_total = torch.tensor([counter.count], dtype=torch.int64)
     torch.distributed.all_reduce(ns_total)
 
     stats = getattr(getattr(engine.optimizer, "muon_boundary", None), "stats", None)
@@ -210,7 +167,7 @@ def main(argv=None):
         torch.distributed.all_gather(per_rank_stats, local)
         boundary = [dict(zip(BOUNDARY_FIELDS, t.tolist())) for t in per_rank_stats]
 
-    weights = full_weights(engine, args.stage)
+    weights = gathered_weights(engine)  # collective: every rank takes part
     if rank == 0:
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

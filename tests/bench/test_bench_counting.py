@@ -24,7 +24,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import model  # noqa: E402
-from run_bench import free_port  # noqa: E402
+from unit.runtime.zero.zero3_muon_helpers import free_port  # noqa: E402
 
 TINY = [(36, 20), (20, 36), (36, 20)]  # bench/worker.py's "tiny" workload
 

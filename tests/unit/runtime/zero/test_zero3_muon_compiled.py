@@ -2,36 +2,69 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The compiled path: TorchDynamo on in the ranks, so upstream's ``@torch.compile``'d
-Newton-Schulz kernels run through inductor, as they do in production.
+"""The compiled path: upstream's ``torch.compile``'d Newton-Schulz kernels run through inductor in
+the ranks, as they do in production.
 
+The other tests run with ``TORCHDYNAMO_DISABLE=1`` (NS compiles slowly on the CPU), under which
+``torch.compile`` returns the kernels undecorated when ``original_muon`` is imported; here the
+ranks decorate them again, as upstream's ``@compiler.compile()`` does, for the length of the test.
 Slow on the CPU (inductor compiles C++ for each matrix shape), hence one small model. Measured
-here (0.19.8 base, W=2, 3 steps): compiled and eager ZeRO-3 weights are bit-identical (inductor
-keeps fp32 arithmetic, no FMA contraction, and the matmuls are the same library calls); both are
-5.8e-7 from the eager reference, gas=1 vs gas=4 6.1e-7. So the tolerance is the eager one of
-``test_zero3_muon_gas``.
+(0.19.8 base, W=2, 3 steps): compiled and eager ZeRO-3 weights are bit-identical (inductor keeps
+fp32 arithmetic, no FMA contraction, and the matmuls are the same library calls); both are 5.8e-7
+from the eager reference, gas=1 vs gas=4 6.1e-7. So the tolerance is the eager one, ``FLOOR``.
 """
+
+import contextlib
+import os
 
 import pytest
 
-from zero3_muon_common import relative_difference, train_reference
-from zero3_muon_harness import run_distributed
-from zero3_muon_workers import train_runs
+from unit.common import DistributedTest
+from unit.runtime.zero.zero3_muon_helpers import FLOOR, NS_KERNELS, Zero3MuonRun, relative_difference
 
-COMPILED_FLOOR = 2e-6  # = test_zero3_muon_gas.FLOOR
-STEPS = 3
+RUN = Zero3MuonRun(model="cross", gas=4, steps=3)
+
+
+@contextlib.contextmanager
+def compiled_newton_schulz():
+    """Upstream's NS kernels wrapped in ``torch.compile`` (as ``@compiler.compile()`` wraps them when
+    TorchDynamo is on at import), and TorchDynamo on; both restored on exit."""
+    import torch
+    from deepspeed.runtime.zero.muon import original_muon
+    saved_env = os.environ.get("TORCHDYNAMO_DISABLE")
+    saved = {name: getattr(original_muon, name) for name in NS_KERNELS}
+    os.environ["TORCHDYNAMO_DISABLE"] = "0"
+    try:
+        for name, kernel in saved.items():
+            if not hasattr(kernel, "_torchdynamo_orig_callable"):
+                setattr(original_muon, name, torch.compile(kernel))
+        yield
+    finally:
+        for name, kernel in saved.items():
+            setattr(original_muon, name, kernel)
+        if saved_env is None:
+            os.environ.pop("TORCHDYNAMO_DISABLE", None)
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = saved_env
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return RUN.reference()[0]
 
 
 @pytest.mark.slow
-def test_compiled_newton_schulz_matches_eager_reference():
-    per_rank = run_distributed(train_runs,
-                               2, [dict(model="cross", stage=3, gas=4, steps=STEPS),
-                                   dict(model="cross", stage=3, gas=1, steps=STEPS)],
-                               env={"TORCHDYNAMO_DISABLE": "0"},
-                               timeout=1200)
-    gas4, gas1 = per_rank[0]
-    ref_weights, _ = train_reference("cross", STEPS)
-    assert sum(r[0]["ns_per_step"][-1] for r in per_rank) == 2
-    assert gas4["dynamo_graphs"] > 0, "TorchDynamo compiled nothing: this did not test the compiled path"
-    assert relative_difference(ref_weights, gas4["weights"]) <= COMPILED_FLOOR
-    assert relative_difference(gas1["weights"], gas4["weights"]) <= COMPILED_FLOOR
+@pytest.mark.compiled
+class TestZero3MuonCompiled(DistributedTest):
+    world_size = 2
+    reuse_dist_env = True
+    exec_timeout = 1200
+
+    def test_compiled_newton_schulz_matches_eager_reference(self, reference):
+        with compiled_newton_schulz():
+            gas4, gas1 = RUN.train(), RUN.with_(gas=1).train()
+        assert gas4.ns_per_step()[-1] == 2
+        assert sum(r.dynamo_graphs for r in gas4.per_rank) > 0, \
+            "TorchDynamo compiled nothing: this did not test the compiled path"
+        assert relative_difference(reference, gas4.weights) <= FLOOR
+        assert relative_difference(gas1.weights, gas4.weights) <= FLOOR

@@ -12,47 +12,58 @@ async I/O op cannot be built. MiCS (``mics_shard_size``) is gone from both bases
 refuses the key itself, which is checked here too.
 """
 
-import functools
-import tempfile
-
 import pytest
 
-from zero3_muon_harness import run_distributed
-from zero3_muon_workers import initialize_errors
+from unit.common import DistributedTest
+from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun, initialize_error
 
 OURS = "ValueError: ZeRO-3 with the Muon optimizer cannot run"
+RUN = Zero3MuonRun(gas=1, steps=0)
 CASES = {
-    "mics": (dict(zero_extra={"mics_shard_size": 2}), "zero_optimization.mics_shard_size"),
-    "zenflow": (dict(zero_extra={"offload_optimizer": {"device": "cpu"}, "zenflow": {"topk_ratio": 0.1}}),
-                "zero_optimization.zenflow"),
-    "quantized_gradients": (dict(zero_extra={"zero_quantized_gradients": True}),
+    "mics": (RUN.with_(zero=(("mics_shard_size", 2), )), "zero_optimization.mics_shard_size"),
+    "zenflow": (RUN.with_(offload="cpu", zero=(("zenflow", {
+        "topk_ratio": 0.1
+    }), )), "zero_optimization.zenflow"),
+    "quantized_gradients": (RUN.with_(zero=(("zero_quantized_gradients", True), )),
                             "zero_optimization.zero_quantized_gradients"),
-    # Last: torch autocast is process-wide state once an engine has turned it on.
-    "torch_autocast_fp16": (dict(ds_extra={"torch_autocast": {"enabled": True, "dtype": "torch.float16"}}),
-                            "torch_autocast"),
+    "torch_autocast_fp16": (RUN.with_(extra=(("torch_autocast", {
+        "enabled": True,
+        "dtype": "torch.float16"
+    }), )), "torch_autocast"),
 }
 
 
-@functools.lru_cache(maxsize=None)
-def messages():
-    names = list(CASES)
-    return dict(zip(names, run_distributed(initialize_errors, 2, [CASES[n][0] for n in names])[0]))
+class TestZero3MuonErrors(DistributedTest):
+    world_size = 2
+    reuse_dist_env = True
 
+    @pytest.mark.core
+    @pytest.mark.parametrize("name", list(CASES))
+    def test_refused_at_initialize_naming_the_key(self, name):
+        """The error names the offending key, and no other case's key."""
+        from deepspeed.runtime import torch_autocast
+        run, key = CASES[name]
+        # An engine with torch_autocast turns it on for the whole process (module globals):
+        # restore them, these processes run later tests.
+        saved = torch_autocast.TORCH_AUTOCAST_INITIALIZED, torch_autocast.TORCH_AUTOCAST_DTYPE
+        try:
+            message = initialize_error(run)
+        finally:
+            torch_autocast.TORCH_AUTOCAST_INITIALIZED, torch_autocast.TORCH_AUTOCAST_DTYPE = saved
+        assert message is not None and key in message, message
+        prefix = "DeepSpeedConfigError: MiCS ZeRO-3 sharding has been removed" if name == "mics" else OURS
+        assert message.startswith(prefix), message
+        others = [k for n, (_, k) in CASES.items() if n != name]
+        assert not any(other in message for other in others), message
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_refused_at_initialize_naming_the_key(name):
-    message = messages()[name]
-    assert message is not None and CASES[name][1] in message
-    prefix = "DeepSpeedConfigError: MiCS ZeRO-3 sharding has been removed" if name == "mics" else OURS
-    assert message.startswith(prefix)
-
-
-def test_only_the_offending_key_is_named():
-    assert "torch_autocast" not in messages()["zenflow"] and "zenflow" not in messages()["quantized_gradients"]
-
-
-def test_nvme_offload_without_async_io_is_refused():
-    nvme = dict(zero_extra={"offload_optimizer": {"device": "nvme", "nvme_path": tempfile.gettempdir()}})
-    message = run_distributed(initialize_errors, 1, [nvme], pretend_no_async_io=True)[0][0]
-    assert message is not None and "zero_optimization.offload_optimizer.device 'nvme'" in message
-    assert "libaio" in message
+    @pytest.mark.world_size(1)
+    def test_nvme_offload_without_async_io_is_refused(self, tmp_path):
+        from deepspeed.runtime.zero.muon import stage3_binding
+        available = stage3_binding._async_io_available
+        stage3_binding._async_io_available = lambda: False
+        try:
+            message = initialize_error(RUN.with_(offload="nvme"), nvme_dir=tmp_path)
+        finally:
+            stage3_binding._async_io_available = available
+        assert message is not None and "zero_optimization.offload_optimizer.device 'nvme'" in message
+        assert "libaio" in message

@@ -5,112 +5,95 @@
 """ZeRO-3 Muon under gradient accumulation, on W gloo ranks (``DS_ACCELERATOR=cpu``).
 
 Every step trains on the same 16 samples, split into one micro-batch per rank (gas=1) or four
-(gas=4), fp32, momentum 0.95. The weights must then agree, to the fp32 floor, with the same
-ZeRO-3 run at gas=1, with a single-process PyTorch reference calling upstream ``muon_update``,
-and (from 0.19.8, see ZERO2_MATCHES_REFERENCE) with ZeRO-2, whose Muon already runs once per
-step. Newton-Schulz must run once per Muon matrix per step, summed over ranks, and never on a
-non-boundary micro-step.
-
-Tolerance: NS runs in fp32 on the CPU, so runs that differ only in the order of fp32 sums (how
-the samples are split over ranks and micro-steps) agree to the fp32 floor. Measured on this model
-after 4 steps, identical on both bases: gas=1 vs gas=4 at W=1/2/4: 3.9e-7, 4.2e-7, 6.0e-7;
-ZeRO-2 vs ZeRO-3 (0.19.8): 0.0, 3.1e-10, 4.1e-7; reference vs ZeRO-3: 4.2e-7, 4.6e-7, 5.5e-7;
-with clipping 4.3e-7 to 5.0e-7. FLOOR is 2e-6, about 3x the largest. Wrong results are far off:
-momentum advanced per micro-step gave 1e-1 on stock 0.19.7 (shared/background.md), and clipping
-the update instead of the gradient moves these weights by 4e-3.
+(gas=4), fp32, momentum 0.95. The weights must then agree, to the fp32 floor (``FLOOR``, 2e-6:
+about 3x the largest difference measured between such runs, 6.0e-7), with the same ZeRO-3 run at
+gas=1, with a single-process PyTorch reference calling upstream ``muon_update``, and (from 0.19.8,
+see ZERO2_MATCHES_REFERENCE) with ZeRO-2, whose Muon already runs once per step. Newton-Schulz
+must run once per Muon matrix per step, summed over ranks, and never on a non-boundary
+micro-step. Wrong results are far off: momentum advanced per micro-step gave 1e-1 on stock
+0.19.7, and clipping the update instead of the gradient moves these weights by 4e-3.
 """
-
-import functools
 
 import deepspeed
 import pytest
+import torch.distributed as dist
 
-from zero3_muon_common import CrossShapes, build_model, muon_matrix_count, relative_difference, train_reference
-from zero3_muon_harness import run_distributed
-from zero3_muon_workers import train_runs
-
-FLOOR = 2e-6
+from unit.common import DistributedTest
+from unit.runtime.zero.zero3_muon_helpers import (FLOOR, CrossShapes, Zero3MuonRun, build_model, muon_matrix_count,
+                                                  relative_difference)
 
 # Stock 0.19.7's ZeRO-2 Muon does not match upstream muon_update on this model: measured 4.6e-2
 # (two bias-free layers) and 4.9e-2 (MixedMLP) from the reference at W=1, where our ZeRO-3 is at
 # 0.0 and 3.7e-7. ZeRO-2 is a yardstick only from 0.19.8 on; the reference is one on every base.
 ZERO2_MATCHES_REFERENCE = tuple(int(v) for v in deepspeed.__version__.split("+")[0].split(".")[:3]) >= (0, 19, 8)
-STEPS = 4
-CLIP = dict(clip=1.0, target_scale=10.0)  # gradient norms of 10-30: the clip bites every step
-
-RUNS = {
-    "z3_gas1": dict(stage=3, gas=1),
-    "z3_gas4": dict(stage=3, gas=4),
-    "z2_gas4": dict(stage=2, gas=4),
-    "z3_gas4_clip": dict(stage=3, gas=4, **CLIP),
-}
+GAS4 = Zero3MuonRun(model="mixed", gas=4, steps=4)
+CLIPPED = GAS4.with_(clip=1.0, target_scale=10.0)  # gradient norms of 10-30: the clip bites every step
+CROSS = Zero3MuonRun(model="cross", gas=2, steps=3)
 
 
-@functools.lru_cache(maxsize=None)
-def trained(world_size):
-    """Run every entry of RUNS on ``world_size`` ranks in one process group; per-rank results."""
-    names = list(RUNS)
-    per_rank = run_distributed(train_runs, world_size, [dict(model="mixed", steps=STEPS, **RUNS[n]) for n in names])
-    return {name: [rank_results[i] for rank_results in per_rank] for i, name in enumerate(names)}
+@pytest.fixture(scope="module")
+def reference():
+    """Weights of the single-process reference of GAS4 (fp32 numpy by name)."""
+    return GAS4.reference()[0]
 
 
-@functools.lru_cache(maxsize=None)
-def reference(clip=0.0, target_scale=1.0):
-    return train_reference("mixed", STEPS, clip=clip, target_scale=target_scale)
+@pytest.fixture(scope="module")
+def clipped_references():
+    """``(weights, norms)`` of the reference of CLIPPED, and the weights without the clip."""
+    return CLIPPED.reference(), CLIPPED.with_(clip=0.0).reference()[0]
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("run", ["z3_gas1", "z3_gas4"])
-def test_newton_schulz_once_per_matrix_per_step(world_size, run):
-    results = trained(world_size)[run]
-    matrices = muon_matrix_count("mixed")
-    per_step = [sum(r["ns_per_step"][s] for r in results) for s in range(STEPS)]
-    assert per_step == [matrices] * STEPS
-    assert sum(r["ns_off_boundary"] for r in results) == 0
-    assert sum(r["stats"]["ns_calls"] for r in results) == matrices * STEPS
-    assert all(r["stats"]["optimizer_steps"] == STEPS for r in results)
-    assert all(r["dynamo_graphs"] == 0 for r in results), "ordinary tests run Newton-Schulz eagerly"
+@pytest.fixture(scope="module")
+def cross_reference():
+    return CROSS.reference()[0]
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_gas_equivalence(world_size):
-    runs = {name: results[0]["weights"] for name, results in trained(world_size).items()}
-    ref_weights, _ = reference()
-    assert relative_difference(runs["z3_gas1"], runs["z3_gas4"]) <= FLOOR
-    if ZERO2_MATCHES_REFERENCE:
-        assert relative_difference(runs["z2_gas4"], runs["z3_gas4"]) <= FLOOR
-    assert relative_difference(ref_weights, runs["z3_gas4"]) <= FLOOR
-    assert relative_difference(ref_weights, runs["z3_gas1"]) <= FLOOR
-    # The weights moved: a broken optimizer step cannot pass as "equal".
-    initial = {n: p.detach().numpy() for n, p in build_model("mixed").named_parameters()}
-    assert relative_difference(initial, runs["z3_gas4"]) > 1000 * FLOOR
+class TestZero3MuonGas(DistributedTest):
+    reuse_dist_env = True
 
+    @pytest.mark.core
+    @pytest.mark.parametrize("world_size", [1, 2, 4])
+    def test_gas4_matches_gas1_zero2_and_reference(self, world_size, reference):
+        """gas=4 = gas=1 = ZeRO-2 gas=4 = reference; NS once per matrix per step; the same
+        weights on every rank; and the weights moved (a broken step cannot pass as "equal")."""
+        runs = {"gas4": GAS4.train(), "gas1": GAS4.with_(gas=1).train()}
+        if ZERO2_MATCHES_REFERENCE:
+            runs["zero2"] = GAS4.with_(stage=2).train()
+        matrices = muon_matrix_count("mixed")
+        for name in ("gas4", "gas1"):
+            result = runs[name]
+            result.assert_newton_schulz_once_per_matrix_per_step(matrices, GAS4.steps)
+            assert sum(r.stats["ns_calls"] for r in result.per_rank) == matrices * GAS4.steps, name
+            assert all(r.stats["optimizer_steps"] == GAS4.steps for r in result.per_rank), name
+            assert all(r.dynamo_graphs == 0 for r in result.per_rank), "ordinary tests run Newton-Schulz eagerly"
+            assert relative_difference(reference, result.weights) <= FLOOR, name
+        assert relative_difference(runs["gas1"].weights, runs["gas4"].weights) <= FLOOR
+        if ZERO2_MATCHES_REFERENCE:
+            assert relative_difference(runs["zero2"].weights, runs["gas4"].weights) <= FLOOR
+        initial = {n: p.detach() for n, p in build_model("mixed").named_parameters()}
+        assert relative_difference(initial, runs["gas4"].weights) > 1000 * FLOOR
+        every_rank = [None] * world_size
+        dist.all_gather_object(every_rank, runs["gas4"].weights)
+        for other in every_rank[1:]:
+            assert relative_difference(every_rank[0], other) == 0.0
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_weights_identical_on_every_rank(world_size):
-    results = trained(world_size)["z3_gas4"]
-    for other in results[1:]:
-        assert relative_difference(results[0]["weights"], other["weights"]) == 0.0
+    @pytest.mark.core
+    @pytest.mark.parametrize("world_size", [1, 2])
+    def test_clipping_feeds_the_momentum_like_clip_grad_norm(self, world_size, clipped_references):
+        """gradient_clipping 1.0 with a clip that bites: ZeRO-3 matches clip_grad_norm_ + Muon, and
+        get_global_grad_norm() reports the raw (pre-clip) norm."""
+        (ref_weights, ref_norms), unclipped_weights = clipped_references
+        assert min(ref_norms) > 5 * CLIPPED.clip, "the clip must bite for this test to mean anything"
+        assert relative_difference(ref_weights, unclipped_weights) > 100 * FLOOR
+        result = CLIPPED.train()
+        assert relative_difference(ref_weights, result.weights) <= FLOOR
+        for ours, theirs in zip(result.norms, ref_norms):
+            assert ours == pytest.approx(theirs, rel=FLOOR)
 
-
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_clipping_feeds_the_momentum_like_clip_grad_norm(world_size):
-    """gradient_clipping 1.0 with a clip that bites: ZeRO-3 matches clip_grad_norm_ + Muon, and
-    get_global_grad_norm() reports the raw (pre-clip) norm."""
-    results = trained(world_size)["z3_gas4_clip"]
-    ref_weights, ref_norms = reference(**CLIP)
-    unclipped_weights, _ = reference(target_scale=CLIP["target_scale"])
-    assert min(ref_norms) > 5 * CLIP["clip"], "the clip must bite for this test to mean anything"
-    assert relative_difference(ref_weights, unclipped_weights) > 100 * FLOOR
-    assert relative_difference(ref_weights, results[0]["weights"]) <= FLOOR
-    for ours, theirs in zip(results[0]["norms"], ref_norms):
-        assert ours == pytest.approx(theirs, rel=FLOOR)
-
-
-def test_cross_shapes_train_at_two_ranks():
-    """48x64 and 64x48 weights crash stock 0.19.7's reduce-path Muon at W=2; here they train."""
-    per_rank = run_distributed(train_runs, 2, [dict(model="cross", stage=3, gas=2, steps=3)])
-    ref_weights, _ = train_reference("cross", 3)
-    assert relative_difference(ref_weights, per_rank[0][0]["weights"]) <= FLOOR
-    assert sum(r[0]["ns_per_step"][-1] for r in per_rank) == 2
-    assert CrossShapes().a.weight.shape == (48, 64)
+    @pytest.mark.world_size(2)
+    def test_cross_shapes_train_at_two_ranks(self, cross_reference):
+        """48x64 and 64x48 weights crash stock 0.19.7's reduce-path Muon at W=2; here they train."""
+        assert CrossShapes().a.weight.shape == (48, 64)
+        result = CROSS.train()
+        assert relative_difference(cross_reference, result.weights) <= FLOOR
+        assert result.ns_per_step()[-1] == 2

@@ -19,7 +19,7 @@ import torch
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum_math import (all_finite_flags, momentum_and_ns_input_, ns_output_dtype,
                                                        orthogonalize)
-from zero3_muon_common import reference_muon_update
+from unit.runtime.zero.zero3_muon_helpers import reference_muon_update
 
 HAS_PER_HEAD = hasattr(original_muon, "_per_head_orthogonalize")
 

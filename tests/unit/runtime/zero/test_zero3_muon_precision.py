@@ -8,109 +8,55 @@ fp16 and bf16 forward passes cannot be reproduced bit for bit by a single-proces
 run (W=2, gas=2, 8 steps) records, at every optimizer step, every Muon matrix's accumulated
 gradient as DeepSpeed's reduce path left it (still multiplied by the loss scale), the loss scale,
 the gradient that entered the Muon update, the momentum after it and the fp32 master weights
-(``zero3_muon_replay``). The replay recomputes, from the accumulated gradients and loss scales
-alone, what ``clip_grad_norm_`` on the raw gradients followed by upstream ``muon_update`` in fp32
-gives. Stock 0.19.8 fails this: its momentum keeps loss-scaled gradients (40-70% off once the
-scale changes) and it clips the orthogonalized update.
+(``zero3_muon_helpers.Recorder``). The replay recomputes, from the accumulated gradients and loss
+scales alone, what ``clip_grad_norm_`` on the raw gradients followed by upstream ``muon_update``
+in fp32 gives. Stock 0.19.8 fails this: its momentum keeps loss-scaled gradients (40-70% off once
+the scale changes) and it clips the orthogonalized update.
 
 fp16 on the CPU accelerator: DeepSpeed refuses fp16 there although fp16 tensors work on the CPU;
-the fp16 runs claim accelerator support while their engine is built (``fp16_allowed_on_cpu`` in
-``zero3_muon_workers``), then Newton-Schulz keeps its fp32 compute dtype.
+the fp16 runs claim accelerator support while their engine is built (``fp16_allowed_on_cpu``),
+then Newton-Schulz keeps its fp32 compute dtype.
 
-Tolerance (REPLAY_FLOOR = 1e-6): the gradient entering Muon and the momentum are elementwise fp32
-operations on the same values and come out bit-identical (measured 0.0); the master weights
-differ by at most one ulp (measured 3.4e-7 to 4.2e-7 relative) where the optimizer's vectorized
-update of the flat partition and the replay's update of the whole matrix put different elements in
-the scalar remainder loop.
+Tolerance: ``REPLAY_FLOOR`` = 1e-6 (the gradient entering Muon and the momentum come out
+bit-identical; master weights within one ulp, see its docstring).
 """
 
-import functools
 import math
 
 import numpy as np
 import pytest
 
-from zero3_muon_common import HYPER, build_model, is_muon_param
-from zero3_muon_harness import run_distributed
-from zero3_muon_replay import max_relative_error, replay
-from zero3_muon_workers import train_runs
+from unit.common import DistributedTest
+from unit.runtime.zero.zero3_muon_helpers import (HYPER, REPLAY_FLOOR, Zero3MuonRun, build_model, is_muon_param,
+                                                  max_relative_error, replay)
 
-REPLAY_FLOOR = 1e-6
-STEPS = 8
-FP16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}}
-BF16 = {"bf16": {"enabled": True}}
 OVERFLOWS = (3, 5)  # steps whose first micro-batch overflows fp16: the scale goes down twice, up in between
+BASE = Zero3MuonRun(gas=2, steps=8)
+FP16 = BASE.with_(dtype="fp16", overflow_steps=OVERFLOWS)
 BITES = dict(clip=1.0, target_scale=10.0)  # gradient norms of 8-30
 LOOSE = dict(clip=100.0)  # never reached
-
-RUNS = {
-    "fp16": dict(ds_extra=FP16, fp16_on_cpu=True, overflow_steps=OVERFLOWS),
-    "fp16_offload": dict(ds_extra=FP16, fp16_on_cpu=True, overflow_steps=OVERFLOWS,
-                         zero_extra={"offload_optimizer": {"device": "cpu"}}),
-    "fp16_clip": dict(ds_extra=FP16, fp16_on_cpu=True, overflow_steps=OVERFLOWS[:1], **BITES),
-    "fp16_clip_loose": dict(ds_extra=FP16, fp16_on_cpu=True, **LOOSE),
-    "bf16": dict(ds_extra=BF16),
-    "bf16_clip": dict(ds_extra=BF16, **BITES),
-    "bf16_clip_loose": dict(ds_extra=BF16, **LOOSE),
-    "fp32_clip": dict(**BITES),
-    "fp32_clip_loose": dict(**LOOSE),
-}
 MUON_NAMES = [n for n, p in build_model("mixed").named_parameters() if is_muon_param(n, p)]
 
 
-@functools.lru_cache(maxsize=None)
-def recorded():
-    names = list(RUNS)
-    per_rank = run_distributed(train_runs, 2, [dict(gas=2, steps=STEPS, record=True, **RUNS[n]) for n in names],
-                               timeout=1200)
-    return dict(zip(names, per_rank[0]))
-
-
-def _replayed(name):
-    run = recorded()[name]
-    return run, replay(run["records"], MUON_NAMES, HYPER, clip=RUNS[name].get("clip", 0.0))
-
-
-@pytest.mark.parametrize("name", list(RUNS))
-def test_muon_update_matches_replay(name):
-    run, steps = _replayed(name)
-    for key in ("entered", "momentum", "master"):
-        pairs = [step[n][key] for step in steps for n in MUON_NAMES if key in step[n]]
-        assert pairs and max_relative_error(pairs) <= REPLAY_FLOOR, key
-    assert set(run["momentum_dtypes"]) == {"torch.float32"}
-
-
-@pytest.mark.parametrize("name", list(RUNS))
-def test_reported_norm_is_the_raw_gradient_norm(name):
-    steps = [s for s in recorded()[name]["records"][0] if not s["skipped"]]
-    assert steps
-    for step in steps:
-        assert step["norm"] == pytest.approx(step["norm_from_gradients"], rel=1e-5)
-
-
-@pytest.mark.parametrize("name", ["fp16", "fp16_offload"])
-def test_loss_scale_moves_both_ways_and_overflow_steps_change_nothing(name):
-    run = recorded()[name]
-    scales = run["loss_scales"]
+def loss_scale_moves_both_ways_and_overflow_steps_change_nothing(run, result):
+    scales = result.loss_scales
     assert any(b > a for a, b in zip(scales, scales[1:])) and any(b < a for a, b in zip(scales, scales[1:]))
-    steps, initial = run["records"]
-    assert [i for i, s in enumerate(steps) if s["skipped"]] == list(OVERFLOWS)
-    for i in OVERFLOWS:
+    steps, _ = result.records
+    assert [i for i, s in enumerate(steps) if s["skipped"]] == list(run.overflow_steps)
+    for i in run.overflow_steps:
         for n in MUON_NAMES:
             assert np.array_equal(steps[i][n]["momentum"], steps[i - 1][n]["momentum"])
             assert np.array_equal(steps[i][n]["master"], steps[i - 1][n]["master"])
 
 
-@pytest.mark.parametrize("name", ["fp16_clip", "bf16_clip", "fp32_clip"])
-def test_clip_bites_but_muon_steps_keep_their_size(name):
+def clip_bites_but_muon_steps_keep_their_size(run, result):
     """With the clip biting (raw norms 8-30 against 1.0), each Muon matrix still moves by lr times
     an orthogonal matrix's norm, ~sqrt(min(rows, cols)) times the aspect-ratio scale: clipping
     only rescales what enters the momentum. (Clipping the orthogonalized update instead, as
     stock ZeRO does, divides every step by the norm of all the updates: over 7.5 here, from the
     three Muon matrices alone.)"""
-    run = recorded()[name]
-    steps, initial = run["records"]
-    assert min(s["norm"] for s in steps if not s["skipped"]) > 5 * RUNS[name]["clip"]
+    steps, initial = result.records
+    assert min(s["norm"] for s in steps if not s["skipped"]) > 5 * run.clip
     previous = initial
     lr, wd = HYPER["muon_lr"], HYPER["weight_decay"]
     for step in steps:
@@ -124,7 +70,45 @@ def test_clip_bites_but_muon_steps_keep_their_size(name):
         previous = {n: step[n]["master"] for n in MUON_NAMES}
 
 
-@pytest.mark.parametrize("name", ["fp16_clip_loose", "bf16_clip_loose", "fp32_clip_loose"])
-def test_loose_clip_does_not_bite(name):
-    steps = recorded()[name]["records"][0]
-    assert max(s["norm"] for s in steps if not s["skipped"]) < RUNS[name]["clip"]
+def loose_clip_does_not_bite(run, result):
+    steps, _ = result.records
+    assert max(s["norm"] for s in steps if not s["skipped"]) < run.clip
+
+
+RUNS = {
+    "fp16": (FP16, loss_scale_moves_both_ways_and_overflow_steps_change_nothing),
+    "fp16_offload": (FP16.with_(offload="cpu"), loss_scale_moves_both_ways_and_overflow_steps_change_nothing),
+    "fp16_clip": (FP16.with_(overflow_steps=OVERFLOWS[:1], **BITES), clip_bites_but_muon_steps_keep_their_size),
+    "fp16_clip_loose": (BASE.with_(dtype="fp16", **LOOSE), loose_clip_does_not_bite),
+    "bf16": (BASE.with_(dtype="bf16"), None),
+    "bf16_clip": (BASE.with_(dtype="bf16", **BITES), clip_bites_but_muon_steps_keep_their_size),
+    "bf16_clip_loose": (BASE.with_(dtype="bf16", **LOOSE), loose_clip_does_not_bite),
+    "fp32_clip": (BASE.with_(**BITES), clip_bites_but_muon_steps_keep_their_size),
+    "fp32_clip_loose": (BASE.with_(**LOOSE), loose_clip_does_not_bite),
+}
+CORE = {"fp16", "bf16_clip"}
+
+
+class TestZero3MuonPrecision(DistributedTest):
+    world_size = 2
+    reuse_dist_env = True
+
+    @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.core] if n in CORE else []) for n in RUNS])
+    def test_muon_update_matches_replay(self, name):
+        """The gradient entering Muon, the momentum and the master weights match the replay at
+        every step; the momentum is fp32; ``get_global_grad_norm()`` is the raw gradient norm
+        (1e-5: a norm of the fp32 partitions summed in another order); and the run's own property
+        (loss scale, clip biting or not)."""
+        run, check = RUNS[name]
+        result = run.train(record=True)
+        steps = replay(result.records, MUON_NAMES, HYPER, clip=run.clip)
+        for key in ("entered", "momentum", "master"):
+            pairs = [step[n][key] for step in steps for n in MUON_NAMES if key in step[n]]
+            assert pairs and max_relative_error(pairs) <= REPLAY_FLOOR, key
+        assert set(result.momentum_dtypes) == {"torch.float32"}
+        recorded = [s for s in result.records[0] if not s["skipped"]]
+        assert recorded
+        for step in recorded:
+            assert step["norm"] == pytest.approx(step["norm_from_gradients"], rel=1e-5)
+        if check is not None:
+            check(run, result)

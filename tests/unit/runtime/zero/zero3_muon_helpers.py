@@ -1,0 +1,947 @@
+# Copyright (c) 2026 The zero3muon authors
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Shared by the ZeRO-3 Muon tests, the benchmark (``bench/``) and the demo (``examples/demo/``).
+
+- Tolerances (``FLOOR``, ``BF16_NS_FLOOR``, ``REPLAY_FLOOR``), ``relative_difference``,
+  ``free_port``, ``NSCounter`` (Newton-Schulz calls, by wrapping upstream's kernels) and
+  ``gathered_weights`` (full weights, one parameter at a time under ZeRO-3): used by all three.
+- Models, per-step data, DeepSpeed configs and the single-process reference
+  (``train_reference``): what a PyTorch user writes by hand, one process, the whole batch of a
+  step at once, optionally ``torch.nn.utils.clip_grad_norm_``, then upstream ``muon_update`` per
+  Muon matrix (weight decay and ``-lr * update`` as ``MuonWithAuxAdam`` applies them) and
+  ``torch.optim.AdamW`` for everything else.
+- ``Zero3MuonRun``: one DeepSpeed training run, described as data; ``train()`` runs it on every
+  rank of the current process group and returns a ``Zero3MuonResult``.
+- ``Recorder`` / ``replay``: what the boundary update saw and did at every step, recomputed with
+  upstream ``muon_update`` (for fp16/bf16 runs no single-process model reproduces bit for bit).
+
+Importable as ``unit.runtime.zero.zero3_muon_helpers`` with ``tests/`` on sys.path (pytest's
+conftest puts it there; bench and demo add it). Imports only numpy and torch at module level and
+upstream DeepSpeed names inside functions, so it loads under stock DeepSpeed too (the benchmark).
+The measurements behind the tolerances are in docs/configurations.md.
+"""
+
+import contextlib
+import dataclasses
+import glob
+import os
+import socket
+import types
+from typing import Optional
+
+import numpy as np
+import torch
+
+FLOOR = 2e-6
+"""Relative weight difference allowed between two fp32 runs that differ only in the order of fp32
+sums (samples split differently over ranks and micro-steps, reference vs ZeRO-3). Newton-Schulz
+runs in fp32 on the CPU; the largest such difference measured on the test models after 4 steps
+is 6.0e-7 (gas=1 vs gas=4 at W=4), so FLOOR is about 3x that. Wrong results are far off:
+momentum advanced per micro-step gives 1e-1, clipping the update instead of the gradient 4e-3."""
+
+BF16_NS_FLOOR = 5e-3
+"""For runs using the "standard" Newton-Schulz kernel, which computes in bf16 on the CPU: one
+bf16 rounding that falls the other way (2^-8 relative) after a 1e-7 input difference moves the
+weights by up to ~1e-3 (5.3e-4 measured in a two-group run)."""
+
+REPLAY_FLOOR = 1e-6
+"""Replay of recorded fp16/bf16/fp32 steps: the gradient entering Muon and the momentum come out
+bit-identical (measured 0.0); master weights differ by at most one ulp (3.4e-7 to 4.2e-7
+measured) where the vectorized flat-partition update and the whole-matrix replay put different
+elements in the scalar remainder loop."""
+
+OVERFLOW_FACTOR = 1e6
+"""Multiplies the inputs of a step's first micro-batch on an ``overflow_steps`` step: fp16 overflows."""
+
+NS_KERNELS = ("zeropower_via_gram_newtonschulz", "zeropower_via_newtonschulz5")
+"""Upstream's Newton-Schulz kernels, module attributes of ``deepspeed.runtime.zero.muon.original_muon``."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for torchrun's ``--master_port``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _float64(x):
+    if torch.is_tensor(x):
+        return x.detach().double().cpu().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def relative_difference(a, b) -> float:
+    """``||a - b|| / ||a||`` over all parameters.
+
+    Args:
+        a, b: dicts name -> array (numpy or torch, any float dtype) with the same keys, or
+            sequences of arrays of equal length, paired in order.
+
+    Raises:
+        ValueError: the keys (or lengths) differ.
+    """
+    if isinstance(a, dict):
+        if a.keys() != b.keys():
+            raise ValueError(f"different parameter names: {sorted(a)} vs {sorted(b)}")
+        pairs = [(a[k], b[k]) for k in a]
+    else:
+        a, b = list(a), list(b)
+        if len(a) != len(b):
+            raise ValueError(f"different numbers of parameters: {len(a)} vs {len(b)}")
+        pairs = list(zip(a, b))
+    num = den = 0.0
+    for x, y in pairs:
+        x, y = _float64(x), _float64(y)
+        num += float(np.sum((x - y)**2))
+        den += float(np.sum(x**2))
+    return (num / den)**0.5
+
+
+class NSCounter:
+    """Counts calls into upstream's Newton-Schulz kernels by replacing the ``original_muon`` module
+    attributes with counting wrappers (every caller looks them up there at call time).
+
+    Install before the first optimizer step; ``uninstall`` (or leaving the ``with`` block)
+    restores the kernels. Works on stock DeepSpeed too.
+
+    Attributes:
+        count: all calls; by_kernel: calls per kernel name (NS_KERNELS).
+    """
+
+    def __init__(self):
+        self.count = 0
+        self.by_kernel = dict.fromkeys(NS_KERNELS, 0)
+        self._saved = {}
+
+    def install(self):
+        from deepspeed.runtime.zero.muon import original_muon
+        for name in NS_KERNELS:
+            kernel = self._saved[name] = getattr(original_muon, name)
+
+            def counted(*args, _kernel=kernel, _name=name, **kwargs):
+                self.count += 1
+                self.by_kernel[_name] += 1
+                return _kernel(*args, **kwargs)
+
+            setattr(original_muon, name, counted)
+        return self
+
+    def uninstall(self):
+        from deepspeed.runtime.zero.muon import original_muon
+        for name, kernel in self._saved.items():
+            setattr(original_muon, name, kernel)
+        self._saved = {}
+
+    def __enter__(self):
+        return self.install()
+
+    def __exit__(self, *exc):
+        self.uninstall()
+
+
+def gathered_weights(engine) -> dict:
+    """Full parameters of ``engine.module`` by name, fp32 CPU tensors, on every rank (collective
+    under ZeRO-3). Under ZeRO-3 one parameter at a time: stock 0.19.7 gathers several at once
+    and waits on the last handle only, which on gloo can return before the others arrive."""
+    import deepspeed
+    weights = {}
+    for name, param in engine.module.named_parameters():
+        ctx = deepspeed.zero.GatheredParameters([param]) if hasattr(param, "ds_id") else contextlib.nullcontext()
+        with ctx:
+            weights[name] = param.detach().float().cpu().clone()
+    return weights
+
+
+@contextlib.contextmanager
+def fp32_newton_schulz():
+    """Newton-Schulz's "gram" kernel in fp32 on the CPU, the tests' premise (FLOOR), on any CPU.
+
+    Upstream's ``ns_compute_dtype`` runs "gram" in fp16 where the accelerator supports fp16, and
+    DeepSpeed's CPU accelerator does on CPUs whose oneDNN has fp16 (AVX512-FP16 or AMX,
+    ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``); there the reference and ZeRO-3 then differ
+    by 5.7e-4 (measured, MixedMLP, 4 steps) instead of the fp32 floor. While a test trains or
+    replays, the CPU accelerator reports no fp16 (fp16 engines claim it back while they are built,
+    ``fp16_allowed_on_cpu``). Other accelerators are left alone."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        yield
+        return
+    original = accelerator.is_fp16_supported
+    accelerator.is_fp16_supported = lambda: False
+    try:
+        yield
+    finally:
+        accelerator.is_fp16_supported = original
+
+
+@contextlib.contextmanager
+def fp16_allowed_on_cpu(enabled=True):
+    """DeepSpeed refuses fp16 on the CPU accelerator, although fp16 tensors work on the CPU. The
+    fp16 tests claim support while the engine is built (and only then, so that Newton-Schulz
+    keeps its fp32 compute dtype on the CPU, the precision the reference uses)."""
+    if not enabled:
+        yield
+        return
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    original = accelerator.is_fp16_supported
+    accelerator.is_fp16_supported = lambda: True
+    try:
+        yield
+    finally:
+        accelerator.is_fp16_supported = original
+
+
+TOTAL_SAMPLES = 16
+"""Samples per optimizer step, whatever the world size and gradient accumulation."""
+
+HYPER = dict(muon_lr=0.02, adam_lr=0.003, momentum=0.95, weight_decay=0.01, betas=(0.9, 0.95), eps=1e-8)
+
+
+class MixedMLP(torch.nn.Module):
+    """Matrices of different shapes, none of whose sizes divides by 2, 3 or 4, plus 1-D params.
+
+    Muon matrices: 33x21 (tall), 17x33 (wide), 7x17 (wide); AdamW: two biases and a LayerNorm.
+    Input (N, 21) fp32, output (N, 7).
+    """
+    in_dim, out_dim = 21, 7
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(21, 33)
+        self.fc2 = torch.nn.Linear(33, 17, bias=False)
+        self.fc3 = torch.nn.Linear(17, 7)
+        self.norm = torch.nn.LayerNorm(7)
+
+    def forward(self, x):
+        return self.norm(self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x))))))
+
+
+class CrossShapes(torch.nn.Module):
+    """Two bias-free Linear layers with weights 48x64 and 64x48, the shapes that crash stock
+    DeepSpeed 0.19.7's reduce-path Muon at W=2. Input (N, 64), output (N, 64)."""
+    in_dim, out_dim = 64, 64
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(64, 48, bias=False)
+        self.b = torch.nn.Linear(48, 64, bias=False)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+class Routed(torch.nn.Module):
+    """A branch only some samples use, so some steps (and some micro-steps) give it no gradient.
+
+    Samples whose first input feature is positive also go through ``extra`` (a 9x21 Muon matrix
+    and a bias). ``step_batch`` sets that feature so that in step 0 only the last 4 samples use
+    the branch (at gas=4 it gets no gradient in the first micro-steps), in step 1 none does (no
+    gradient in the whole step), in step 2 all do, in step 3 the first 4. Input (N, 21), output (N, 9).
+    """
+    in_dim, out_dim = 21, 9
+    ROUTES = {0: range(12, 16), 1: range(0), 2: range(16), 3: range(0, 4)}
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(21, 9)
+        self.extra = torch.nn.Linear(21, 9)
+
+    def forward(self, x):
+        out = self.fc(x)
+        routed = x[:, 0] > 0
+        if bool(routed.any()):
+            out = out + torch.where(routed[:, None], self.extra(x), torch.zeros_like(out))
+        return out
+
+
+class Shapes(torch.nn.Module):
+    """The tensor shapes Muon dispatches on: a 3-D expert weight (``is_expert_group``: NS per
+    expert), a 4-D convolution weight (flattened), and a 1x3 matrix with fewer elements than
+    ranks. Input (N, 12), output (N, 6)."""
+    in_dim, out_dim = 12, 6
+
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.Parameter(torch.randn(3, 5, 12) * 0.3)  # (expert, out, in)
+        self.experts.is_expert_group = True
+        self.conv = torch.nn.Conv2d(3, 4, kernel_size=(2, 3), bias=False)  # weight (4, 3, 2, 3)
+        self.tiny = torch.nn.Linear(3, 1, bias=False)  # weight (1, 3)
+        self.head = torch.nn.Linear(16 + 1, 6)
+
+    def forward(self, x):
+        mixed = torch.einsum("eoi,ni->neo", self.experts, x).mean(1)  # (N, 5)
+        image = torch.tanh(x.view(-1, 3, 2, 2).repeat(1, 1, 2, 2))  # (N, 3, 4, 4)
+        features = self.conv(image).mean(dim=(2, 3))  # (N, 4)
+        tiny = self.tiny(x[:, :3])  # (N, 1)
+        hidden = torch.cat([torch.tanh(mixed), features, torch.tanh(x[:, 3:10]), tiny], dim=1)  # (N, 17)
+        return self.head(hidden)
+
+
+class Frozen(MixedMLP):
+    """MixedMLP with its first layer frozen (``requires_grad=False``): no optimizer state, no update."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1.requires_grad_(False)
+
+
+class Heads(torch.nn.Module):
+    """Attention-style projections that ``per_head_muon`` splits into heads: ``attn.q_proj``
+    (24x24, 4 heads of 6 rows) and ``attn.k_proj`` (12x24, 2 key/value heads), found through a
+    Hugging Face style ``config``; ``attn.o_proj`` and ``out`` stay whole. Input (N, 24), output (N, 5)."""
+    in_dim, out_dim = 24, 5
+    MUON_HEADS = {"attn.q_proj.weight": 4, "attn.k_proj.weight": 2}
+
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=24, head_dim=6)
+        self.attn = torch.nn.Module()
+        self.attn.q_proj = torch.nn.Linear(24, 24, bias=False)
+        self.attn.k_proj = torch.nn.Linear(24, 12, bias=False)
+        self.attn.o_proj = torch.nn.Linear(24, 24, bias=False)
+        self.out = torch.nn.Linear(24, 5)
+
+    def forward(self, x):
+        q = self.attn.q_proj(x)
+        k = self.attn.k_proj(x).repeat(1, 2)
+        return self.out(self.attn.o_proj(torch.tanh(q) * torch.tanh(k)))
+
+
+MODELS = {
+    "mixed": MixedMLP,
+    "cross": CrossShapes,
+    "routed": Routed,
+    "shapes": Shapes,
+    "frozen": Frozen,
+    "heads": Heads
+}
+
+
+def build_model(name: str, seed: int = 0) -> torch.nn.Module:
+    """A fresh model with weights fixed by ``seed`` (identical on every rank)."""
+    torch.manual_seed(seed)
+    return MODELS[name]()
+
+
+def is_muon_param(name: str, param: torch.Tensor) -> bool:
+    """DeepSpeed's rule (``set_optimizer_flags``): matrices, except embeddings and the LM head."""
+    return param.ndim >= 2 and not any(key in name.lower() for key in ("embed", "lm_head"))
+
+
+def muon_matrix_count(name: str) -> int:
+    """Number of parameters of model ``name`` that DeepSpeed optimizes with Muon."""
+    return sum(1 for n, p in build_model(name).named_parameters() if is_muon_param(n, p) and p.requires_grad)
+
+
+def step_batch(name: str, step: int, target_scale: float = 1.0, samples: int = TOTAL_SAMPLES):
+    """The samples of optimizer step ``step``: inputs (N, in) and targets (N, out), N = ``samples``."""
+    model_cls = MODELS[name]
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(samples, model_cls.in_dim, generator=gen)
+    y = torch.randn(samples, model_cls.out_dim, generator=gen) * target_scale
+    routes = getattr(model_cls, "ROUTES", None)
+    if routes is not None:
+        x[:, 0] = -1.0
+        x[list(routes[step % len(routes)]), 0] = 1.0
+    return x, y
+
+
+def loss_fn(out, target):
+    return torch.nn.functional.mse_loss(out, target)
+
+
+def ds_config(stage: int,
+              gas: int,
+              world_size: int,
+              clip: float = 0.0,
+              zero_extra=None,
+              hyper=HYPER,
+              samples: int = TOTAL_SAMPLES,
+              partition_all: bool = True) -> dict:
+    """A DeepSpeed config for ``samples`` samples per step split over ranks and micro-steps.
+
+    With ``partition_all`` (stage 3) every parameter is partitioned and fetched for each use, as a
+    large model's matrices are (``stage3_param_persistence_threshold: 0``; at the default 1e5
+    elements every parameter of these small models would stay whole on every rank)."""
+    zero = {"stage": stage}
+    if stage == 3 and partition_all:
+        zero["stage3_param_persistence_threshold"] = 0
+    zero.update(zero_extra or {})
+    return {
+        "train_batch_size": samples,
+        "train_micro_batch_size_per_gpu": samples // (world_size * gas),
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "optimizer": {
+            "type": "Muon",
+            "params": {
+                "muon_lr": hyper["muon_lr"],
+                "adam_lr": hyper["adam_lr"],
+                "momentum": hyper["momentum"],
+                "weight_decay": hyper["weight_decay"],
+                "betas": list(hyper["betas"]),
+                "eps": hyper["eps"],
+            },
+        },
+        "zero_optimization": zero,
+    }
+
+
+GROUPINGS = {
+    # MixedMLP's first layer in a Muon group of its own, with its own momentum, learning rate and
+    # weight decay; the rest takes the config's settings.
+    "two_muon_groups":
+    lambda model: [
+        dict(params=list(model.fc1.parameters()), momentum=0.8, lr=0.01, weight_decay=0.0),
+        dict(params=[p for n, p in model.named_parameters() if not n.startswith("fc1.")]),
+    ],
+    # The first layer orthogonalized by the "standard" Newton-Schulz kernel, the rest by "gram".
+    "standard_first":
+    lambda model: [
+        dict(params=list(model.fc1.parameters()), ns_method="standard"),
+        dict(params=[p for n, p in model.named_parameters() if not n.startswith("fc1.")]),
+    ],
+}
+
+
+def param_groups(model, grouping=None):
+    """``model_parameters`` for ``deepspeed.initialize``: all parameters, or GROUPINGS[grouping]."""
+    if grouping is None:
+        return list(model.parameters())
+    return GROUPINGS[grouping](model)
+
+
+def _muon_settings(model, grouping, hyper):
+    """Per parameter name, the Muon or AdamW settings DeepSpeed's Muon engine resolves: the
+    config's shared values, ``muon_lr`` / ``adam_lr``, then the group's own (engine
+    ``_muon_param_groups``)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    settings = {}
+    for group in param_groups(model, grouping) if grouping else [dict(params=list(model.parameters()))]:
+        overrides = {k: v for k, v in group.items() if k != "params"}
+        for p in group["params"]:
+            name = names[id(p)]
+            if is_muon_param(name, p):
+                base = dict(lr=hyper["muon_lr"], momentum=hyper["momentum"], weight_decay=hyper["weight_decay"],
+                            ns_method="gram")
+                keys = ("lr", "momentum", "weight_decay", "ns_method")
+            else:
+                base = dict(lr=hyper["adam_lr"], betas=hyper["betas"], eps=hyper["eps"], weight_decay=hyper["weight_decay"])
+                keys = ("lr", "betas", "eps", "weight_decay")
+            base.update({k: v for k, v in overrides.items() if k in keys})
+            settings[name] = base
+    return settings
+
+
+def reference_muon_update(grad, momentum, beta, ns_method="gram", is_expert_group=False, num_heads=None):
+    """Upstream ``muon_update``, except for 4-D convolution weights, where it fails in its final
+    ``torch.where(finite, update, grad)`` ((out, in*kh*kw) does not broadcast against
+    (out, in, kh, kw)); for those its own steps are composed as Keller Jordan's Muon does them:
+    the same lerps, NS on the weight flattened to (out, -1), scaled by its last two dimensions."""
+    from deepspeed.runtime.zero.muon import original_muon
+    if num_heads is not None:
+        return original_muon.muon_update(grad, momentum, beta=beta, ns_method=ns_method, num_heads=num_heads)
+    if grad.ndim != 4 or is_expert_group:
+        return original_muon.muon_update(grad, momentum, beta=beta, ns_method=ns_method,
+                                         is_expert_group=is_expert_group)
+    momentum.lerp_(grad, 1 - beta)
+    x = grad.lerp_(momentum, beta).view(len(grad), -1)
+    kernel = original_muon.zeropower_via_gram_newtonschulz
+    if ns_method == "standard":
+        kernel = original_muon.zeropower_via_newtonschulz5
+    return kernel(x, steps=5) * max(1, grad.size(-2) / grad.size(-1))**0.5
+
+
+def train_reference(*args, **kwargs):
+    """``_train_reference`` with Newton-Schulz in fp32 (``fp32_newton_schulz``)."""
+    with fp32_newton_schulz():
+        return _train_reference(*args, **kwargs)
+
+
+def _train_reference(name: str,
+                    steps: int,
+                    clip: float = 0.0,
+                    target_scale: float = 1.0,
+                    hyper=HYPER,
+                    grouping=None,
+                    adamw_only=False,
+                    per_head=False,
+                    samples: int = TOTAL_SAMPLES):
+    """Single-process PyTorch + upstream ``muon_update`` training; see the module docstring.
+
+    A parameter without a gradient in a step (a branch no sample used) gets a zero gradient, as
+    DeepSpeed's optimizers treat it; a frozen parameter is left out. With ``adamw_only`` every
+    parameter uses AdamW (lr ``adam_lr``), the reference for DeepSpeed's ``"AdamW"`` optimizer.
+    With ``per_head`` the model's ``MUON_HEADS`` are orthogonalized per head.
+
+    Returns:
+        ``(weights, norms)``: final parameters by name (numpy fp32) and the pre-clip global
+        gradient norm of every step.
+    """
+    model = build_model(name)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    heads = getattr(model, "MUON_HEADS", {}) if per_head else {}
+    settings = _muon_settings(model, grouping, hyper)
+    muon = [(n, p) for n, p in named if is_muon_param(n, p) and not adamw_only]
+    other = [(n, p) for n, p in named if adamw_only or not is_muon_param(n, p)]
+    if adamw_only:
+        settings = {n: dict(lr=hyper["adam_lr"], betas=hyper["betas"], eps=hyper["eps"],
+                            weight_decay=hyper["weight_decay"]) for n, _ in named}
+    adamw = torch.optim.AdamW([dict(params=[p], **settings[n]) for n, p in other]) if other else None
+    momenta = {n: torch.zeros_like(p) for n, p in muon}
+    norms = []
+    for step in range(steps):
+        x, y = step_batch(name, step, target_scale, samples)
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        params = [p for _, p in named]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        norms.append(float(norm))
+        with torch.no_grad():
+            for n, p in muon:
+                s = settings[n]
+                update = reference_muon_update(p.grad.clone(), momenta[n], s["momentum"], s["ns_method"],
+                                               getattr(p, "is_expert_group", False), heads.get(n))
+                p.mul_(1 - s["lr"] * s["weight_decay"])
+                p.add_(update.reshape(p.shape), alpha=-s["lr"])
+        if adamw is not None:
+            adamw.step()
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}, norms
+
+
+ADAMW = {
+    "type": "AdamW",
+    "params": {
+        "lr": HYPER["adam_lr"],
+        "betas": list(HYPER["betas"]),
+        "eps": HYPER["eps"],
+        "weight_decay": HYPER["weight_decay"]
+    }
+}
+"""DeepSpeed's ``AdamW`` with the reference's hyper-parameters (``Zero3MuonRun(optimizer="AdamW")``)."""
+
+FP16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
+"""fp16 section of ``Zero3MuonRun(dtype="fp16")``: loss scale 256, grown after 2 clean steps, cut
+at the first overflow, so a few steps see it move both ways."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero3MuonRun:
+    """One DeepSpeed training run of a test model: ``steps`` optimizer steps of ``samples``
+    samples each (``step_batch``), split over W ranks and ``gas`` micro-steps, so every step uses
+    the same samples whatever ``gas`` and W are.
+
+    Attributes:
+        model: a key of MODELS. stage: ZeRO stage. gas: ``gradient_accumulation_steps``.
+        dtype: "fp32", "bf16" (``bf16.enabled``) or "fp16" (``FP16``, allowed on the CPU by
+            ``fp16_allowed_on_cpu`` while the engine is built).
+        clip: ``gradient_clipping`` (0: off). target_scale: multiplies the targets (large
+            gradient norms, so a clip of 1.0 bites).
+        offload: ``offload_optimizer.device`` ("cpu", "nvme"; nvme needs ``train(nvme_dir=...)``).
+        momentum_in_memory: ``save_muon_momentum_buffer_in_memory``.
+        zero: more ``zero_optimization`` keys. extra: more top-level config keys.
+        partition_all: ``stage3_param_persistence_threshold: 0`` (see ``ds_config``).
+        optimizer: "Muon" or "AdamW" (``ADAMW``). per_head: ``per_head_muon``.
+        groups: a key of GROUPINGS (several parameter groups). zero_init: build the model under
+            ``deepspeed.zero.Init``. overlap: ``Zero3MuonBoundary.overlap`` (next bucket's
+            exchange in flight while the owner orthogonalizes this one).
+        overflow_steps: steps whose first micro-batch is scaled by OVERFLOW_FACTOR.
+        restart_after: after that many steps, ``save_checkpoint``, a fresh engine,
+            ``load_checkpoint``, go on (needs ``train(checkpoint_dir=...)``).
+        momentum_to_bf16: before that ``load_checkpoint``, store the checkpoint's Muon momentum in
+            bf16, as stock 0.19.8 writes it under bf16 training.
+    """
+    model: str = "mixed"
+    stage: int = 3
+    gas: int = 4
+    steps: int = 4
+    samples: int = TOTAL_SAMPLES
+    dtype: str = "fp32"
+    clip: float = 0.0
+    target_scale: float = 1.0
+    offload: Optional[str] = None
+    momentum_in_memory: bool = False
+    zero: tuple = ()
+    extra: tuple = ()
+    partition_all: bool = True
+    optimizer: str = "Muon"
+    per_head: bool = False
+    groups: Optional[str] = None
+    zero_init: bool = False
+    overlap: bool = True
+    overflow_steps: tuple = ()
+    restart_after: Optional[int] = None
+    momentum_to_bf16: bool = False
+
+    def with_(self, **changes) -> "Zero3MuonRun":
+        return dataclasses.replace(self, **changes)
+
+    def config(self, world_size: int, nvme_dir=None) -> dict:
+        """The DeepSpeed config of this run on ``world_size`` ranks."""
+        zero = dict(self.zero)
+        if self.offload is not None:
+            zero["offload_optimizer"] = {"device": self.offload}
+            if self.offload == "nvme":
+                zero["offload_optimizer"]["nvme_path"] = str(nvme_dir)
+        if self.momentum_in_memory:
+            zero["save_muon_momentum_buffer_in_memory"] = True
+        config = ds_config(self.stage, self.gas, world_size, clip=self.clip, zero_extra=zero, samples=self.samples,
+                           partition_all=self.partition_all)
+        if self.dtype == "fp16":
+            config["fp16"] = dict(FP16)
+        elif self.dtype == "bf16":
+            config["bf16"] = {"enabled": True}
+        if self.optimizer == "AdamW":
+            config["optimizer"] = ADAMW
+        if self.per_head:
+            config["optimizer"]["params"]["per_head_muon"] = True
+        config.update(dict(self.extra))
+        return config
+
+    def reference_key(self) -> tuple:
+        """What ``reference()`` depends on: runs with equal keys have the same reference."""
+        return (self.model, self.steps, self.clip, self.target_scale, self.groups, self.optimizer, self.per_head,
+                self.samples)
+
+    def reference(self):
+        """``train_reference`` of the same model, steps and samples: ``(weights, norms)``."""
+        return train_reference(self.model, self.steps, clip=self.clip, target_scale=self.target_scale,
+                               grouping=self.groups, adamw_only=self.optimizer == "AdamW", per_head=self.per_head,
+                               samples=self.samples)
+
+    def build_engine(self, config):
+        import deepspeed
+        with fp16_allowed_on_cpu(self.dtype == "fp16"):
+            if self.zero_init:
+                with deepspeed.zero.Init(config_dict_or_path=config):
+                    net = build_model(self.model)
+            else:
+                net = build_model(self.model)
+            engine, *_ = deepspeed.initialize(model=net, config=config, model_parameters=param_groups(net, self.groups))
+        boundary = getattr(engine.optimizer, "muon_boundary", None)
+        if boundary is not None:
+            boundary.overlap = self.overlap
+        return engine
+
+    def train(self, checkpoint_dir=None, nvme_dir=None, record=False) -> "Zero3MuonResult":
+        """Train on every rank of the current process group (collective); see Zero3MuonResult.
+
+        Micro-step ``m`` of rank ``r`` takes samples ``[(m * W + r) * mb, ... + mb)`` of the step.
+        With ``record`` a ``Recorder`` is installed (ZeRO-3 Muon runs only). Newton-Schulz
+        computes in fp32 (``fp32_newton_schulz``).
+        """
+        with fp32_newton_schulz():
+            return self._train(checkpoint_dir, nvme_dir, record)
+
+    def _train(self, checkpoint_dir, nvme_dir, record):
+        import torch.distributed as dist
+        from torch._dynamo.utils import counters
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        graphs_before = int(counters["stats"]["unique_graphs"])
+        config = self.config(world_size, nvme_dir)
+        input_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.dtype]
+        micro = self.samples // (world_size * self.gas)
+        ns_per_step, ns_off_boundary, norms, loss_scales = [], 0, [], []
+        with NSCounter() as counter:
+            engine = self.build_engine(config)
+            recorder = Recorder(engine) if record else None
+            for step in range(self.steps):
+                if step == self.restart_after:
+                    engine.save_checkpoint(checkpoint_dir, tag="restart")
+                    dist.barrier()
+                    if self.momentum_to_bf16:
+                        _momentum_to_bf16(checkpoint_dir, "restart", rank)
+                    dist.barrier()
+                    engine.destroy()
+                    engine = self.build_engine(config)
+                    engine.load_checkpoint(checkpoint_dir, tag="restart")
+                x, y = step_batch(self.model, step, self.target_scale, self.samples)
+                if recorder is not None:
+                    recorder.begin_step()
+                for m in range(self.gas):
+                    lo = (m * world_size + rank) * micro
+                    scale = OVERFLOW_FACTOR if (step in self.overflow_steps and m == 0) else 1.0
+                    before = counter.count
+                    loss = loss_fn(engine((x[lo:lo + micro] * scale).to(input_dtype)).float(), y[lo:lo + micro])
+                    engine.backward(loss)
+                    engine.step()
+                    if m < self.gas - 1:
+                        ns_off_boundary += counter.count - before
+                    else:
+                        ns_per_step.append(counter.count - before)
+                if recorder is not None:
+                    recorder.end_step()
+                norm = engine.get_global_grad_norm()
+                norms.append(float(norm) if norm is not None else None)
+                loss_scales.append(float(getattr(engine.optimizer, "loss_scale", 1.0)))
+        boundary = getattr(engine.optimizer, "muon_boundary", None)
+        local = dict(ns_per_step=ns_per_step,
+                     ns_off_boundary=ns_off_boundary,
+                     ns_by_kernel=dict(counter.by_kernel),
+                     stats=dataclasses.asdict(boundary.stats) if boundary is not None else None,
+                     dynamo_graphs=int(counters["stats"]["unique_graphs"]) - graphs_before)
+        per_rank = [None] * world_size
+        dist.all_gather_object(per_rank, local)
+        result = Zero3MuonResult(
+            weights=gathered_weights(engine),
+            norms=norms,
+            loss_scales=loss_scales,
+            per_rank=[types.SimpleNamespace(**r) for r in per_rank],
+            final_momentum_dtypes=sorted({
+                str(state["momentum_buffer"].dtype)
+                for state in engine.optimizer.optimizer.state.values() if "momentum_buffer" in state
+            }) if self.stage == 3 else [],
+            muon_num_heads={n: getattr(p, "muon_num_heads", None)
+                            for n, p in engine.module.named_parameters()},
+            records=(recorder.steps, recorder.initial_master) if recorder is not None else None,
+            momentum_dtypes=recorder.momentum_dtypes if recorder is not None else None)
+        engine.destroy()
+        return result
+
+
+@dataclasses.dataclass
+class Zero3MuonResult:
+    """What ``Zero3MuonRun.train`` returns on every rank (the same on all ranks).
+
+    Attributes:
+        weights: full parameters by name (fp32 CPU tensors) after training.
+        norms: ``get_global_grad_norm()`` per step. loss_scales: the optimizer's loss scale after
+            each step (1.0 without one).
+        per_rank: per rank: ``ns_per_step`` (NS calls at each boundary), ``ns_off_boundary`` (NS
+            calls on non-boundary micro-steps), ``ns_by_kernel``, ``stats`` (the boundary's
+            counters as a dict, or None without one), ``dynamo_graphs`` (graphs TorchDynamo
+            compiled during the run: 0 when it is disabled).
+        final_momentum_dtypes: dtypes of the Muon momentum buffers at the end (ZeRO-3).
+        muon_num_heads: ``muon_num_heads`` by parameter name, as DeepSpeed tagged them.
+        records / momentum_dtypes: with ``train(record=True)``, ``(Recorder.steps,
+            Recorder.initial_master)`` and ``Recorder.momentum_dtypes``.
+    """
+    weights: dict
+    norms: list
+    loss_scales: list
+    per_rank: list
+    final_momentum_dtypes: list
+    muon_num_heads: dict
+    records: Optional[tuple] = None
+    momentum_dtypes: Optional[list] = None
+
+    def ns_per_step(self):
+        """NS calls at each boundary, summed over ranks."""
+        return [sum(r.ns_per_step[s] for r in self.per_rank) for s in range(len(self.per_rank[0].ns_per_step))]
+
+    def ns_off_boundary(self):
+        return sum(r.ns_off_boundary for r in self.per_rank)
+
+    def ns_by_kernel(self):
+        return {k: sum(r.ns_by_kernel[k] for r in self.per_rank) for k in NS_KERNELS}
+
+    def assert_newton_schulz_once_per_matrix_per_step(self, matrices, steps):
+        """Summed over ranks: ``matrices`` NS calls at every boundary, none off the boundary."""
+        assert self.ns_per_step() == [matrices] * steps, self.ns_per_step()
+        assert self.ns_off_boundary() == 0
+
+
+def _momentum_to_bf16(checkpoint_dir, tag, rank):
+    """Rewrite this rank's optimizer-state file with every ``momentum_buffer`` in bf16."""
+    (path, ) = glob.glob(os.path.join(checkpoint_dir, tag, f"*zero_pp_rank_{rank}_*optim_states.pt"))
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    converted = []
+
+    def convert(node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "momentum_buffer" and torch.is_tensor(value):
+                    node[key] = value.to(torch.bfloat16)
+                    converted.append(key)
+                else:
+                    convert(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                convert(value)
+
+    convert(state)
+    assert converted, f"no momentum_buffer in {path}"
+    torch.save(state, path)
+
+
+def initialize_error(run: Zero3MuonRun, nvme_dir=None) -> Optional[str]:
+    """The ``"Type: message"`` of the error ``deepspeed.initialize`` raises for ``run``, or None."""
+    try:
+        run.build_engine(run.config(torch.distributed.get_world_size(), nvme_dir)).destroy()
+    except Exception as error:  # the message is what is checked
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+# Recording and replay. Where no single-process model reproduces a run bit for bit (fp16 and bf16
+# forward passes, loss scaling), the tests check the optimizer on the gradients DeepSpeed actually
+# accumulated: Recorder (installed on every rank) gathers, at every optimizer step, each Muon
+# matrix's accumulated gradient as the reduce path left it (still multiplied by the loss scale),
+# the loss scale, the raw norm, the gradient that entered the Muon update, the momentum after it
+# and the fp32 master weights after the step; replay recomputes from the accumulated gradients and
+# loss scales alone what clip_grad_norm_ followed by upstream muon_update in fp32 gives.
+
+
+def _full(opt, sub_group_id, flat, param):
+    """Gather one parameter's partitions of the sub-group flat tensor ``flat`` to its full shape."""
+    import deepspeed.comm as dist
+    _, offset, numel = opt.grad_position[opt.get_param_id(param)]
+    part = flat.narrow(0, offset, numel).detach().float().contiguous()
+    group = opt._get_sub_group_process_group(sub_group_id)
+    parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group=group))]
+    dist.all_gather(parts, part, group=group)
+    return torch.cat(parts)[:param.ds_numel].view(param.ds_shape).numpy().copy()
+
+
+class Recorder:
+    """Hooks on a ZeRO-3 optimizer that record every Muon matrix at every optimizer step.
+
+    Attributes:
+        steps: one dict per optimizer step: ``skipped`` (no update: overflow), ``loss_scale``
+            (the scale in force during the step's backward passes, read before ``step()`` may
+            grow or shrink it),
+            ``norm`` (``get_global_grad_norm()``), ``norm_from_gradients`` (the norm of every
+            parameter's accumulated gradient over the loss scale), and per Muon parameter name
+            ``accumulated``
+            (before unscaling), ``entered`` (what the Muon update received), ``momentum`` (after)
+            and ``master`` (fp32 weights after the step); all numpy fp32 of the full shape.
+        initial_master: fp32 master weights before training, by name.
+        momentum_dtypes: dtype of every Muon sub-group's momentum buffer at every step, as strings.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.opt = opt = engine.optimizer
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        self.muon = {
+            i: [(names[id(p)], p) for p in group]
+            for i, group in enumerate(opt.fp16_groups) if opt.sub_groups_using_muon[i]
+        }
+        self.steps, self.current = [], None
+        self.initial_master = self._master()
+        self.momentum_dtypes = []
+        unscale, apply = opt.unscale_and_clip_grads, opt.muon_boundary.apply
+
+        def unscale_and_clip_grads(sub_group_id, total_norm, *args):
+            grad = opt.fp32_partitioned_groups_flat[sub_group_id].grad
+            self.current["local_sq"] = self.current.get("local_sq", 0.0) + float(grad.double().square().sum())
+            if sub_group_id in self.muon:
+                self.current["loss_scale"] = self.current["backward_loss_scale"]
+                for name, p in self.muon[sub_group_id]:
+                    self.current.setdefault(name, {})["accumulated"] = _full(opt, sub_group_id, grad, p)
+            return unscale(sub_group_id, total_norm, *args)
+
+        def muon_apply(sub_group_id):
+            grad = opt.fp32_partitioned_groups_flat[sub_group_id].grad
+            for name, p in self.muon.get(sub_group_id, ()):
+                self.current[name]["entered"] = _full(opt, sub_group_id, grad, p)
+            apply(sub_group_id)
+
+        opt.unscale_and_clip_grads = unscale_and_clip_grads
+        opt.muon_boundary.apply = muon_apply
+
+    def _master(self):
+        return {
+            name: _full(self.opt, i, self.opt.fp32_partitioned_groups_flat[i], p)
+            for i, params in self.muon.items() for name, p in params
+        }
+
+    def _momentum(self):
+        gathered = {}
+        for i, params in self.muon.items():
+            momentum = self.opt.optimizer.state[self.opt.fp32_partitioned_groups_flat[i]]["momentum_buffer"]
+            self.momentum_dtypes.append(str(momentum.dtype))
+            gathered.update({name: _full(self.opt, i, momentum, p) for name, p in params})
+        return gathered
+
+    def begin_step(self):
+        """Call before the step's first micro-step."""
+        self.current = {"backward_loss_scale": float(self.opt.loss_scale)}
+
+    def end_step(self):
+        import deepspeed.comm as dist
+        step = self.current
+        step["skipped"] = "loss_scale" not in step
+        step.pop("backward_loss_scale")
+        norm = self.engine.get_global_grad_norm()
+        step["norm"] = None if norm is None else float(norm)
+        if not step["skipped"]:
+            # The raw norm of all parameters' accumulated gradients, from the partitions.
+            total = torch.tensor([step.pop("local_sq")], dtype=torch.float64)
+            dist.all_reduce(total, group=self.opt.dp_process_group)
+            step["norm_from_gradients"] = float(total.sqrt()) / step["loss_scale"]
+        for name, master in self._master().items():
+            step.setdefault(name, {})["master"] = master
+        for name, momentum in self._momentum().items():
+            step[name]["momentum"] = momentum
+        self.steps.append(step)
+
+
+def replay(*args, **kwargs):
+    """``_replay`` with Newton-Schulz in fp32 (``fp32_newton_schulz``)."""
+    with fp32_newton_schulz():
+        return _replay(*args, **kwargs)
+
+
+def _replay(records, names, hyper, clip=0.0):
+    """What clip_grad_norm_ + upstream ``muon_update`` give on the recorded accumulated gradients.
+
+    Args:
+        records: ``Recorder.steps`` and ``Recorder.initial_master`` as ``(steps, initial)``.
+        names: the Muon parameter names to replay.
+        hyper: ``muon_lr``, ``momentum``, ``weight_decay`` (one Muon group).
+        clip: ``gradient_clipping`` (0: off).
+
+    Returns:
+        list (per step) of dicts name -> ``(expected, recorded)`` for ``entered``, ``momentum``
+        and ``master``; a skipped step expects momentum and master unchanged.
+    """
+    from deepspeed.runtime.zero.muon.original_muon import muon_update
+    steps, initial = records
+    momenta = {n: torch.zeros_like(torch.from_numpy(initial[n])) for n in names}
+    masters = {n: torch.from_numpy(initial[n]).clone() for n in names}
+    out = []
+    for step in steps:
+        got = {}
+        if step["skipped"]:
+            for n in names:
+                got[n] = dict(momentum=(momenta[n].numpy().copy(), step[n]["momentum"]),
+                              master=(masters[n].numpy().copy(), step[n]["master"]))
+            out.append(got)
+            continue
+        raw = {n: torch.from_numpy(step[n]["accumulated"]) / step["loss_scale"] for n in names}
+        coef = 1.0
+        if clip > 0:
+            coef = min(1.0, clip / (step["norm"] + 1e-6))
+        for n in names:
+            grad = raw[n] * coef
+            entered = grad.clone()
+            update = muon_update(grad, momenta[n], beta=hyper["momentum"])
+            # As MuonWithAuxAdam applies it to the flat partition.
+            masters[n].mul_(1 - hyper["muon_lr"] * hyper["weight_decay"])
+            masters[n].add_(update.reshape(masters[n].shape), alpha=-hyper["muon_lr"])
+            got[n] = dict(entered=(entered.numpy(), step[n]["entered"]),
+                          momentum=(momenta[n].numpy().copy(), step[n]["momentum"]),
+                          master=(masters[n].numpy().copy(), step[n]["master"]))
+        out.append(got)
+    return out
+
+
+def max_relative_error(pairs):
+    """Largest ``||expected - recorded|| / ||expected||`` over ``(expected, recorded)`` pairs."""
+    worst = 0.0
+    for expected, recorded in pairs:
+        expected, recorded = np.asarray(expected, np.float64), np.asarray(recorded, np.float64)
+        scale = np.linalg.norm(expected)
+        worst = max(worst, float(np.linalg.norm(expected - recorded) / (scale if scale > 0 else 1.0)))
+    return worst
