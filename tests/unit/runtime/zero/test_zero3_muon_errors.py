@@ -12,6 +12,8 @@ async I/O op cannot be built. MiCS (``mics_shard_size``) is gone from both bases
 refuses the key itself, which is checked here too.
 """
 
+import os
+
 import pytest
 
 from unit.common import DistributedTest
@@ -46,10 +48,20 @@ class TestZero3MuonErrors(DistributedTest):
         # An engine with torch_autocast turns it on for the whole process (module globals):
         # restore them, these processes run later tests.
         saved = torch_autocast.TORCH_AUTOCAST_INITIALIZED, torch_autocast.TORCH_AUTOCAST_DTYPE
+        # ZeRO-3 reduces gradients with the quantized all-to-all only across nodes (W / devices
+        # per node > 1): the ranks pose as W nodes of one CPU device each (LOCAL_SIZE, which the
+        # CPU accelerator's device_count() reads).
+        local_size = os.environ.get("LOCAL_SIZE")
+        if name == "quantized_gradients":
+            os.environ["LOCAL_SIZE"] = "1"
         try:
             message = initialize_error(run)
         finally:
             torch_autocast.TORCH_AUTOCAST_INITIALIZED, torch_autocast.TORCH_AUTOCAST_DTYPE = saved
+            if local_size is None:
+                os.environ.pop("LOCAL_SIZE", None)
+            else:
+                os.environ["LOCAL_SIZE"] = local_size
         assert message is not None and key in message, message
         prefix = "DeepSpeedConfigError: MiCS ZeRO-3 sharding has been removed" if name == "mics" else OURS
         assert message.startswith(prefix), message

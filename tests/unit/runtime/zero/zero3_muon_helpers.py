@@ -103,7 +103,9 @@ class NSCounter:
     """Counts calls into upstream's Newton-Schulz kernels by replacing the ``original_muon`` module
     attributes with counting wrappers (every caller looks them up there at call time).
 
-    Install before the first optimizer step; ``uninstall`` (or leaving the ``with`` block)
+    Install before the first optimizer step: where ``muon_update`` itself is ``torch.compile``d
+    (0.19.7) and TorchDynamo is on, it is traced with the kernels it finds then, and the counting
+    is replayed as a side effect of each call. ``uninstall`` (or leaving the ``with`` block)
     restores the kernels. Works on stock DeepSpeed too.
 
     Attributes:
