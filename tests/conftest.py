@@ -31,8 +31,16 @@ def pytest_configure(config):
                            "not the installed patched DeepSpeed: run the tests with `python3 dev.py test`, or "
                            "with PYTHONSAFEPATH=1 so the current directory is not on sys.path.")
     config.addinivalue_line("markers", "world_size(n): run this DistributedTest method on n ranks")
-    config.addinivalue_line("markers", "core: the subset of the multi-process tests run on every base")
+    config.addinivalue_line("markers", "distributed: a DistributedTest method (set here, on every one)")
+    config.addinivalue_line("markers", "core: the DistributedTest methods worth running on every base; "
+                            "e.g. -m 'core or not distributed' runs them and every other test")
     config.addinivalue_line("markers", "compiled: runs upstream's torch.compile'd Newton-Schulz kernels")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if getattr(item.cls, "is_dist_test", False):
+            item.add_marker(pytest.mark.distributed)
 
 
 @pytest.hookimpl(tryfirst=True)
