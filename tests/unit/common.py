@@ -106,7 +106,8 @@ class _RankPool:
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(rank, world_size, port, init_file, timeout, child), daemon=True)
+            proc = ctx.Process(target=_rank_main, args=(rank, world_size, port, init_file, timeout, child),
+                               daemon=True)
             proc.start()
             child.close()
             self.conns.append(parent)
