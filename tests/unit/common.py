@@ -26,6 +26,12 @@ Differences, because this runs on the CPU only: the backend is always gloo, rank
 reports every failing rank's traceback (and names ranks that did not answer, e.g. because they
 wait in a collective for the failed one), then ends those processes. The pytest hook that routes
 a ``DistributedTest`` here is ``pytest_pyfunc_call`` in ``tests/conftest.py``.
+
+Inside DeepSpeed's tree (copy the ``test_zero3_muon_*.py`` files and ``zero3_muon_helpers.py``
+into its ``tests/unit/runtime/zero/``), on the CPU:
+``cd tests && LOCAL_SIZE=4 DS_ACCELERATOR=cpu TORCHDYNAMO_DISABLE=1 python -m pytest
+unit/runtime/zero/test_zero3_muon_gas.py`` (LOCAL_SIZE: the CPU accelerator's device count,
+which DeepSpeed's DistributedTest compares with the world size).
 """
 
 import inspect
@@ -100,7 +106,8 @@ class _RankPool:
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(rank, world_size, port, init_file, timeout, child), daemon=True)
+            proc = ctx.Process(target=_rank_main, args=(rank, world_size, port, init_file, timeout, child),
+                               daemon=True)
             proc.start()
             child.close()
             self.conns.append(parent)

@@ -38,7 +38,8 @@ class TestZero3MuonCheckpoint(DistributedTest):
     world_size = 2
     reuse_dist_env = True
 
-    @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.core] if n == "fp32" else []) for n in SETTINGS])
+    @pytest.mark.parametrize("name",
+                             [pytest.param(n, marks=[pytest.mark.core] if n == "fp32" else []) for n in SETTINGS])
     def test_resume_is_bit_identical(self, name, tmp_path):
         run = SETTINGS[name]
         straight = run.train()

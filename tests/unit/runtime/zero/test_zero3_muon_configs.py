@@ -150,9 +150,9 @@ class TestZero3MuonConfigs(DistributedTest):
         check_against_reference("gas1", run, gas1, expected_default)
         assert relative_difference(gas1.weights, gas4.weights) <= FLOOR
 
-    @pytest.mark.parametrize("world_size,name,run", [pytest.param(w, n, r, marks=[pytest.mark.core] if (w, n) in CORE else [])
-                                                     for (w, n), r in SINGLE_RUNS.items()],
-                             ids=[f"W{w}-{n}" for w, n in SINGLE_RUNS])
+    @pytest.mark.parametrize("world_size,name,run",
+                             [pytest.param(w, n, r, marks=[pytest.mark.core] if (w, n) in CORE else [], id=f"W{w}-{n}")
+                              for (w, n), r in SINGLE_RUNS.items()])
     def test_matches_reference(self, world_size, name, run, reference):
         check_against_reference(name, run, run.train(), reference)
 

@@ -432,7 +432,8 @@ def _muon_settings(model, grouping, hyper):
                             ns_method="gram")
                 keys = ("lr", "momentum", "weight_decay", "ns_method")
             else:
-                base = dict(lr=hyper["adam_lr"], betas=hyper["betas"], eps=hyper["eps"], weight_decay=hyper["weight_decay"])
+                base = dict(lr=hyper["adam_lr"], betas=hyper["betas"], eps=hyper["eps"],
+                            weight_decay=hyper["weight_decay"])
                 keys = ("lr", "betas", "eps", "weight_decay")
             base.update({k: v for k, v in overrides.items() if k in keys})
             settings[name] = base
@@ -629,7 +630,8 @@ class Zero3MuonRun:
                     net = build_model(self.model)
             else:
                 net = build_model(self.model)
-            engine, *_ = deepspeed.initialize(model=net, config=config, model_parameters=param_groups(net, self.groups))
+            engine, *_ = deepspeed.initialize(model=net, config=config,
+                                              model_parameters=param_groups(net, self.groups))
         boundary = getattr(engine.optimizer, "muon_boundary", None)
         if boundary is not None:
             boundary.overlap = self.overlap
