@@ -219,9 +219,13 @@ def cmd_export(args, _extra):
     except zero3muon_export.zb.BuildError as e:
         log(f"export failed: {e}")
         return 1
-    log(f"wrote {result.diff_path}")
-    log(f"wrote {result.pr_path}")
-    print(result.diffstat, end="")
+    for piece in result.pieces:
+        title = piece.group.title if piece.group else "combined: every pull request" + "".join(
+            f" + backport ({bp.group.title})" for bp in result.backports)
+        log(f"{piece.stem}: {title}")
+        log(f"  wrote {piece.diff_path}")
+        log(f"  wrote {piece.text_path}")
+        print(piece.diffstat, end="", flush=True)
     return 0
 
 
