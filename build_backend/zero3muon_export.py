@@ -243,7 +243,7 @@ def assign(base, repo_root=zb.REPO_ROOT, groups=GROUPS, never=NEVER_EXPORTED):
             problems.append(f"pull request {g.stem!r} changes nothing in DeepSpeed (no new module, no patch)")
     if problems:
         raise ExportError(f"export of base {base}: " + "; ".join(problems))
-    return {key: files for key, files in owners.items() if files}
+    return {key: sorted(files) for key, files in owners.items() if files}
 
 
 # --------------------------------------------------------------------------- diffs
