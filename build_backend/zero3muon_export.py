@@ -50,6 +50,7 @@ NEVER_EXPORTED = PROJECT_ONLY + (
     "tests/__init__.py",  # package markers of this project's tests/ (DeepSpeed has its own
     "tests/unit/__init__.py",  # tests/unit/__init__.py)
     "tests/unit/common.py",  # stand-in for DeepSpeed's tests/unit/common.py (DistributedTest)
+    "tests/unit/test_distributed_standin.py",  # the stand-in's own test
     "tests/unit/build/*",  # this project's build backend and export
     "tests/examples/*",  # this project's examples
     "tests/bench/*",  # this project's benchmark
@@ -63,7 +64,7 @@ STAGE3 = "deepspeed/runtime/zero/stage3.py"
 
 class Group:
     """A set of repository files exported together: a pull request, or a backport that goes into
-    the combined diff only (``pull_request=False``).
+    the combined diff only (``pull_request=False``), and only on a base where it has a patch.
 
     ``patterns`` are fnmatch patterns on repository paths (``patches/*/0001-*.patch`` matches
     that patch of every base); ``notes`` has one hand-written line per upstream file the group's
@@ -214,7 +215,8 @@ def candidate_files(base, repo_root=zb.REPO_ROOT):
 
 
 def assign(base, repo_root=zb.REPO_ROOT, groups=GROUPS, never=NEVER_EXPORTED, strict=True):
-    """{group key: [repository paths]} for ``base``; groups without a file on ``base`` are left out.
+    """{group key: [repository paths]} for ``base``; groups without a file on ``base`` are left out,
+    and so are backports without a patch on ``base`` (with their tests).
 
     A path matching a ``never`` pattern is left out whatever the groups say. Raises ``ExportError``
     for any other file that no group claims, or that more than one claims, and for a pull request
@@ -232,6 +234,9 @@ def assign(base, repo_root=zb.REPO_ROOT, groups=GROUPS, never=NEVER_EXPORTED, st
         owners[claims[0]].append(path)
         if len(claims) > 1:
             ambiguous.append(f"{path} ({' and '.join(claims)})")
+    for g in groups:  # a backport without its patch on this base backports nothing: its test goes too
+        if not g.pull_request and not any(p.startswith("patches/") for p in owners[g.key]):
+            owners[g.key] = []
     result = {key: sorted(files) for key, files in owners.items() if files}
     if not strict:
         return result
