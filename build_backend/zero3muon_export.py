@@ -96,19 +96,34 @@ MUON = Group(
         "tests/unit/runtime/zero/zero3_muon_*.py",
     ),
     notes={
-        STAGE3:
-        "creates `Zero3MuonBoundary` (with its configuration check) in `__init__` and calls it in `step()` "
-        "right after unscale-and-clip; deletes upstream's Muon path that this replaces (0.19.7: the call in "
-        "the gradient reduce path, per micro-batch; 0.19.8: the call before the norm and the loss-scale "
-        "re-multiplication of Muon updates); allocates the Muon momentum in fp32; deletes the refusals of "
-        "`reduce_scatter`, of Muon groups with different momenta and of Muon with the all-to-all "
-        "(quantized-gradient) reduction, which is now refused only where the accelerator lacks the "
-        "quantizer op.",
-        "deepspeed/runtime/zero/muon/original_muon.py":
-        "`muon_update` becomes its elementwise step (momentum and Nesterov blend) followed by the "
-        "orthogonalization, two functions the ZeRO-3 boundary update calls separately (elementwise on "
-        "each rank's partition, Newton-Schulz on the owner rank); `muon_update` itself computes what "
-        "it computed before.",
+        STAGE3: {
+            "*":
+            "creates `Zero3MuonBoundary` (with its configuration check) in `__init__` and calls it in `step()` "
+            "right after unscale-and-clip; allocates the Muon momentum in fp32; deletes the refusals of "
+            "`reduce_scatter`, of Muon groups with different momenta and of Muon with the all-to-all "
+            "(quantized-gradient) reduction, which is now refused only where the accelerator lacks the "
+            "quantizer op.",
+            "0.19.7":
+            " Deletes upstream's Muon path that this replaces: the per-bucket, per-micro-step "
+            "`_apply_distributed_muon_update` call in the gradient reduce path and the method with the "
+            "all-gather helper only it used. Under optimizer offload, Muon sub-groups are always stepped by "
+            "the Muon optimizer (as in 0.19.8).",
+            "0.19.8":
+            " Deletes upstream's Muon path that this replaces: `_apply_muon_to_accumulated_grads` before the "
+            "norm with the methods only it used (`_muon_update_sub_group`, `_apply_muon_updates_cpu_offload`, "
+            "the all-gather buffer cache), the loss-scale re-multiplication of Muon updates and its norm "
+            "correction in `_get_norm_groups`, and `muon_beta` / `muon_ns_method` (each parameter group's "
+            "own `momentum` and `ns_method` are used).",
+        },
+        "deepspeed/runtime/zero/muon/original_muon.py": {
+            "*":
+            "new `muon_ns_problem` (the matrix, or batch of matrices, Newton-Schulz runs on), "
+            "`muon_momentum_step_` (the elementwise momentum step and Nesterov blend) and `muon_orthogonalize`; "
+            "`muon_update` becomes their composition and computes what it did. The ZeRO-3 boundary update runs "
+            "the elementwise step on each rank's partition and the orthogonalization on the owner rank.",
+            "0.19.7": " Also adds 0.19.8's `ns_compute_dtype` (the dtype each NS method computes in).",
+            "0.19.8": " `_per_head_orthogonalize` takes its shape check from `muon_ns_problem`.",
+        },
     },
     template="pr_muon.md",
 )
@@ -375,18 +390,25 @@ def _docstring_summary(path):
     return " ".join(doc.split("\n\n", 1)[0].split())
 
 
-def file_note(path, groups):
+def note_text(note, base):
+    """A group's note: a string, or {"*": text for every base, base: text appended on that base}."""
+    if isinstance(note, str):
+        return note
+    return note.get("*", "") + note.get(base, "")
+
+
+def file_note(path, groups, base):
     """The hand-written line for an upstream file modified by ``groups``; ``ExportError`` if one lacks it."""
     missing = [g.key for g in groups if path not in g.notes]
     if missing:
         raise ExportError(f"{path} is modified by {', '.join(missing)} but has no line in that group's notes "
                           "(build_backend/zero3muon_export.py): say what the change does to it")
     if len(groups) == 1:
-        return groups[0].notes[path]
-    return " ".join(f"*{g.title}*: {g.notes[path]}" for g in groups)
+        return note_text(groups[0].notes[path], base)
+    return " ".join(f"*{g.title}*: {note_text(g.notes[path], base)}" for g in groups)
 
 
-def describe_files(piece, repo_root, groups_of):
+def describe_files(piece, repo_root, groups_of, base):
     """Markdown list, one line per changed file; ``groups_of(path)``: the groups modifying ``path``."""
     lines = []
     for status, path in piece.name_status:
@@ -394,7 +416,7 @@ def describe_files(piece, repo_root, groups_of):
             what = _docstring_summary(Path(repo_root) / path) or "new file"
             lines.append(f"- `{path}` (new): {what}")
         else:
-            lines.append(f"- `{path}`: {file_note(path, groups_of(path))}")
+            lines.append(f"- `{path}`: {file_note(path, groups_of(path), base)}")
     return "\n".join(lines)
 
 
@@ -436,10 +458,10 @@ def describe(piece, base, cfg, sdist, sha256, repo_root, everything):
         tests=", ".join(f"`{p}`" for p in piece.sources if Path(p).name.startswith("test_")) or "none",
     )
     if piece.group:
-        values["files"] = describe_files(piece, repo_root, lambda path: [piece.group])
+        values["files"] = describe_files(piece, repo_root, lambda path: [piece.group], base)
         template = TEMPLATE_DIR / piece.group.template
     else:
-        values["files"] = describe_files(piece, repo_root, lambda path: modifying[path])
+        values["files"] = describe_files(piece, repo_root, lambda path: modifying[path], base)
         values["pull_requests"] = "\n".join(
             f"{pr.group.number}. **{pr.group.title}**: `{pr.stem}.diff`, described in `{pr.stem}.md` "
             f"(patches {_patch_names(pr)})." for pr in prs)
