@@ -16,7 +16,8 @@ creates needs Python >= 3.10).
 
 --base defaults to $DS_ZERO3MUON_BASE, else [tool.zero3muon] default-base in pyproject.toml.
 Setup is idempotent: requirements are reinstalled only when requirements/*.txt change, and
-DeepSpeed is rebuilt only when pyproject.toml, build_backend/, deepspeed/ or patches/<base>/ change.
+DeepSpeed is rebuilt only when pyproject.toml, build_backend/zero3muon_build.py, deepspeed/ or
+patches/<base>/ change (not for the export's files in build_backend/, which the wheel does not use).
 """
 
 import argparse
@@ -147,7 +148,8 @@ def setup(base, stock=False):
     if stock:
         build_hash = tree_hash([], extra=f"stock deepspeed=={base} sha256={sdist_sha256(base)}")
     else:
-        inputs = [ROOT / "pyproject.toml", ROOT / "build_backend", ROOT / "deepspeed", ROOT / "patches" / base]
+        inputs = [ROOT / "pyproject.toml", ROOT / "build_backend" / "zero3muon_build.py", ROOT / "deepspeed",
+                  ROOT / "patches" / base]
         build_hash = tree_hash([p for p in inputs if p.exists()], extra=f"base={base}")
     label = f"stock deepspeed {base}" if stock else f"deepspeed {base}+zero3muon"
     if venv.is_current("build", build_hash):
