@@ -231,7 +231,7 @@ def cmd_export(args, _extra):
         log(f"export failed: {e}")
         return 1
     for piece in result.pieces:
-        title = piece.group.title if piece.group else "combined: every pull request" + "".join(
+        title = piece.group.title if piece.group else "every pull request" + "".join(
             f" + backport ({bp.group.title})" for bp in result.backports)
         log(f"{piece.stem}: {title}")
         log(f"  wrote {piece.diff_path}")
