@@ -292,7 +292,9 @@ def deepspeed_tests(repo, ref, dest):
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache"))
         commit = _git_out("-C", str(repo), "log", "-1", "--format=%H (%cd, %s)", "--date=short")
         dirty = _git_out("-C", str(repo), "status", "--porcelain", "--", "tests")
-        state = f"commit {commit}" + (", tests/ with local changes" if dirty else "") if commit else "not a git checkout"
+        state = "not a git checkout"
+        if commit:
+            state = f"commit {commit}" + (", tests/ with local changes" if dirty else "")
         version = (repo / "version.txt").read_text().strip() if (repo / "version.txt").is_file() else "?"
         return f"DeepSpeed tests/ of the checkout {repo}, {state}, version.txt {version}"
     commit = _git_out("--git-dir", str(repo), "rev-parse", "--verify", f"{ref}^{{commit}}")

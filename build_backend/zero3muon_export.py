@@ -72,7 +72,8 @@ class Group:
 
     def __init__(self, key, number, title, patterns, notes, template=None, pull_request=True, why=""):
         self.key, self.number, self.title = key, number, title
-        self.patterns, self.notes, self.template, self.pull_request = tuple(patterns), dict(notes), template, pull_request
+        self.patterns, self.notes, self.template = tuple(patterns), dict(notes), template
+        self.pull_request = pull_request
         self.why = why  # a backport: why it is in the combined diff and in no pull request
 
     @property
@@ -354,12 +355,13 @@ def make_pieces(sdist, sha256, base, work_dir, repo_root=zb.REPO_ROOT, groups=GR
     try:
         zb.apply_changes(tree, zb.list_patches(base, repo_root), repo_root)
     except zb.BuildError as e:
-        raise ExportError(f"the patches of base {base} do not apply in order (the combined diff, the build): {e}") from e
+        raise ExportError(f"the patches of base {base} do not apply in order (the combined diff, the build): "
+                          f"{e}") from e
     for rel in PROJECT_ONLY:
         (tree / rel).unlink(missing_ok=True)
     exported = sorted(p for files in owners.values() for p in files)
-    unexported = sorted(p.relative_to(tree).as_posix() for p in (tree / "deepspeed").rglob("*")
-                        if p.is_file() and any(fnmatch.fnmatchcase(p.relative_to(tree).as_posix(), pat) for pat in never))
+    added = [p.relative_to(tree).as_posix() for p in (tree / "deepspeed").rglob("*") if p.is_file()]
+    unexported = sorted(p for p in added if any(fnmatch.fnmatchcase(p, pattern) for pattern in never))
     if unexported:  # a never-exported file under deepspeed/ that is not PROJECT_ONLY
         raise ExportError(f"never-exported files under deepspeed/ would be in the combined diff: {unexported}")
     _copy_new_files(tree, repo_root, [p for p in exported if p.startswith("tests/")])
@@ -425,7 +427,8 @@ def diff_header(piece, base, cfg, sdist, sha256, backports=()):
     summary = piece.diffstat.rstrip("\n").splitlines()[-1].strip()
     if piece.group:
         what = (f"Pull request {piece.group.number}, \"{piece.group.title}\" (zero3muon {cfg['version']}), "
-                f"for DeepSpeed {base}: {summary}.\nIt applies on its own; the other pull requests do not depend on it.")
+                f"for DeepSpeed {base}: {summary}.\n"
+                "It applies on its own; the other pull requests do not depend on it.")
     else:
         extra = "".join(f" and the backport \"{bp.group.title}\"" for bp in backports)
         what = (f"All of the zero3muon {cfg['version']} change for DeepSpeed {base} in one diff: the pull requests "

@@ -478,7 +478,8 @@ def test_fake_membership_and_independent_pull_requests(tmp_path):
     result, repo, sdist = _fake_export(tmp_path)
     sources = {p.stem: p.sources for p in result.pull_requests}
     assert sources == {
-        "1-muon": ["deepspeed/runtime/zero/muon/owner_plan.py", f"patches/{FAKE_BASE}/0001-zero3-muon-boundary-update.patch",
+        "1-muon": ["deepspeed/runtime/zero/muon/owner_plan.py",
+                   f"patches/{FAKE_BASE}/0001-zero3-muon-boundary-update.patch",
                    f"patches/{FAKE_BASE}/0004-muon-update-split.patch",
                    "tests/unit/runtime/zero/test_zero3_muon_gas.py", "tests/unit/runtime/zero/zero3_muon_helpers.py"],
         "2-grad-window": [f"patches/{FAKE_BASE}/0002-zero3-grad-partition-first-use-in-window.patch",
@@ -511,8 +512,9 @@ def test_fake_membership_and_independent_pull_requests(tmp_path):
 
 def test_fake_release_without_backport_or_optional_patch(tmp_path):
     # a base without 0004 and 0005 (0.19.8 has no 0005): the backport's test is not exported either
-    result, _, _ = _fake_export(tmp_path, drop=(f"patches/{FAKE_BASE}/0004-muon-update-split.patch",
-                                                f"patches/{FAKE_BASE}/0005-zero3-allgather-coalesced-wait-every-handle.patch"))
+    drop = (f"patches/{FAKE_BASE}/0004-muon-update-split.patch",
+            f"patches/{FAKE_BASE}/0005-zero3-allgather-coalesced-wait-every-handle.patch")
+    result, _, _ = _fake_export(tmp_path, drop=drop)
     assert result.backports == [] and len(result.pull_requests) == 3
     assert "backport" not in result.combined.text_path.read_text().lower()
     assert not [p for p in result.combined.paths if "allgather" in p or "partition_parameters" in p]
@@ -521,7 +523,8 @@ def test_fake_release_without_backport_or_optional_patch(tmp_path):
 @pytest.mark.parametrize("extra, message", [
     ({"tests/unit/runtime/zero/test_something_else.py": ""}, "no pull request claims these files: "
      "tests/unit/runtime/zero/test_something_else.py"),
-    ({f"patches/{FAKE_BASE}/0006-more.patch": ""}, f"no pull request claims these files: patches/{FAKE_BASE}/0006-more.patch"),
+    ({f"patches/{FAKE_BASE}/0006-more.patch": ""},
+     f"no pull request claims these files: patches/{FAKE_BASE}/0006-more.patch"),
     ({"deepspeed/runtime/zero/stage3_helper.py": ""}, "no pull request claims these files: "
      "deepspeed/runtime/zero/stage3_helper.py"),
 ])
@@ -546,7 +549,8 @@ def test_fake_patch_needing_another_pull_requests_context_stops_the_export(tmp_p
     dependent = _stage3_patch((11, "backward scale"), base_text=stage3)
     assert "\n first use\n" in dependent
     with pytest.raises(ze.ExportError, match="pull request '3-loss-scale' does not apply to the pristine") as err:
-        _fake_export(tmp_path, extra={f"patches/{FAKE_BASE}/0003-zero3-unscale-by-backward-loss-scale.patch": dependent})
+        _fake_export(tmp_path,
+                     extra={f"patches/{FAKE_BASE}/0003-zero3-unscale-by-backward-loss-scale.patch": dependent})
     assert "0003-zero3-unscale-by-backward-loss-scale.patch" in str(err.value)
 
 
