@@ -6,20 +6,30 @@ creates needs Python >= 3.10).
   python3 dev.py test  [--base X] [ARGS...]  setup, then pytest (ARGS go to pytest)
   python3 dev.py demo  [--base X] [ARGS...]  setup, then examples/demo/run_demo.py ARGS
   python3 dev.py bench [ARGS...]             patched and stock venvs of every base, then bench/run_bench.py ARGS
-  python3 dev.py export [--base X] [--out DIR] the change as one diff against the release + PR text
+  python3 dev.py export [--base X] [--out DIR] the change as three pull requests (a diff and a description
+                                             each) and the combined diff, against the release
                                              (default DIR: out/export/<X>/; needs no venv)
+  python3 dev.py intree --deepspeed-repo PATH [--base X] [--stock] [--cpu-fp16] [-- PYTEST ARGS]
+                                             setup, then the exported tests inside a copy of DeepSpeed's
+                                             tests/ (its conftest.py, tests/unit/common.py) with
+                                             upstream's Muon tests
 
 --base defaults to $DS_ZERO3MUON_BASE, else [tool.zero3muon] default-base in pyproject.toml.
 Setup is idempotent: requirements are reinstalled only when requirements/*.txt change, and
-DeepSpeed is rebuilt only when pyproject.toml, build_backend/, deepspeed/ or patches/<base>/ change.
+DeepSpeed is rebuilt only when pyproject.toml, build_backend/zero3muon_build.py, deepspeed/ or
+patches/<base>/ change (not for the export's files in build_backend/, which the wheel does not use).
 """
 
 import argparse
 import hashlib
+import io
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -138,7 +148,8 @@ def setup(base, stock=False):
     if stock:
         build_hash = tree_hash([], extra=f"stock deepspeed=={base} sha256={sdist_sha256(base)}")
     else:
-        inputs = [ROOT / "pyproject.toml", ROOT / "build_backend", ROOT / "deepspeed", ROOT / "patches" / base]
+        inputs = [ROOT / "pyproject.toml", ROOT / "build_backend" / "zero3muon_build.py", ROOT / "deepspeed",
+                  ROOT / "patches" / base]
         build_hash = tree_hash([p for p in inputs if p.exists()], extra=f"base={base}")
     label = f"stock deepspeed {base}" if stock else f"deepspeed {base}+zero3muon"
     if venv.is_current("build", build_hash):
@@ -219,10 +230,147 @@ def cmd_export(args, _extra):
     except zero3muon_export.zb.BuildError as e:
         log(f"export failed: {e}")
         return 1
-    log(f"wrote {result.diff_path}")
-    log(f"wrote {result.pr_path}")
-    print(result.diffstat, end="")
+    for piece in result.pieces:
+        title = piece.group.title if piece.group else "every pull request" + "".join(
+            f" + backport ({bp.group.title})" for bp in result.backports)
+        log(f"{piece.stem}: {title}")
+        log(f"  wrote {piece.diff_path}")
+        log(f"  wrote {piece.text_path}")
+        print(piece.diffstat, end="", flush=True)
     return 0
+
+
+# `dev.py intree --cpu-fp16`: written next to the copied tests/ and loaded with `pytest -p`.
+CPU_FP16_PLUGIN_NAME = "zero3muon_intree_cpu_fp16"
+CPU_FP16_PLUGIN = '''"""pytest plugin of `python3 dev.py intree --cpu-fp16` (written by zero3muon's dev.py).
+
+DeepSpeed's CPU accelerator reports fp16 as supported only where oneDNN says the CPU has fp16
+arithmetic; elsewhere upstream's fp16 tests skip (many at module level, on
+`get_accelerator().supported_dtypes()`) and `deepspeed.initialize` refuses fp16. torch computes
+fp16 on any CPU (slowly), so this reports it as supported: `is_fp16_supported()` is true and
+`supported_dtypes()` holds torch.float16. Nothing else changes.
+
+It must act in the pytest process (module-level skips, collection) and in the ranks that
+DistributedTest forks from a multiprocessing forkserver, which loads no pytest plugin: the module
+patches at import and asks the forkserver to import it too (multiprocessing.set_forkserver_preload,
+before the first test starts the forkserver).
+"""
+import multiprocessing
+
+import torch
+from deepspeed.accelerator import cpu_accelerator
+
+
+def _is_fp16_supported(self):
+    return True
+
+
+def _supported_dtypes(self):
+    return [torch.float, torch.bfloat16, torch.float16]
+
+
+cpu_accelerator.CPU_Accelerator.is_fp16_supported = _is_fp16_supported
+cpu_accelerator.CPU_Accelerator.supported_dtypes = _supported_dtypes
+multiprocessing.set_forkserver_preload([__name__])
+'''
+UPSTREAM_MUON_TESTS = "unit/ops/muon"  # upstream's own Muon tests, relative to tests/
+
+
+def _git_out(*args):
+    res = subprocess.run(["git", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def deepspeed_tests(repo, ref, dest):
+    """Copy DeepSpeed's tests/ from ``repo`` into ``dest/tests``; return a line naming what was used.
+
+    ``repo``: a checkout (the tests/ of its working tree is copied as it is) or a git directory
+    without work tree, e.g. a bare mirror (``git archive <ref> tests``)."""
+    repo = Path(repo).expanduser().resolve()
+    if (repo / "tests" / "unit" / "common.py").is_file():
+        shutil.copytree(repo / "tests", dest / "tests", symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache"))
+        commit = _git_out("-C", str(repo), "log", "-1", "--format=%H (%cd, %s)", "--date=short")
+        dirty = _git_out("-C", str(repo), "status", "--porcelain", "--", "tests")
+        state = "not a git checkout"
+        if commit:
+            state = f"commit {commit}" + (", tests/ with local changes" if dirty else "")
+        version = (repo / "version.txt").read_text().strip() if (repo / "version.txt").is_file() else "?"
+        return f"DeepSpeed tests/ of the checkout {repo}, {state}, version.txt {version}"
+    commit = _git_out("--git-dir", str(repo), "rev-parse", "--verify", f"{ref}^{{commit}}")
+    if commit is None:
+        sys.exit(f"[dev] {repo}: neither a DeepSpeed checkout (no tests/unit/common.py) nor a git directory "
+                 f"with a commit {ref!r}")
+    res = subprocess.run(["git", "--git-dir", str(repo), "archive", "--format=tar", commit, "tests"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if res.returncode != 0:
+        sys.exit(f"[dev] git archive {commit} tests failed in {repo}: {res.stderr.decode(errors='replace').strip()}")
+    with tarfile.open(fileobj=io.BytesIO(res.stdout)) as tar:
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, filter="data")
+        else:
+            tar.extractall(dest)  # noqa: S202 - git archive of a local repository
+    if not (dest / "tests" / "unit" / "common.py").is_file():
+        sys.exit(f"[dev] {repo} at {commit}: no tests/unit/common.py; is it DeepSpeed's repository?")
+    about = _git_out("--git-dir", str(repo), "log", "-1", "--format=%cd, %s", "--date=short", commit)
+    version = _git_out("--git-dir", str(repo), "show", f"{commit}:version.txt") or "?"
+    return f"DeepSpeed tests/ of the git directory {repo}, {ref} = commit {commit} ({about}), version.txt {version}"
+
+
+def cmd_intree(args, extra):
+    """The exported tests inside a copy of DeepSpeed's tests/, run with DeepSpeed's own conftest.py,
+    pytest.ini and tests/unit/common.py (DistributedTest) by the patched venv's pytest; with
+    --stock, upstream's tests only, by the stock venv's."""
+    sys.path.insert(0, str(ROOT / "build_backend"))
+    import zero3muon_export
+    project = Path(args.tests_from).resolve() if args.tests_from else ROOT
+    ours = []
+    if not args.stock:
+        owners = zero3muon_export.assign(args.base, project, strict=False)
+        ours = sorted(p for files in owners.values() for p in files if p.startswith("tests/"))
+        if not ours:
+            log(f"no exported tests in {project / 'tests'}")
+            return 1
+    venv = setup(args.base, stock=args.stock)
+    tmp = Path(tempfile.mkdtemp(prefix="zero3muon-intree-"))
+    try:
+        used = deepspeed_tests(args.deepspeed_repo, args.ref, tmp)
+        for rel in ours:
+            dest = tmp / rel
+            if dest.exists() and dest.read_bytes() != (project / rel).read_bytes():
+                log(f"{rel} exists in DeepSpeed's tests/ with other contents: not overwriting it")
+                return 1
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(project / rel, dest)
+        targets = list(extra)
+        if not targets:
+            targets = [Path(rel).relative_to("tests").as_posix() for rel in ours if Path(rel).name.startswith("test_")]
+            targets.append(UPSTREAM_MUON_TESTS)
+        cmd = [str(venv.python), "-m", "pytest"]
+        env = venv.env(TORCHDYNAMO_DISABLE="1", LOCAL_SIZE="4")
+        if args.cpu_fp16:
+            (tmp / f"{CPU_FP16_PLUGIN_NAME}.py").write_text(CPU_FP16_PLUGIN)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp), os.environ.get("PYTHONPATH")) if p)
+            cmd += ["-p", CPU_FP16_PLUGIN_NAME]
+        if not any(a.startswith("-r") for a in extra):
+            cmd.append("-rfEs")  # the summary names every failure, error and skip, with the reason
+        log(used)
+        log(f"{'stock' if args.stock else 'patched'} DeepSpeed {args.base} of {venv.dir.relative_to(ROOT)}; "
+            + (f"{len(ours)} exported test file(s) of {project} copied in" if ours else "upstream's tests only")
+            + ("; fp16 reported as supported by the CPU accelerator (--cpu-fp16)" if args.cpu_fp16 else ""))
+        log(f"in {tmp / 'tests'}: DS_ACCELERATOR=cpu LOCAL_SIZE=4 TORCHDYNAMO_DISABLE=1 PYTHONSAFEPATH=1 "
+            f"python -m pytest {' '.join(cmd[3:] + targets)}")
+        rc = subprocess.run(cmd + targets, cwd=tmp / "tests", env=env).returncode
+        log(f"pytest exit {rc}; used {used}")
+        if rc == 5:
+            log("pytest collected no tests: treated as a failure")
+            return 1
+        return rc
+    finally:
+        if args.keep:
+            log(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv=None):
@@ -234,14 +382,28 @@ def main(argv=None):
                                  ("demo", cmd_demo, "setup, then run examples/demo/run_demo.py (extra args go "
                                   "to it, e.g. --quick; output in out/demo/<base>/ unless --out)"),
                                  ("bench", cmd_bench, "stock and patched venvs of every base, then bench/run_bench.py"),
-                                 ("export", cmd_export, "write the change as one diff against the release, "
-                                  "and a PR description")):
+                                 ("export", cmd_export, "write the change as three pull requests (diff and "
+                                  "description each) and the combined diff, against the release"),
+                                 ("intree", cmd_intree, "setup, then run the exported tests inside a copy of "
+                                  "DeepSpeed's tests/ (args after -- go to pytest, run in that tests/)")):
         p = sub.add_parser(name, help=helptext, description=helptext, allow_abbrev=False)
         p.add_argument("--base", default=os.environ.get("DS_ZERO3MUON_BASE") or default_base,
                        help=f"DeepSpeed base release, one of {', '.join(known)} (default: %(default)s)")
         p.set_defaults(func=func)
         if name == "export":
             p.add_argument("--out", type=Path, help="output directory (default: out/export/<base>/)")
+        if name == "intree":
+            p.add_argument("--deepspeed-repo", required=True, metavar="PATH",
+                           help="a DeepSpeed checkout, or a git directory without work tree (e.g. a bare mirror)")
+            p.add_argument("--ref", default="HEAD", help="commit of a git directory to take tests/ from "
+                           "(default: %(default)s; a checkout's working tree is used as it is)")
+            p.add_argument("--stock", action="store_true", help="the stock venv .venv/stock-<base>/ and "
+                           "upstream's tests only (default target: unit/ops/muon)")
+            p.add_argument("--cpu-fp16", action="store_true", help="report fp16 as supported by the CPU "
+                           "accelerator (a pytest plugin written to the temporary tree), so upstream's fp16 tests run")
+            p.add_argument("--tests-from", metavar="CHECKOUT", help="take the exported tests from this project "
+                           "checkout instead of this one")
+            p.add_argument("--keep", action="store_true", help="keep the temporary tree and print its path")
     args, extra = parser.parse_known_args(argv)
     if extra[:1] == ["--"]:
         extra = extra[1:]

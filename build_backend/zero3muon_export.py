@@ -1,24 +1,37 @@
-"""The whole change as one upstream-style diff, for DeepSpeed maintainers (``python3 dev.py export``).
+"""The change as upstream pull requests, for DeepSpeed maintainers (``python3 dev.py export``).
 
-The diff is made with the build's own steps (``zero3muon_build``): the pinned sdist is obtained
-and verified as ``pip install .`` does, unpacked, committed to a throw-away git index as the
-pristine release, changed by ``apply_changes`` (our new files under ``deepspeed/``, then
-``patches/<base>/*.patch``), and diffed with ``git diff --cached``: new files appear as
-``new file mode`` / ``--- /dev/null``, paths are relative to the repository root with ``a/`` and
-``b/`` prefixes, so ``git apply`` or ``patch -p1`` applies it to a DeepSpeed checkout of the tag.
+The change is three independent pull requests plus, on some bases, a backport (``GROUPS``); each
+file of the repository that could go upstream (``deepspeed/``, ``tests/``, ``patches/<base>/``)
+belongs to exactly one of them by the patterns below, or is never exported (``NEVER_EXPORTED``).
+A file matching none, or more than one, stops the export with an ``ExportError`` naming it.
 
-Left out on purpose: the build's packaging labels (``write_build_labels``), i.e. ``build.txt``
-(DeepSpeed's setup.py writes its own) and the generated ``deepspeed/runtime/zero/muon/_build_info.py``,
-and ``PROJECT_ONLY``: ``python -m deepspeed.runtime.zero.muon``, the report of this project's
-wheel (merged upstream it would call the merged code "not the zero3muon build"). They describe
-this project's wheel, not the change. The tests under ``tests/`` stay in this project (see the PR
-description).
+For each pull request the export takes the pristine release (the pinned sdist, verified and
+unpacked as ``pip install .`` does, committed to a throw-away git index), adds that pull request's
+new files and applies its patches ALONE (``zero3muon_build.apply_patches``: a patch whose context
+needs another pull request's patch fails loudly), and diffs with ``git diff``: new files appear
+as ``new file mode`` / ``--- /dev/null``, paths are relative to the repository root with ``a/``
+and ``b/`` prefixes, so ``git apply`` or ``patch -p1`` applies it to a DeepSpeed checkout of the
+tag. The combined diff is the build's own change (``zero3muon_build.apply_changes``: every new
+file under ``deepspeed/``, then every patch in order) plus every exported test, i.e. every pull
+request and the backports together.
+
+Left out on purpose:
+
+- the build's packaging labels (``write_build_labels``): ``build.txt`` (DeepSpeed's setup.py
+  writes its own) and the generated ``deepspeed/runtime/zero/muon/_build_info.py``;
+- ``deepspeed/runtime/zero/muon/__main__.py``, the report of this project's wheel (merged
+  upstream it would call the merged code "not the zero3muon build");
+- ``tests/unit/common.py``, this project's stand-in for DeepSpeed's own ``tests/unit/common.py``
+  (``DistributedTest``; the exported tests use DeepSpeed's), ``tests/conftest.py`` and the tests
+  of this project's build, examples and benchmark.
 
 Stdlib only, like the backend: ``dev.py`` imports this with the system Python, without torch.
 """
 
 import ast
+import fnmatch
 import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -26,40 +39,243 @@ from string import Template
 
 import zero3muon_build as zb
 
-PR_TEMPLATE = Path(__file__).resolve().parent / "export_pr_template.md"
+TEMPLATE_DIR = Path(__file__).resolve().parent / "export_templates"
 
-# New files of ours that belong to this project's wheel, not to the upstream change.
+# This project's wheel report: a new file of ours that is not part of the upstream change.
 PROJECT_ONLY = ("deepspeed/runtime/zero/muon/__main__.py", )
 
-# One line for each upstream file our patches change (new files describe themselves: their docstring).
-MODIFIED_FILE_NOTES = {
-    "deepspeed/runtime/zero/stage3.py":
-    "creates `Zero3MuonBoundary` (with its configuration check) in `__init__` and calls it in `step()` "
-    "right after unscale-and-clip, instead of upstream's Muon call (0.19.7: in the gradient reduce path, "
-    "per micro-batch; 0.19.8: before the norm); fp32 Muon momentum; lifts the refusals of `reduce_scatter` "
-    "and of Muon groups with different momenta, and upstream's refusal of Muon with the all-to-all "
-    "(quantized-gradient) reduction, which is now refused only where the accelerator lacks the "
-    "quantizer op (patch 0001). A parameter's first gradient in an accumulation window replaces its "
-    "partition, and a parameter without gradient in the window gets a zero gradient (patch 0002). "
-    "Gradients and their norm are unscaled by the loss scale of the step's backward, not by the scale "
-    "the dynamic loss scaler has just grown (patch 0003).",
-}
+# Repository files that are never exported (fnmatch patterns; ``*`` also matches ``/``).
+NEVER_EXPORTED = PROJECT_ONLY + (
+    "tests/conftest.py",  # puts tests/ on sys.path here; DeepSpeed's tests/conftest.py does more
+    "tests/__init__.py",  # package markers of this project's tests/ (DeepSpeed has its own
+    "tests/unit/__init__.py",  # tests/unit/__init__.py)
+    "tests/unit/common.py",  # stand-in for DeepSpeed's tests/unit/common.py (DistributedTest)
+    "tests/unit/test_distributed_standin.py",  # the stand-in's own test
+    "tests/unit/build/*",  # this project's build backend and export
+    "tests/examples/*",  # this project's examples
+    "tests/bench/*",  # this project's benchmark
+)
+
+# The directories of the repository whose files are candidates for export.
+EXPORT_ROOTS = ("deepspeed", "tests")
+
+STAGE3 = "deepspeed/runtime/zero/stage3.py"
+
+
+class Group:
+    """A set of repository files exported together: a pull request, or a backport that goes into
+    the combined diff only (``pull_request=False``), and only on a base where it has a patch.
+
+    ``patterns`` are fnmatch patterns on repository paths (``patches/*/0001-*.patch`` matches
+    that patch of every base); ``notes`` has one hand-written line per upstream file the group's
+    patches modify (new files describe themselves by their docstring)."""
+
+    def __init__(self, key, number, title, patterns, notes, template=None, pull_request=True, why=""):
+        self.key, self.number, self.title = key, number, title
+        self.patterns, self.notes, self.template = tuple(patterns), dict(notes), template
+        self.pull_request = pull_request
+        self.why = why  # a backport: why it is in the combined diff and in no pull request
+
+    @property
+    def stem(self):
+        return f"{self.number}-{self.key}"
+
+    def matches(self, path):
+        return any(fnmatch.fnmatchcase(path, pattern) for pattern in self.patterns)
+
+    def __repr__(self):
+        return f"Group({self.key!r})"
+
+
+MUON = Group(
+    "muon", 1, "ZeRO-3 Muon: momentum and Newton-Schulz once per step at the accumulation boundary",
+    patterns=(
+        "deepspeed/runtime/zero/muon/*",
+        "patches/*/0001-*.patch",
+        "patches/*/0004-*.patch",
+        "tests/unit/runtime/zero/test_zero3_muon_*.py",
+        "tests/unit/runtime/zero/zero3_muon_*.py",
+    ),
+    notes={
+        STAGE3: {
+            "*":
+            "creates `Zero3MuonBoundary` (with its configuration check) in `__init__` and calls it in `step()` "
+            "right after unscale-and-clip; allocates the Muon momentum in fp32; deletes the refusals of "
+            "`reduce_scatter`, of Muon groups with different momenta and of Muon with the all-to-all "
+            "(quantized-gradient) reduction, which is now refused only where the accelerator lacks the "
+            "quantizer op.",
+            "0.19.7":
+            " Deletes upstream's Muon path that this replaces: the per-bucket, per-micro-step "
+            "`_apply_distributed_muon_update` call in the gradient reduce path and the method with the "
+            "all-gather helper only it used. Under optimizer offload, Muon sub-groups are always stepped by "
+            "the Muon optimizer (as in 0.19.8).",
+            "0.19.8":
+            " Deletes upstream's Muon path that this replaces: `_apply_muon_to_accumulated_grads` before the "
+            "norm with the methods only it used (`_muon_update_sub_group`, `_apply_muon_updates_cpu_offload`, "
+            "the all-gather buffer cache), the loss-scale re-multiplication of Muon updates and its norm "
+            "correction in `_get_norm_groups`, and `muon_beta` / `muon_ns_method` (each parameter group's "
+            "own `momentum` and `ns_method` are used).",
+        },
+        "deepspeed/runtime/zero/muon/original_muon.py": {
+            "*":
+            "new `muon_ns_problem` (the matrix, or batch of matrices, Newton-Schulz runs on), "
+            "`muon_momentum_step_` (the elementwise momentum step and Nesterov blend) and `muon_orthogonalize`; "
+            "`muon_update` becomes their composition and computes what it did. The ZeRO-3 boundary update runs "
+            "the elementwise step on each rank's partition and the orthogonalization on the owner rank.",
+            "0.19.7": " Also adds 0.19.8's `ns_compute_dtype` (the dtype each NS method computes in).",
+            "0.19.8": " `_per_head_orthogonalize` takes its shape check from `muon_ns_problem`.",
+        },
+    },
+    template="pr_muon.md",
+)
+
+GRAD_WINDOW = Group(
+    "grad-window", 2, "ZeRO-3: a parameter without gradient in part of an accumulation window",
+    patterns=(
+        "patches/*/0002-*.patch",
+        "tests/unit/runtime/zero/test_zero3_grad_partition_window.py",
+    ),
+    notes={
+        STAGE3:
+        "`partition_grads` copies a parameter's first gradient of an accumulation window into its "
+        "partition whichever micro-step it arrives in (it copied on micro-step 0 only and added "
+        "otherwise); the new `_zero_grad_partitions_without_gradient`, called first in `_pre_step`, "
+        "zeroes the gradient partition of every trainable parameter that got no gradient in the window.",
+    },
+    template="pr_grad_window.md",
+)
+
+LOSS_SCALE = Group(
+    "loss-scale", 3, "ZeRO-3: unscale by the loss scale of the step's backward",
+    patterns=(
+        "patches/*/0003-*.patch",
+        "tests/unit/runtime/zero/test_zero3_backward_loss_scale.py",
+    ),
+    notes={
+        STAGE3:
+        "`step()` keeps the loss scale of the step's backward passes before the dynamic loss scaler "
+        "updates it, and unscales the gradients and the stashed global norm by it; "
+        "`unscale_and_clip_grads` takes it as an optional argument (default: the current scale, as before).",
+    },
+    template="pr_loss_scale.md",
+)
+
+ALLGATHER_BACKPORT = Group(
+    "allgather-wait-backport", 9, "ZeRO-3: wait on every handle of a coalesced parameter all-gather (backport)",
+    patterns=(
+        "patches/*/0005-*.patch",
+        "tests/unit/runtime/zero/test_zero3_allgather_coalesced_wait.py",
+    ),
+    notes={
+        "deepspeed/runtime/zero/partition_parameters.py":
+        "the handle of a coalesced parameter all-gather waits on every collective it launched, not only "
+        "the last (backport of DeepSpeed 0.19.8's fix; with gloo the handles complete independently).",
+    },
+    pull_request=False,
+    why="DeepSpeed 0.19.7 waits only on the last handle of a coalesced parameter all-gather; with gloo the "
+    "handles complete independently, so the gathered parameters could be read before they all arrived. "
+    "DeepSpeed 0.19.8 already waits on every handle: this backports that fix, so that this project's "
+    "0.19.7 build gathers parameters correctly on gloo; it is not proposed upstream.",
+)
+
+GROUPS = (MUON, GRAD_WINDOW, LOSS_SCALE, ALLGATHER_BACKPORT)
 
 
 class ExportError(zb.BuildError):
     """The export could not be made; the message says why."""
 
 
-class Export:
-    """What ``export`` wrote: paths, the diff (bytes, without the header) and its per-file summary."""
+class Piece:
+    """One exported diff: the tree change of ``group`` (``None``: the combined diff)."""
 
-    def __init__(self, base, diff_path, pr_path, diff, name_status, diffstat):
-        self.base, self.diff_path, self.pr_path = base, diff_path, pr_path
+    def __init__(self, group, sources, diff, name_status, diffstat, diff_path=None, text_path=None):
+        self.group, self.sources = group, sources
         self.diff, self.name_status, self.diffstat = diff, name_status, diffstat
+        self.diff_path, self.text_path = diff_path, text_path
+
+    @property
+    def paths(self):
+        return [path for _, path in self.name_status]
+
+    @property
+    def stem(self):
+        return self.group.stem if self.group else "combined"
 
 
-def diff_file_name(base):
-    return f"zero3muon-deepspeed-{base}.diff"
+class Export:
+    """What ``export`` wrote: the pull requests in order, then the combined diff."""
+
+    def __init__(self, base, out_dir, pull_requests, combined, backports):
+        self.base, self.out_dir = base, out_dir
+        self.pull_requests, self.combined, self.backports = pull_requests, combined, backports
+
+    @property
+    def pieces(self):
+        return [*self.pull_requests, self.combined]
+
+
+# --------------------------------------------------------------------------- membership
+
+
+def candidate_files(base, repo_root=zb.REPO_ROOT):
+    """Repository paths that could be exported for ``base``: every file under ``deepspeed/`` and
+    ``tests/`` (caches skipped) and ``patches/<base>/*.patch``."""
+    repo_root = Path(repo_root)
+    out = []
+    for top in EXPORT_ROOTS:
+        for path in sorted((repo_root / top).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix not in (".pyc", ".pyo"):
+                out.append(path.relative_to(repo_root).as_posix())
+    out += [p.relative_to(repo_root).as_posix() for p in zb.list_patches(base, repo_root)]
+    return out
+
+
+def assign(base, repo_root=zb.REPO_ROOT, groups=GROUPS, never=NEVER_EXPORTED, strict=True):
+    """{group key: [repository paths]} for ``base``; groups without a file on ``base`` are left out,
+    and so are backports without a patch on ``base`` (with their tests).
+
+    A path matching a ``never`` pattern is left out whatever the groups say. Raises ``ExportError``
+    for any other file that no group claims, or that more than one claims, and for a pull request
+    without a test or without a change to DeepSpeed. With ``strict=False`` (``dev.py intree``, which
+    needs the tests only) it raises nothing: an unclaimed file is left out, a file claimed more than
+    once goes to its first group."""
+    owners, unclaimed, ambiguous = {g.key: [] for g in groups}, [], []
+    for path in candidate_files(base, repo_root):
+        if any(fnmatch.fnmatchcase(path, pattern) for pattern in never):
+            continue  # an exclusion wins over a group's pattern
+        claims = [g.key for g in groups if g.matches(path)]
+        if not claims:
+            unclaimed.append(path)
+            continue
+        owners[claims[0]].append(path)
+        if len(claims) > 1:
+            ambiguous.append(f"{path} ({' and '.join(claims)})")
+    for g in groups:  # a backport without its patch on this base backports nothing: its test goes too
+        if not g.pull_request and not any(p.startswith("patches/") for p in owners[g.key]):
+            owners[g.key] = []
+    result = {key: sorted(files) for key, files in owners.items() if files}
+    if not strict:
+        return result
+    problems = []
+    if unclaimed:
+        problems.append("no pull request claims these files: " + ", ".join(unclaimed) +
+                        " (add a pattern to a Group of build_backend/zero3muon_export.py, or to NEVER_EXPORTED)")
+    if ambiguous:
+        problems.append("these files are claimed more than once: " + ", ".join(ambiguous))
+    for g in groups:
+        files = owners[g.key]
+        if not g.pull_request or not files:
+            continue
+        if not any(p.startswith("tests/") for p in files):
+            problems.append(f"pull request {g.stem!r} has no test under tests/")
+        if not any(p.startswith(("deepspeed/", "patches/")) for p in files):
+            problems.append(f"pull request {g.stem!r} changes nothing in DeepSpeed (no new module, no patch)")
+    if problems:
+        raise ExportError(f"export of base {base}: " + "; ".join(problems))
+    return result
+
+
+# --------------------------------------------------------------------------- diffs
 
 
 def _git(tree, *args, raw=False):
@@ -80,17 +296,23 @@ def _snapshot(tree):
     return _git(tree, "write-tree").strip()
 
 
-def make_diff(sdist, sha256, base, work_dir, repo_root=zb.REPO_ROOT):
-    """(diff, name-status, diffstat) of our change against the pristine ``sdist``, made under ``work_dir``."""
-    zb.verify_sha256(sdist, sha256)
-    patches = zb.list_patches(base, repo_root)
-    tree = zb.unpack_sdist(sdist, work_dir)
-    _git(tree, "init", "-q")
-    pristine = _snapshot(tree)
-    zb.apply_changes(tree, patches, repo_root)
-    for rel in PROJECT_ONLY:
-        (tree / rel).unlink(missing_ok=True)
-    changed = _snapshot(tree)
+def _restore(tree, pristine):
+    """Put ``tree`` back to the git tree ``pristine``: files added since are deleted, changed ones restored."""
+    _git(tree, "read-tree", "--reset", "-u", pristine)
+    _git(tree, "clean", "-fdxq")
+
+
+def _copy_new_files(tree, repo_root, paths):
+    clashes = [p for p in paths if (tree / p).exists()]
+    if clashes:
+        raise ExportError("these files of ours already exist in the upstream tree: " + ", ".join(clashes) +
+                          ". Changes to upstream files must be patches under patches/<base>/.")
+    for rel in paths:
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(Path(repo_root) / rel, tree / rel)
+
+
+def _diff(tree, pristine, changed):
     opts = ["--no-color", "--no-ext-diff", "--no-renames", "--src-prefix=a/", "--dst-prefix=b/", pristine, changed]
     diff = _git(tree, "diff", "--binary", *opts, raw=True)
     name_status = [line.split("\t", 1) for line in _git(tree, "diff", "--name-status", *opts).splitlines()]
@@ -99,9 +321,65 @@ def make_diff(sdist, sha256, base, work_dir, repo_root=zb.REPO_ROOT):
     leaked = [path for _, path in name_status if path in labels or "__pycache__" in path or path.endswith(".pyc")]
     if leaked:  # cannot happen through apply_changes; guards a future change of it
         raise ExportError(f"the diff would contain build artifacts: {', '.join(leaked)}")
-    if not diff:
-        raise ExportError(f"no difference to deepspeed-{base}: nothing to export")
     return diff, name_status, diffstat
+
+
+def make_pieces(sdist, sha256, base, work_dir, repo_root=zb.REPO_ROOT, groups=GROUPS, never=NEVER_EXPORTED):
+    """(pull requests, combined, backports): a ``Piece`` each, made against the pristine ``sdist``
+    under ``work_dir``. Every pull request is its own files and patches on the pristine release."""
+    zb.verify_sha256(sdist, sha256)
+    repo_root = Path(repo_root)
+    owners = assign(base, repo_root, groups, never)
+    tree = zb.unpack_sdist(sdist, work_dir)
+    _git(tree, "init", "-q")
+    pristine = _snapshot(tree)
+
+    pieces = {}
+    for g in groups:
+        if g.key not in owners:
+            continue
+        files = owners[g.key]
+        patches = [repo_root / p for p in files if p.startswith("patches/")]
+        _restore(tree, pristine)
+        _copy_new_files(tree, repo_root, [p for p in files if not p.startswith("patches/")])
+        try:
+            zb.apply_patches(tree, patches)
+        except zb.BuildError as e:
+            what = f"pull request {g.stem!r}" if g.pull_request else f"backport {g.key!r}"
+            raise ExportError(f"{what} does not apply to the pristine deepspeed-{base} on its own "
+                              f"(each pull request's patches must not depend on another's): {e}") from e
+        pieces[g.key] = Piece(g, files, *_diff(tree, pristine, _snapshot(tree)))
+
+    # The combined diff: the build's change (every new file, every patch in order), our tests.
+    _restore(tree, pristine)
+    try:
+        zb.apply_changes(tree, zb.list_patches(base, repo_root), repo_root)
+    except zb.BuildError as e:
+        raise ExportError(f"the patches of base {base} do not apply in order (the combined diff, the build): "
+                          f"{e}") from e
+    for rel in PROJECT_ONLY:
+        (tree / rel).unlink(missing_ok=True)
+    exported = sorted(p for files in owners.values() for p in files)
+    added = [p.relative_to(tree).as_posix() for p in (tree / "deepspeed").rglob("*") if p.is_file()]
+    unexported = sorted(p for p in added if any(fnmatch.fnmatchcase(p, pattern) for pattern in never))
+    if unexported:  # a never-exported file under deepspeed/ that is not PROJECT_ONLY
+        raise ExportError(f"never-exported files under deepspeed/ would be in the combined diff: {unexported}")
+    _copy_new_files(tree, repo_root, [p for p in exported if p.startswith("tests/")])
+    combined = Piece(None, exported, *_diff(tree, pristine, _snapshot(tree)))
+    if not combined.diff:
+        raise ExportError(f"no difference to deepspeed-{base}: nothing to export")
+
+    union = {p for piece in pieces.values() for p in piece.paths}
+    if union != set(combined.paths):
+        raise ExportError("the pull requests and backports together do not change the files the combined diff "
+                          f"changes: only in theirs {sorted(union - set(combined.paths))}, only in the combined "
+                          f"{sorted(set(combined.paths) - union)}")
+    prs = [pieces[g.key] for g in groups if g.key in pieces and g.pull_request]
+    backports = [pieces[g.key] for g in groups if g.key in pieces and not g.pull_request]
+    return prs, combined, backports
+
+
+# --------------------------------------------------------------------------- descriptions
 
 
 def _docstring_summary(path):
@@ -114,47 +392,104 @@ def _docstring_summary(path):
     return " ".join(doc.split("\n\n", 1)[0].split())
 
 
-def describe_files(name_status, repo_root, patches):
-    """Markdown list: one line per changed file."""
+def note_text(note, base):
+    """A group's note: a string, or {"*": text for every base, base: text appended on that base}."""
+    if isinstance(note, str):
+        return note
+    return note.get("*", "") + note.get(base, "")
+
+
+def file_note(path, groups, base):
+    """The hand-written line for an upstream file modified by ``groups``; ``ExportError`` if one lacks it."""
+    missing = [g.key for g in groups if path not in g.notes]
+    if missing:
+        raise ExportError(f"{path} is modified by {', '.join(missing)} but has no line in that group's notes "
+                          "(build_backend/zero3muon_export.py): say what the change does to it")
+    if len(groups) == 1:
+        return note_text(groups[0].notes[path], base)
+    return " ".join(f"*{g.title}*: {note_text(g.notes[path], base)}" for g in groups)
+
+
+def describe_files(piece, repo_root, groups_of, base):
+    """Markdown list, one line per changed file; ``groups_of(path)``: the groups modifying ``path``."""
     lines = []
-    for status, path in name_status:
+    for status, path in piece.name_status:
         if status == "A":
             what = _docstring_summary(Path(repo_root) / path) or "new file"
             lines.append(f"- `{path}` (new): {what}")
         else:
-            touching = [p.name for p in patches if f"diff --git a/{path} b/{path}\n" in p.read_text()]
-            what = MODIFIED_FILE_NOTES.get(path) or f"changed by {', '.join(touching) or 'the patches'}"
-            lines.append(f"- `{path}`: {what}")
+            lines.append(f"- `{path}`: {file_note(path, groups_of(path), base)}")
     return "\n".join(lines)
 
 
-def pr_description(base, cfg, sdist, sha256, name_status, diffstat, repo_root=zb.REPO_ROOT):
-    patches = zb.list_patches(base, repo_root)
+def diff_header(piece, base, cfg, sdist, sha256, backports=()):
+    """Lines before the first ``diff --git``: git apply and patch skip them."""
+    summary = piece.diffstat.rstrip("\n").splitlines()[-1].strip()
+    if piece.group:
+        what = (f"Pull request {piece.group.number}, \"{piece.group.title}\" (zero3muon {cfg['version']}), "
+                f"for DeepSpeed {base}: {summary}.\n"
+                "It applies on its own; the other pull requests do not depend on it.")
+    else:
+        extra = "".join(f" and the backport \"{bp.group.title}\"" for bp in backports)
+        what = (f"All of the zero3muon {cfg['version']} change for DeepSpeed {base} in one diff: the pull requests "
+                f"of this directory together{extra}: {summary}.")
+    return (f"{what}\nMade against {Path(sdist).name}, sha256 {sha256}.\n"
+            f"Apply at the root of a DeepSpeed checkout of v{base} with `git apply` or `patch -p1`.\n\n")
+
+
+def _patch_names(piece):
+    return ", ".join(f"`{Path(p).name}`" for p in piece.sources if p.startswith("patches/")) or "none"
+
+
+def describe(piece, base, cfg, sdist, sha256, repo_root, everything):
+    """The Markdown description of ``piece``; ``everything``: (pull requests, combined, backports)."""
+    prs, combined, backports = everything
+    modifying = {}
+    for other in [*prs, *backports]:
+        for status, path in other.name_status:
+            if status != "A":
+                modifying.setdefault(path, []).append(other.group)
     values = dict(
         base=base,
         patch_version=cfg["version"],
         sdist_name=Path(sdist).name,
         sha256=sha256,
-        diff_name=diff_file_name(base),
-        patch_names=", ".join(f"`{p.name}`" for p in patches),
-        files=describe_files(name_status, repo_root, patches),
-        diffstat=diffstat.rstrip("\n"),
+        diff_name=f"{piece.stem}.diff",
+        patch_names=_patch_names(piece),
+        diffstat=piece.diffstat.rstrip("\n"),
         per_head="`per_head_muon`, " if base != "0.19.7" else "",
+        tests=", ".join(f"`{p}`" for p in piece.sources if Path(p).name.startswith("test_")) or "none",
     )
-    return Template(PR_TEMPLATE.read_text()).substitute(values)
+    if piece.group:
+        values["files"] = describe_files(piece, repo_root, lambda path: [piece.group], base)
+        template = TEMPLATE_DIR / piece.group.template
+    else:
+        values["files"] = describe_files(piece, repo_root, lambda path: modifying[path], base)
+        values["pull_requests"] = "\n".join(
+            f"{pr.group.number}. **{pr.group.title}**: `{pr.stem}.diff`, described in `{pr.stem}.md` "
+            f"(patches {_patch_names(pr)})." for pr in prs)
+        values["backports"] = "".join(
+            f"\n\nAlso in this diff and in no pull request: **{bp.group.title}** (patch {_patch_names(bp)}, test "
+            + ", ".join(f"`{p}`" for p in bp.sources if p.startswith("tests/")) +
+            f"). {bp.group.why}" for bp in backports)
+        template = TEMPLATE_DIR / "combined.md"
+    return Template(template.read_text()).substitute(values)
 
 
-def diff_header(base, cfg, sdist, sha256, diffstat):
-    """Lines before the first ``diff --git``: git apply and patch skip them."""
-    summary = diffstat.rstrip("\n").splitlines()[-1].strip()
-    return (f"ZeRO-3 Muon boundary update (zero3muon {cfg['version']}) for DeepSpeed {base}: {summary}.\n"
-            f"Made against {Path(sdist).name}, sha256 {sha256}.\n"
-            f"Apply at the root of a DeepSpeed checkout of v{base} with `git apply` or `patch -p1`.\n\n")
+# --------------------------------------------------------------------------- export
 
 
-def export(base=None, out_dir=None, repo_root=zb.REPO_ROOT, sdist=None):
-    """Write the diff and PR_DESCRIPTION.md for ``base`` into ``out_dir`` (default
-    ``repo_root/out/export/<base>``); return an ``Export``."""
+def _stale_outputs(out_dir, written):
+    """Files of an earlier export in ``out_dir`` that this export did not write (e.g. of a
+    pull request since renamed, or of the single-diff layout before the split)."""
+    names = ("[0-9]-*.diff", "[0-9]-*.md", "combined.diff", "combined.md", "zero3muon-deepspeed-*.diff",
+             "PR_DESCRIPTION.md")
+    return [p for name in names for p in out_dir.glob(name) if p not in written]
+
+
+def export(base=None, out_dir=None, repo_root=zb.REPO_ROOT, sdist=None, groups=GROUPS, never=NEVER_EXPORTED):
+    """Write ``<n>-<key>.diff`` and ``.md`` for each pull request and ``combined.diff`` and
+    ``.md`` for ``base`` into ``out_dir`` (default ``repo_root/out/export/<base>``); return an ``Export``."""
     repo_root = Path(repo_root)
     cfg = zb.load_config(repo_root)
     base = zb.select_base(cfg, base)
@@ -162,10 +497,18 @@ def export(base=None, out_dir=None, repo_root=zb.REPO_ROOT, sdist=None):
     sdist = Path(sdist) if sdist else zb.obtain_sdist(base, sha256)
     out_dir = Path(out_dir) if out_dir else repo_root / "out" / "export" / base
     with tempfile.TemporaryDirectory(prefix="zero3muon-export-") as tmp:
-        diff, name_status, diffstat = make_diff(sdist, sha256, base, tmp, repo_root)
+        everything = make_pieces(sdist, sha256, base, tmp, repo_root, groups, never)
+    prs, combined, backports = everything
+    texts = {}
+    for piece in [*prs, combined]:
+        texts[piece.stem] = describe(piece, base, cfg, sdist, sha256, repo_root, everything)
     out_dir.mkdir(parents=True, exist_ok=True)
-    diff_path = out_dir / diff_file_name(base)
-    pr_path = out_dir / "PR_DESCRIPTION.md"
-    diff_path.write_bytes(diff_header(base, cfg, sdist, sha256, diffstat).encode() + diff)
-    pr_path.write_text(pr_description(base, cfg, sdist, sha256, name_status, diffstat, repo_root))
-    return Export(base, diff_path, pr_path, diff, name_status, diffstat)
+    written = []
+    for piece in [*prs, combined]:
+        piece.diff_path, piece.text_path = out_dir / f"{piece.stem}.diff", out_dir / f"{piece.stem}.md"
+        piece.diff_path.write_bytes(diff_header(piece, base, cfg, sdist, sha256, backports).encode() + piece.diff)
+        piece.text_path.write_text(texts[piece.stem])
+        written += [piece.diff_path, piece.text_path]
+    for stale in _stale_outputs(out_dir, written):
+        stale.unlink()
+    return Export(base, out_dir, prs, combined, backports)

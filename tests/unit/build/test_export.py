@@ -1,18 +1,29 @@
-"""Tests of ``python3 dev.py export`` (build_backend/zero3muon_export.py) on the real pinned sdists.
+"""Tests of ``python3 dev.py export`` (build_backend/zero3muon_export.py). No torch, no wheel build.
 
-For each base release whose sdist can be obtained the way the build obtains it (env
-DS_ZERO3MUON_SDIST, the sdist cache, or ``pip download``), the exported diff must apply with
-``git apply`` to a fresh unpack of that release and give exactly the tree ``pip install .``
-builds from (``prepare_tree``), minus the build's two packaging labels; ``patch -p1`` must give
-the same files. No torch, no wheel build.
+Two parts:
 
-Unpacking a release writes ~3000 files, so it is done only where a whole tree matters (the export
-itself, the build's tree, the ``git apply`` target). ``patch`` and the other-base checks run on a
-tree holding just the release's files at the paths the diff names (read from the sdist in
-memory): both tools read and write nothing else, so they behave there as in the whole tree.
+- On this repository and the real pinned sdists (for each base whose sdist can be obtained the way
+  the build obtains it: env DS_ZERO3MUON_SDIST, the sdist cache, or ``pip download``): each pull
+  request's diff applies ALONE to a fresh unpack of the release with ``git apply`` and ``patch
+  -p1`` and gives exactly its own new files and tests; the combined diff gives exactly the tree
+  ``pip install .`` builds (``prepare_tree``, minus the build's two packaging labels and the wheel
+  report) plus the exported tests; the pull requests together touch exactly the combined diff's
+  files; every description covers every file of its diff. Set DS_ZERO3MUON_EXPORT_REPO to a
+  checkout to run this part on it instead (e.g. a merge candidate).
+- On a small fake release and project built in tmp_path: the membership rules, and inputs that
+  must stop the export (a file no pull request claims, a file two claim, a pull request whose
+  patch needs another's context, one without a test, a modified file without a note).
+
+Unpacking a release writes ~3000 files, so the real part does it only where a whole tree matters
+(the export itself, the build's tree, the ``git apply`` targets). ``patch`` runs on a tree holding
+just the release's files at the paths a diff names (read from the sdist in memory): it reads and
+writes nothing else, so it behaves there as in the whole tree.
 """
 
 import ast
+import difflib
+import hashlib
+import io
 import os
 import shutil
 import subprocess
@@ -27,7 +38,8 @@ sys.path.insert(0, str(REPO_ROOT / "build_backend"))
 import zero3muon_build as zb  # noqa: E402
 import zero3muon_export as ze  # noqa: E402
 
-CFG = zb.load_config(REPO_ROOT)
+REPO = Path(os.environ.get("DS_ZERO3MUON_EXPORT_REPO") or REPO_ROOT).resolve()
+CFG = zb.load_config(REPO)
 BASES = sorted(CFG["sdist-sha256"])
 LABELS = {"build.txt", zb.BUILD_INFO_REL.as_posix()}  # written by the build, left out of the export
 
@@ -85,12 +97,22 @@ class Case:
         self.tmp = tmp_path_factory.mktemp(f"export-{base}")
         self.sha = CFG["sdist-sha256"][base]
         self.sdist = _obtain(base)
-        self.result = ze.export(base, self.tmp / "out", REPO_ROOT, self.sdist)
-        self.diff_bytes = self.result.diff_path.read_bytes()
-        self.paths = [path for _, path in self.result.name_status]
+        self.result = ze.export(base, self.tmp / "out", REPO, self.sdist)
         self.built = zb.prepare_tree(self.sdist, self.sha, base, CFG["version"], tmp_path_factory.mktemp("build"),
-                                     REPO_ROOT)
+                                     REPO)
         self.built_files = _files(self.built)
+        self.applied = {}  # piece stem -> {path: (bytes, executable)} after git apply on a fresh unpack
+
+    def apply(self, piece):
+        """The files of a fresh unpack of the release after ``git apply`` of ``piece``'s diff."""
+        if piece.stem not in self.applied:
+            tree = zb.unpack_sdist(self.sdist, self.factory.mktemp(f"fresh-{piece.stem}"))
+            check = _run(["git", "apply", "--check", piece.diff_path], tree)
+            assert check.returncode == 0, f"{piece.diff_path.name} does not apply alone:\n{check.stdout}"
+            res = _run(["git", "apply", piece.diff_path], tree)
+            assert res.returncode == 0, res.stdout
+            self.applied[piece.stem] = _files(tree)
+        return self.applied[piece.stem]
 
 
 def _case(base, tmp_path_factory):
@@ -113,104 +135,196 @@ def _run(cmd, cwd, stdin=None):
 def _files(tree):
     """{relative path: (bytes, executable)} of every file under ``tree``."""
     out = {}
-    for p in sorted(tree.rglob("*")):
+    for p in sorted(Path(tree).rglob("*")):
         if p.is_file():
             out[p.relative_to(tree).as_posix()] = (p.read_bytes(), bool(p.stat().st_mode & 0o111))
     return out
 
 
-def test_git_apply_gives_the_built_tree(case):
-    tree = zb.unpack_sdist(case.sdist, case.factory.mktemp("fresh"))
-    check = _run(["git", "apply", "--check", case.result.diff_path], tree)
-    assert check.returncode == 0, check.stdout
-    res = _run(["git", "apply", case.result.diff_path], tree)
-    assert res.returncode == 0, res.stdout
+def _repo_file(root, rel):
+    p = Path(root) / rel
+    return (p.read_bytes(), bool(p.stat().st_mode & 0o111))
 
-    got, built, pristine = _files(tree), dict(case.built_files), _pristine_files(case.base)
+
+# --------------------------------------------------------------------------- the real export
+
+
+def test_layout_and_membership(case):
+    result = case.result
+    assert [p.stem for p in result.pull_requests] == ["1-muon", "2-grad-window", "3-loss-scale"]
+    assert sorted(p.name for p in result.out_dir.iterdir()) == sorted(
+        f"{p.stem}.{ext}" for p in result.pieces for ext in ("diff", "md"))
+    # every file that could go upstream is in exactly one pull request or backport, or never exported
+    sources = [p for piece in [*result.pull_requests, *result.backports] for p in piece.sources]
+    assert len(sources) == len(set(sources))
+    never = [p for p in ze.candidate_files(case.base, REPO) if p not in sources]
+    unpatched_backports = [g for g in ze.GROUPS if not g.pull_request and g.key not in
+                           {b.group.key for b in result.backports}]
+    for path in never:  # excluded, or a backport's test on a base where it has no patch
+        assert (any(ze.fnmatch.fnmatchcase(path, pat) for pat in ze.NEVER_EXPORTED)
+                or any(g.matches(path) for g in unpatched_backports)), path
+    assert set(sources) | set(never) == set(ze.candidate_files(case.base, REPO))
+    for path in ("tests/unit/common.py", "tests/conftest.py", *ze.PROJECT_ONLY):
+        assert path not in case.result.combined.paths
+    assert not [p for p in result.combined.paths if p.startswith(("tests/unit/build/", "tests/examples/",
+                                                                     "tests/bench/"))]
+    by_key = {p.group.key: p for p in result.pull_requests}
+    muon_tests = [p for p in by_key["muon"].sources if p.startswith("tests/")]
+    assert muon_tests and all(Path(p).name.startswith(("test_zero3_muon_", "zero3_muon_")) for p in muon_tests)
+    assert [p for p in by_key["grad-window"].sources if p.startswith("tests/")] == [
+        "tests/unit/runtime/zero/test_zero3_grad_partition_window.py"]
+    assert [p for p in by_key["loss-scale"].sources if p.startswith("tests/")] == [
+        "tests/unit/runtime/zero/test_zero3_backward_loss_scale.py"]
+    patch_numbers = {key: sorted(Path(p).name[:4] for p in piece.sources if p.startswith("patches/"))
+                     for key, piece in by_key.items()}
+    assert patch_numbers["muon"] in (["0001"], ["0001", "0004"])
+    assert patch_numbers["grad-window"] == ["0002"] and patch_numbers["loss-scale"] == ["0003"]
+    backport_patches = [Path(p).name[:4] for b in result.backports for p in b.sources if p.startswith("patches/")]
+    assert backport_patches == (["0005"] if any(p.name.startswith("0005-")
+                                                for p in zb.list_patches(case.base, REPO)) else [])
+
+
+def test_each_pull_request_applies_alone_and_gives_its_files(case):
+    pristine = _pristine_files(case.base)
+    for pr in case.result.pull_requests:
+        got = case.apply(pr)
+        changed = sorted(rel for rel in got if pristine.get(rel) != got[rel])
+        assert changed == sorted(pr.paths), pr.stem
+        assert not set(pristine) - set(got), f"{pr.stem} deletes files"
+        for rel in pr.sources:  # its new modules and tests, byte for byte
+            if not rel.startswith("patches/"):
+                assert got[rel] == _repo_file(REPO, rel), (pr.stem, rel)
+        for patch in (REPO / rel for rel in pr.sources if rel.startswith("patches/")):
+            touched = {line.split()[2][2:] for line in patch.read_text().splitlines() if line.startswith("diff --git ")}
+            assert touched <= set(pr.paths), (pr.stem, patch.name)
+
+
+def test_combined_gives_the_built_tree_plus_the_tests(case):
+    got, built, pristine = dict(case.apply(case.result.combined)), dict(case.built_files), _pristine_files(case.base)
     # the build's labels: present in the build, not produced by the diff (build.txt stays upstream's)
     assert zb.BUILD_INFO_REL.as_posix() in built and zb.BUILD_INFO_REL.as_posix() not in got
     assert got["build.txt"] == pristine["build.txt"] != built["build.txt"]
     for label in LABELS | set(ze.PROJECT_ONLY):
         got.pop(label, None)
         built.pop(label, None)
+    tests = {rel: got.pop(rel) for rel in list(got) if rel.startswith("tests/")}
     assert sorted(got) == sorted(built), "file sets differ: " + repr(set(got) ^ set(built))
     differ = [rel for rel in got if got[rel] != built[rel]]
     assert not differ, f"contents or executable bit differ from the build's tree: {differ}"
-    changed = sorted(rel for rel in got if pristine.get(rel) != got[rel])
-    assert changed == sorted(case.paths)
+    exported_tests = sorted(p for piece in [*case.result.pull_requests, *case.result.backports]
+                            for p in piece.sources if p.startswith("tests/"))
+    assert sorted(tests) == exported_tests
+    assert all(tests[rel] == _repo_file(REPO, rel) for rel in tests)
+    changed = sorted(rel for rel in {**got, **tests} if pristine.get(rel) != {**got, **tests}[rel])
+    assert changed == sorted(case.result.combined.paths)
+
+
+def test_pull_requests_together_touch_the_combined_files(case):
+    pieces = [*case.result.pull_requests, *case.result.backports]
+    assert set().union(*(p.paths for p in pieces)) == set(case.result.combined.paths)
+    combined = case.apply(case.result.combined)
+    owners = {}
+    for piece in case.result.pull_requests:
+        for path in piece.paths:
+            owners.setdefault(path, []).append(piece)
+    for path, [*prs] in owners.items():
+        backported = any(path in b.paths for b in case.result.backports)
+        if len(prs) == 1 and not backported:  # a file of one pull request only: the same there as in the combined
+            assert case.apply(prs[0])[path] == combined[path], (prs[0].stem, path)
 
 
 @pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
-def test_patch_p1_gives_the_built_files(case):
-    tree = _sparse_tree(case.base, case.paths, case.factory)
-    dry = _run(["patch", "-p1", "--dry-run", "--batch"], tree, stdin=case.result.diff_path)
-    assert dry.returncode == 0, dry.stdout
-    res = _run(["patch", "-p1", "--batch", "--no-backup-if-mismatch"], tree, stdin=case.result.diff_path)
-    assert res.returncode == 0 and "fuzz" not in res.stdout and "offset" not in res.stdout, res.stdout
-    got = _files(tree)
-    assert sorted(got) == sorted(case.paths)
-    assert got == {rel: case.built_files[rel] for rel in got}
+def test_patch_p1_gives_the_same_files(case):
+    for piece in case.result.pieces:
+        tree = _sparse_tree(case.base, piece.paths, case.factory)
+        dry = _run(["patch", "-p1", "--dry-run", "--batch"], tree, stdin=piece.diff_path)
+        assert dry.returncode == 0, (piece.stem, dry.stdout)
+        res = _run(["patch", "-p1", "--batch", "--no-backup-if-mismatch"], tree, stdin=piece.diff_path)
+        assert res.returncode == 0 and "fuzz" not in res.stdout and "offset" not in res.stdout, (piece.stem, res.stdout)
+        got = _files(tree)
+        assert sorted(got) == sorted(piece.paths)
+        applied = case.apply(piece)
+        assert got == {rel: applied[rel] for rel in got}, piece.stem
 
 
-def test_diff_is_plain_text_with_repo_relative_paths(case):
-    data = case.diff_bytes
-    text = data.decode("utf-8")  # raises on binary junk
-    assert b"\0" not in data
-    assert "GIT binary patch" not in text and "Binary files" not in text
-    assert "__pycache__" not in text and ".pyc" not in text
-    for secret in (str(REPO_ROOT), str(case.tmp.parent), "/unpack/"):
-        assert secret not in text
-    headers = [line.split() for line in text.splitlines() if line.startswith("diff --git ")]
-    paths = [h[2][2:] for h in headers]
-    assert all(h[2] == f"a/{p}" and h[3] == f"b/{p}" for h, p in zip(headers, paths))
-    assert not LABELS & set(paths)
-    assert len(headers) == len(case.result.name_status)
-    # new files: exactly the repository's deepspeed/ files; modified: exactly what the patches touch
-    ours = {p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "deepspeed").rglob("*")
+def test_diffs_are_plain_text_with_repo_relative_paths(case):
+    ours = {p.relative_to(REPO).as_posix() for p in (REPO / "deepspeed").rglob("*")
             if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo")}
     assert set(ze.PROJECT_ONLY) <= ours
-    ours -= set(ze.PROJECT_ONLY)  # this project's wheel report, not part of the upstream change
-    patched = {line.split()[2][2:] for patch in zb.list_patches(case.base, REPO_ROOT)
-               for line in patch.read_text().splitlines() if line.startswith("diff --git ")}
-    status = dict((path, st) for st, path in case.result.name_status)
-    assert {p for p, st in status.items() if st == "A"} == ours
-    assert {p for p, st in status.items() if st == "M"} == patched
-    assert text.count("\n--- /dev/null\n") == text.count("\nnew file mode 100644\n") == len(ours)
-    # the header before the first `diff --git` is plain text that git apply and patch skip
-    header = text[:text.index("diff --git ")]
-    assert case.base in header and case.sha in header
-    assert not any(line.startswith(("---", "+++", "@@", "diff", "Index:")) for line in header.splitlines())
+    for piece in case.result.pieces:
+        data = piece.diff_path.read_bytes()
+        text = data.decode("utf-8")  # raises on binary junk
+        assert b"\0" not in data and data.endswith(piece.diff)
+        assert "GIT binary patch" not in text and "Binary files" not in text
+        assert "__pycache__" not in text and ".pyc" not in text
+        for secret in (str(REPO), str(case.tmp.parent), "/unpack/"):
+            assert secret not in text
+        headers = [line.split() for line in text.splitlines() if line.startswith("diff --git ")]
+        paths = [h[2][2:] for h in headers]
+        assert all(h[2] == f"a/{p}" and h[3] == f"b/{p}" for h, p in zip(headers, paths))
+        assert not LABELS & set(paths)
+        assert len(headers) == len(piece.name_status)
+        # new files: exactly the piece's new modules and tests; modified: exactly what its patches touch
+        patches = [REPO / rel for rel in piece.sources if rel.startswith("patches/")]
+        patched = {line.split()[2][2:] for patch in patches for line in patch.read_text().splitlines()
+                   if line.startswith("diff --git ")}
+        status = dict((path, st) for st, path in piece.name_status)
+        new = {p for p in piece.sources if not p.startswith("patches/")}
+        assert {p for p, st in status.items() if st == "A"} == new
+        assert {p for p, st in status.items() if st == "M"} == patched
+        assert new & ours == new - {p for p in new if p.startswith("tests/")}
+        assert text.count("\n--- /dev/null\n") == text.count("\nnew file mode 100644\n") == len(new)
+        # the header before the first `diff --git` is plain text that git apply and patch skip
+        header = text[:text.index("diff --git ")]
+        assert case.base in header and case.sha in header
+        assert not any(line.startswith(("---", "+++", "@@", "diff", "Index:")) for line in header.splitlines())
+    combined_new = {p for st, p in case.result.combined.name_status if st == "A" and p.startswith("deepspeed/")}
+    assert combined_new == ours - set(ze.PROJECT_ONLY)
 
 
-def test_diff_applies_to_its_own_base_only(case, tmp_path_factory):
+def test_combined_diff_applies_to_its_own_base_only(case, tmp_path_factory):
     others = [b for b in BASES if b != case.base]
     if not others:
         pytest.skip("only one base is pinned")
+    diff = case.result.combined
     for other in others:
-        tree = _sparse_tree(other, case.paths, tmp_path_factory)
-        res = _run(["git", "apply", "--check", case.result.diff_path], tree)
+        tree = _sparse_tree(other, diff.paths, tmp_path_factory)
+        res = _run(["git", "apply", "--check", diff.diff_path], tree)
         assert res.returncode != 0 and "patch does not apply" in res.stdout, res.stdout
         if shutil.which("patch"):
             # patch(1) would apply most hunks with offsets and fuzz, but some fail: it exits non-zero
-            dry = _run(["patch", "-p1", "--dry-run", "--batch"], tree, stdin=case.result.diff_path)
+            dry = _run(["patch", "-p1", "--dry-run", "--batch"], tree, stdin=diff.diff_path)
             assert dry.returncode != 0 and "FAILED" in dry.stdout, dry.stdout
 
 
-def test_pr_description_names_base_files_and_tests(case):
-    text = case.result.pr_path.read_text()
-    assert text.startswith("# ")
-    assert "${" not in text and "$base" not in text
-    assert f"v{case.base}" in text and ze.diff_file_name(case.base) in text and case.sha in text
-    for status, path in case.result.name_status:
-        line = next(line for line in text.splitlines() if line.startswith(f"- `{path}`"))
-        if status == "A":  # a new module says what it is in its docstring
-            assert line != f"- `{path}` (new): new file", f"{path} has no docstring to describe it"
-        else:  # a patched upstream file needs a hand-written line
-            assert path in ze.MODIFIED_FILE_NOTES, f"add a line for {path} to MODIFIED_FILE_NOTES"
-    assert case.result.diffstat.strip().splitlines()[-1].strip() in text
-    for patch in zb.list_patches(case.base, REPO_ROOT):
-        assert patch.name in text
-    assert ("per_head_muon" in text) == (case.base != "0.19.7")
+def test_descriptions_cover_every_file(case):
+    for piece in case.result.pieces:
+        text = piece.text_path.read_text()
+        title = piece.group.title if piece.group else None
+        assert text.startswith(f"# {title}\n" if title else "# ")
+        assert "${" not in text and "$base" not in text
+        assert f"v{case.base}" in text and f"{piece.stem}.diff" in text and case.sha in text
+        for section in ("## Files changed", "## Testing") + (("## Problem", "## Fix", "## Behaviour changes",
+                                                               "## Compatibility") if piece.group else ()):
+            assert section in text, (piece.stem, section)
+        for status, path in piece.name_status:
+            line = next((line for line in text.splitlines() if line.startswith(f"- `{path}`")), None)
+            assert line, f"{piece.text_path.name} does not describe {path}"
+            if status == "A":  # a new module or test says what it is in its docstring
+                assert line != f"- `{path}` (new): new file", f"{path} has no docstring to describe it"
+        assert piece.diffstat.strip().splitlines()[-1].strip() in text
+        for rel in piece.sources:
+            if rel.startswith("patches/"):
+                assert Path(rel).name in text
+            if Path(rel).name.startswith("test_") and piece.group:
+                assert text.count(f"`{rel}`") >= 2, f"{piece.text_path.name}: {rel} not in its Testing section"
+    muon = case.result.pull_requests[0]
+    assert ("per_head_muon" in muon.text_path.read_text()) == (case.base != "0.19.7")
+    combined = case.result.combined.text_path.read_text()
+    for pr in case.result.pull_requests:
+        assert f"**{pr.group.title}**: `{pr.stem}.diff`" in combined
+    for bp in case.result.backports:
+        assert bp.group.title in combined and "0.19.8 already" in combined
 
 
 def _catches_import_error(node):
@@ -226,10 +340,11 @@ def _catches_import_error(node):
 def test_exported_code_copes_without_build_info(case):
     # _build_info.py is a label of this project's wheel and is not exported: any exported module
     # importing it must do so inside a try that catches ImportError.
-    for status, path in case.result.name_status:
+    tree_files = case.apply(case.result.combined)
+    for status, path in case.result.combined.name_status:
         if not path.endswith(".py"):
             continue
-        tree = ast.parse((case.built / path).read_text())
+        tree = ast.parse(tree_files[path][0].decode())
         guarded = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.Try) and _catches_import_error(node):
@@ -256,16 +371,200 @@ def test_dev_py_export_command(tmp_path, tmp_path_factory):
     case = _case(base, tmp_path_factory)
     env = dict(os.environ, **{zb.ENV_SDIST: str(case.sdist)})
     env.pop(zb.ENV_BASE, None)
-    res = subprocess.run([sys.executable, str(REPO_ROOT / "dev.py"), "export", "--out", str(tmp_path)], cwd=tmp_path,
+    (tmp_path / "PR_DESCRIPTION.md").write_text("from the single-diff layout")  # an earlier export's
+    (tmp_path / "notes.txt").write_text("not ours")
+    res = subprocess.run([sys.executable, str(REPO / "dev.py"), "export", "--out", str(tmp_path)], cwd=tmp_path,
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert res.returncode == 0, res.stderr
-    diff, pr = tmp_path / ze.diff_file_name(base), tmp_path / "PR_DESCRIPTION.md"
-    assert f"wrote {diff}" in res.stdout and f"wrote {pr}" in res.stdout
-    assert case.result.diffstat in res.stdout
-    # deterministic: the same bytes as the export made in-process
-    assert diff.read_bytes() == case.diff_bytes
-    assert pr.read_text() == case.result.pr_path.read_text()
+    for piece in case.result.pieces:
+        diff, text = tmp_path / f"{piece.stem}.diff", tmp_path / f"{piece.stem}.md"
+        assert f"wrote {diff}" in res.stdout and f"wrote {text}" in res.stdout
+        assert piece.diffstat in res.stdout
+        # deterministic: the same bytes as the export made in-process
+        assert diff.read_bytes() == piece.diff_path.read_bytes()
+        assert text.read_text() == piece.text_path.read_text()
+    assert not (tmp_path / "PR_DESCRIPTION.md").exists() and (tmp_path / "notes.txt").exists()
 
-    bad = subprocess.run([sys.executable, str(REPO_ROOT / "dev.py"), "export", "--base", "0.0.1"], cwd=tmp_path,
+    bad = subprocess.run([sys.executable, str(REPO / "dev.py"), "export", "--base", "0.0.1"], cwd=tmp_path,
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert bad.returncode != 0 and "unknown base '0.0.1'" in bad.stderr
+
+
+# --------------------------------------------------------------------------- a fake release and project
+
+FAKE_BASE = "9.9.9"
+STAGE3_LINES = [f"line {i} of stage3" for i in range(1, 31)]
+UPSTREAM = {
+    "setup.py": "from setuptools import setup\nsetup()\n",
+    "deepspeed/__init__.py": "",
+    "deepspeed/runtime/zero/stage3.py": "\n".join(STAGE3_LINES) + "\n",
+    "deepspeed/runtime/zero/partition_parameters.py": "handle.wait()\n",
+    "deepspeed/runtime/zero/muon/__init__.py": "",
+    "deepspeed/runtime/zero/muon/original_muon.py": "def muon_update():\n    pass\n",
+}
+
+
+def _make_diff(rel, old, new, context=1):
+    lines = difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True), f"a/{rel}", f"b/{rel}",
+                                 n=context)
+    return f"diff --git a/{rel} b/{rel}\n" + "".join(lines)
+
+
+def _stage3_patch(*changes, base_text=None):
+    """A diff of the fake stage3.py replacing line i (1-based) by text for each (i, text)."""
+    old = base_text or UPSTREAM["deepspeed/runtime/zero/stage3.py"]
+    lines = old.splitlines()
+    for i, text in changes:
+        lines[i - 1] = text
+    return _make_diff("deepspeed/runtime/zero/stage3.py", old, "\n".join(lines) + "\n")
+
+
+def _doc_module(doc):
+    return f'"""{doc}"""\n'
+
+
+def fake_project(tmp_path, extra=None, drop=()):
+    """A fake release (sdist) and a fake project checkout with one file of every kind the export
+    sorts; ``extra``: more repository files {path: text}, ``drop``: paths to leave out.
+    Returns (repo, sdist)."""
+    sdist = tmp_path / f"deepspeed-{FAKE_BASE}.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        for name, text in UPSTREAM.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"deepspeed-{FAKE_BASE}/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    sha = hashlib.sha256(sdist.read_bytes()).hexdigest()
+    patches = f"patches/{FAKE_BASE}"
+    files = {
+        "pyproject.toml": (f'[tool.zero3muon]\nversion = "0.0.1"\ndefault-base = "{FAKE_BASE}"\n\n'
+                           f'[tool.zero3muon.sdist-sha256]\n"{FAKE_BASE}" = "{sha}"\n'),
+        "deepspeed/runtime/zero/muon/owner_plan.py": _doc_module("The owner plan."),
+        "deepspeed/runtime/zero/muon/__main__.py": _doc_module("This project's wheel report."),
+        f"{patches}/0001-zero3-muon-boundary-update.patch": _stage3_patch((3, "muon wiring")),
+        f"{patches}/0002-zero3-grad-partition-first-use-in-window.patch": _stage3_patch((10, "first use")),
+        f"{patches}/0003-zero3-unscale-by-backward-loss-scale.patch": _stage3_patch((17, "backward scale")),
+        f"{patches}/0004-muon-update-split.patch": _make_diff(
+            "deepspeed/runtime/zero/muon/original_muon.py", UPSTREAM["deepspeed/runtime/zero/muon/original_muon.py"],
+            "def muon_update():\n    return elementwise()\n"),
+        f"{patches}/0005-zero3-allgather-coalesced-wait-every-handle.patch": _make_diff(
+            "deepspeed/runtime/zero/partition_parameters.py", "handle.wait()\n", "for h in handles:\n    h.wait()\n"),
+        "tests/conftest.py": "",
+        "tests/unit/common.py": _doc_module("Local stand-in of DeepSpeed's unit.common."),
+        "tests/unit/build/test_export.py": "",
+        "tests/examples/test_demo.py": "",
+        "tests/bench/test_bench_counting.py": "",
+        "tests/unit/runtime/zero/test_zero3_muon_gas.py": _doc_module("Muon under accumulation."),
+        "tests/unit/runtime/zero/zero3_muon_helpers.py": _doc_module("Helpers of the Muon tests."),
+        "tests/unit/runtime/zero/test_zero3_grad_partition_window.py": _doc_module("Partitions in a window."),
+        "tests/unit/runtime/zero/test_zero3_backward_loss_scale.py": _doc_module("The backward's loss scale."),
+        "tests/unit/runtime/zero/test_zero3_allgather_coalesced_wait.py": _doc_module("Every handle waited on."),
+    }
+    files.update(extra or {})
+    repo = tmp_path / "repo"
+    for rel, text in files.items():
+        if rel not in drop:
+            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+            (repo / rel).write_text(text)
+    return repo, sdist
+
+
+def _fake_export(tmp_path, **kwargs):
+    repo, sdist = fake_project(tmp_path, kwargs.pop("extra", None), kwargs.pop("drop", ()))
+    return ze.export(FAKE_BASE, tmp_path / "out", repo, sdist, **kwargs), repo, sdist
+
+
+def test_fake_membership_and_independent_pull_requests(tmp_path):
+    result, repo, sdist = _fake_export(tmp_path)
+    sources = {p.stem: p.sources for p in result.pull_requests}
+    assert sources == {
+        "1-muon": ["deepspeed/runtime/zero/muon/owner_plan.py",
+                   f"patches/{FAKE_BASE}/0001-zero3-muon-boundary-update.patch",
+                   f"patches/{FAKE_BASE}/0004-muon-update-split.patch",
+                   "tests/unit/runtime/zero/test_zero3_muon_gas.py", "tests/unit/runtime/zero/zero3_muon_helpers.py"],
+        "2-grad-window": [f"patches/{FAKE_BASE}/0002-zero3-grad-partition-first-use-in-window.patch",
+                          "tests/unit/runtime/zero/test_zero3_grad_partition_window.py"],
+        "3-loss-scale": [f"patches/{FAKE_BASE}/0003-zero3-unscale-by-backward-loss-scale.patch",
+                         "tests/unit/runtime/zero/test_zero3_backward_loss_scale.py"],
+    }
+    [backport] = result.backports
+    assert backport.paths == ["deepspeed/runtime/zero/partition_parameters.py",
+                              "tests/unit/runtime/zero/test_zero3_allgather_coalesced_wait.py"]
+    combined = result.combined.paths
+    assert set(combined) == {p for piece in [*result.pull_requests, backport] for p in piece.paths}
+    assert "deepspeed/runtime/zero/partition_parameters.py" in combined
+    for never in ("tests/unit/common.py", "tests/conftest.py", "tests/unit/build/test_export.py",
+                  "deepspeed/runtime/zero/muon/__main__.py"):
+        assert all(never not in piece.paths for piece in result.pieces)
+    # each pull request applies alone to the pristine release and changes only its own lines
+    for pr, line in zip(result.pull_requests, ("muon wiring", "first use", "backward scale")):
+        (tmp_path / pr.stem).mkdir()
+        tree = zb.unpack_sdist(sdist, tmp_path / pr.stem)
+        res = _run(["git", "apply", pr.diff_path], tree)
+        assert res.returncode == 0, res.stdout
+        stage3 = (tree / "deepspeed/runtime/zero/stage3.py").read_text().splitlines()
+        assert [x for x in stage3 if not x.startswith("line ")] == [line]
+        assert (tree / "tests/unit/common.py").exists() is False
+    text = result.combined.text_path.read_text()
+    assert backport.group.title in text and "not proposed upstream" in text
+    assert "partition_parameters.py" not in "".join(p.text_path.read_text() for p in result.pull_requests)
+
+
+def test_fake_release_without_backport_or_optional_patch(tmp_path):
+    # a base without 0004 and 0005 (0.19.8 has no 0005): the backport's test is not exported either
+    drop = (f"patches/{FAKE_BASE}/0004-muon-update-split.patch",
+            f"patches/{FAKE_BASE}/0005-zero3-allgather-coalesced-wait-every-handle.patch")
+    result, _, _ = _fake_export(tmp_path, drop=drop)
+    assert result.backports == [] and len(result.pull_requests) == 3
+    assert "backport" not in result.combined.text_path.read_text().lower()
+    assert not [p for p in result.combined.paths if "allgather" in p or "partition_parameters" in p]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"tests/unit/runtime/zero/test_something_else.py": ""}, "no pull request claims these files: "
+     "tests/unit/runtime/zero/test_something_else.py"),
+    ({f"patches/{FAKE_BASE}/0006-more.patch": ""},
+     f"no pull request claims these files: patches/{FAKE_BASE}/0006-more.patch"),
+    ({"deepspeed/runtime/zero/stage3_helper.py": ""}, "no pull request claims these files: "
+     "deepspeed/runtime/zero/stage3_helper.py"),
+])
+def test_fake_unclaimed_file_stops_the_export(tmp_path, extra, message):
+    with pytest.raises(ze.ExportError, match="no pull request claims") as err:
+        _fake_export(tmp_path, extra=extra)
+    assert message in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_fake_overlapping_rules_stop_the_export(tmp_path):
+    greedy = ze.Group("greedy", 4, ze.LOSS_SCALE.title, ("tests/unit/runtime/zero/test_zero3_*.py", ), {},
+                      template=ze.LOSS_SCALE.template)
+    with pytest.raises(ze.ExportError, match="claimed more than once") as err:
+        _fake_export(tmp_path, groups=(*ze.GROUPS, greedy))
+    assert "tests/unit/runtime/zero/test_zero3_muon_gas.py (muon and greedy)" in str(err.value)
+
+
+def test_fake_patch_needing_another_pull_requests_context_stops_the_export(tmp_path):
+    # 0003 made on top of 0002 with a context line 0002 changed: applies in the series, not alone
+    stage3 = UPSTREAM["deepspeed/runtime/zero/stage3.py"].replace("line 10 of stage3", "first use")
+    dependent = _stage3_patch((11, "backward scale"), base_text=stage3)
+    assert "\n first use\n" in dependent
+    with pytest.raises(ze.ExportError, match="pull request '3-loss-scale' does not apply to the pristine") as err:
+        _fake_export(tmp_path,
+                     extra={f"patches/{FAKE_BASE}/0003-zero3-unscale-by-backward-loss-scale.patch": dependent})
+    assert "0003-zero3-unscale-by-backward-loss-scale.patch" in str(err.value)
+
+
+def test_fake_pull_request_without_test_stops_the_export(tmp_path):
+    with pytest.raises(ze.ExportError, match="pull request '2-grad-window' has no test under tests/"):
+        _fake_export(tmp_path, drop=("tests/unit/runtime/zero/test_zero3_grad_partition_window.py", ))
+
+
+def test_fake_modified_file_without_a_note_stops_the_export(tmp_path):
+    other = _make_diff("deepspeed/runtime/zero/muon/__init__.py", "", "from .original_muon import muon_update\n")
+    with pytest.raises(ze.ExportError, match="deepspeed/runtime/zero/muon/__init__.py is modified by muon but has no"):
+        _fake_export(tmp_path, extra={f"patches/{FAKE_BASE}/0004-muon-update-split.patch": other})
+
+
+def test_fake_new_file_clashing_with_upstream_stops_the_export(tmp_path):
+    with pytest.raises(zb.BuildError, match="already exist in the upstream"):
+        _fake_export(tmp_path, extra={"deepspeed/runtime/zero/muon/original_muon.py": "# ours\n"})
