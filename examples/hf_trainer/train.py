@@ -144,7 +144,6 @@ def engine_facts(trainer):
     facts = {
         "deepspeed": deepspeed.__version__,
         "zero_stage": int(engine.zero_optimization_stage()),
-        "allgather_sequential": bool(engine.zero_allgather_sequential()),
         "engine_optimizer": type(zero).__name__,
         "optimizer": type(inner).__name__,
         # the optimizer the Trainer steps: accelerate's wrapper around the engine's
@@ -263,33 +262,6 @@ def configure_cpu_state(argv):
     return [*argv, "--accelerator_config", json.dumps({"use_configured_state": True})]
 
 
-def serialize_gathers_on_old_gloo(args):
-    """On DeepSpeed before 0.19.8 with the CPU accelerator (gloo), set the DeepSpeed config's
-    ``zero_optimization.stage3_allgather_sequential`` to true. Returns whether it did.
-
-    Those releases gather several ZeRO-3 parameters at once (``_allgather_params_coalesced``)
-    with one async all-gather each and wait on the last handle only; gloo can finish that one
-    first. Under ZeRO-3 the Trainer builds the model inside ``deepspeed.zero.Init`` and then
-    initializes its weights inside one ``GatheredParameters`` over all of them, so a late
-    all-gather could overwrite the initialization with uninitialized memory: in CI once, gas=4 vs
-    gas=1 final weights 7.9e13 apart; 2 of 60 such initializations on 2 gloo ranks held values up
-    to 1.7e10, 0 of 60 with this setting. Sequential gathers are blocking. 0.19.8 waits on every
-    handle and GPUs (NCCL) are not affected: neither is changed.
-    Must run after ``TrainingArguments`` (which reads the config) and before the model is built.
-    """
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-    from packaging.version import Version
-    if get_accelerator().device_name() != "cpu" or Version(deepspeed.__version__).release >= (0, 19, 8):
-        return False
-    hf_config = getattr(args, "hf_deepspeed_config", None)
-    if hf_config is None:
-        raise SystemExit(f"DeepSpeed {deepspeed.__version__} on the CPU: pass --deepspeed so that this example can "
-                         "set zero_optimization.stage3_allgather_sequential (see serialize_gathers_on_old_gloo)")
-    hf_config.config.setdefault("zero_optimization", {})["stage3_allgather_sequential"] = True
-    return True
-
-
 def main(argv=None):
     parser = HfArgumentParser((ExampleArguments, TrainingArguments))
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -298,12 +270,8 @@ def main(argv=None):
         parser.error("this example is about DeepSpeed: pass --deepspeed examples/hf_trainer/ds_config.json")
     ex, args = parser.parse_args_into_dataclasses(args=configure_cpu_state(argv))
     configure_deepspeed_log(ex.deepspeed_info_log)
-    serialized = serialize_gathers_on_old_gloo(args)
     if args.process_index == 0:
         print(f"[hf_trainer] {build_report()}", flush=True)
-        if serialized:
-            print("[hf_trainer] DeepSpeed < 0.19.8 on the CPU (gloo): zero_optimization.stage3_allgather_sequential "
-                  "set to true (its gather of several parameters at once can return early)", flush=True)
 
     # The model is built after TrainingArguments (which registers the DeepSpeed config), so
     # from_config builds it under deepspeed.zero.Init: each rank only ever holds its partition.

@@ -6,8 +6,9 @@
 
 Run on the installed build (the venv ``dev.py`` makes), it must name ``deepspeed.__version__``,
 the base and patch versions of ``_build_info`` and the patches of this repository's
-``patches/<base>/``, and exit 0. Without ``_build_info``, or with a ``stage3.py`` that lacks a
-patch, or a version that does not match the build info, it says so on one line and exits 1.
+``patches/<base>/``, and exit 0. Without ``_build_info``, or with an installed file that lacks a
+patch of its base (``PATCH_MARKERS``), or a version that does not match the build info, it says so
+on one line and exits 1.
 """
 
 import subprocess
@@ -59,8 +60,33 @@ def test_report_on_inconsistent_build(case, monkeypatch):
         monkeypatch.setattr(deepspeed, "__version__", "9.9.9")
         expected = "the version is not"
     else:
-        monkeypatch.setattr(report_module, "PATCH_MARKERS", (("0001", "a marker no stage3.py contains"), ))
-        expected = "lacks patch(es) 0001"
+        monkeypatch.setattr(report_module, "PATCH_MARKERS",
+                            (("0001", "runtime/zero/stage3.py", "a marker no stage3.py contains", None), ))
+        expected = "lacks patch(es) 0001 ("
     status, line = report_module.report()
     assert status == 1
     assert "NOT the patched one" in line and expected in line and "\n" not in line
+
+
+def test_markers_cover_the_patches_of_each_base():
+    """Every patch of every base has a marker for that base, and no marker names a patch the base lacks."""
+    from deepspeed.runtime.zero.muon import __main__ as report_module
+    for base_dir in sorted((REPO_ROOT / "patches").iterdir()):
+        numbers = {p.name[:4] for p in base_dir.glob("*.patch")}
+        marked = {num for num, _, _, bases in report_module.PATCH_MARKERS if bases is None or base_dir.name in bases}
+        # 0004 changes original_muon.py (not stage3.py) and has no marker here yet.
+        assert marked <= numbers, (base_dir.name, sorted(marked - numbers))
+        assert numbers - {"0004"} <= marked, (base_dir.name, sorted(numbers - marked))
+
+
+def test_marker_of_another_base_is_not_checked(monkeypatch):
+    """A marker listed for other bases only (like 0005, 0.19.7's backport) does not fail the report elsewhere."""
+    from deepspeed.runtime.zero.muon import __main__ as report_module
+    from deepspeed.runtime.zero.muon import _build_info as info
+    markers = report_module.PATCH_MARKERS
+    absent = ("0009", "runtime/zero/stage3.py", "a marker no stage3.py contains")
+    monkeypatch.setattr(report_module, "PATCH_MARKERS", markers + (absent + (("0.0.1", ), ), ))
+    assert report_module.report()[0] == 0
+    monkeypatch.setattr(report_module, "PATCH_MARKERS", markers + (absent + ((info.BASE_VERSION, ), ), ))
+    status, line = report_module.report()
+    assert status == 1 and "lacks patch(es) 0009" in line

@@ -11,10 +11,10 @@ On the patched build, for example::
     0003-zero3-unscale-by-backward-loss-scale)
 
 (one line), exit status 0. The versions come from ``_build_info.py``, which the build backend
-(``build_backend/zero3muon_build.py``) writes into this package, and the check that ``stage3.py``
-really carries every patch reads the installed ``stage3.py``. Anything else (a stock DeepSpeed,
-a build whose ``stage3.py`` lacks a patch, a version that does not match the build info) is
-reported on the same one line, with exit status 1. (Importing DeepSpeed may log a line of its own
+(``build_backend/zero3muon_build.py``) writes into this package, and the check that the installed
+files really carry every patch of the base reads them (``stage3.py``; on 0.19.7 also
+``partition_parameters.py``). Anything else (a stock DeepSpeed, a build whose files lack a patch,
+a version that does not match the build info) is reported on the same one line, with exit status 1. (Importing DeepSpeed may log a line of its own
 before it, e.g. the accelerator auto-detection warning when ``DS_ACCELERATOR`` is not set.)
 """
 
@@ -23,11 +23,14 @@ from pathlib import Path
 
 LOCAL_LABEL = "+zero3muon"
 
-# Something each patch adds to stage3.py, to check that the installed stage3.py is the patched one.
+# Something each patch adds, to check that the installed files are the patched ones:
+# (patch number, file under the deepspeed package, text the patch adds, bases it exists for or None for all).
 PATCH_MARKERS = (
-    ("0001", "Zero3MuonBoundary"),  # the boundary update's call in step()
-    ("0002", "_zero_grad_partitions_without_gradient"),  # a partition's first use in a window replaces it
-    ("0003", "backward_loss_scale"),  # unscale by the loss scale of the step's backward
+    ("0001", "runtime/zero/stage3.py", "Zero3MuonBoundary", None),  # the boundary update's call in step()
+    ("0002", "runtime/zero/stage3.py", "_zero_grad_partitions_without_gradient", None),  # first use in a window
+    ("0003", "runtime/zero/stage3.py", "backward_loss_scale", None),  # unscale by the step's backward loss scale
+    # 0.19.8's fix, backported: the coalesced parameter all-gather waits on every handle
+    ("0005", "runtime/zero/partition_parameters.py", "for handle in launch_handles:", ("0.19.7", )),
 )
 MODE = "owner-centric at the accumulation boundary"
 
@@ -52,11 +55,18 @@ def report():
     if version != f"{info.BASE_VERSION}{LOCAL_LABEL}":
         problems.append(f"the version is not {info.BASE_VERSION}{LOCAL_LABEL} "
                         "(another DeepSpeed installed over the build?)")
-    from deepspeed.runtime.zero import stage3
-    source = Path(stage3.__file__).read_text(encoding="utf-8")
-    missing = [num for num, marker in PATCH_MARKERS if marker not in source]
+    package = Path(deepspeed.__file__).parent
+    missing, sources = [], {}
+    for num, rel, marker, bases in PATCH_MARKERS:
+        if bases is not None and info.BASE_VERSION not in bases:
+            continue
+        if rel not in sources:
+            path = package / rel
+            sources[rel] = path.read_text(encoding="utf-8") if path.is_file() else ""
+        if marker not in sources[rel]:
+            missing.append(f"{num} ({package / rel})")
     if missing:
-        problems.append(f"{stage3.__file__} lacks patch(es) {', '.join(missing)}")
+        problems.append(f"lacks patch(es) {', '.join(missing)}")
     if problems:
         return 1, f"{head}, ZeRO-3 Muon update: NOT the patched one: {'; '.join(problems)}"
     patches = ", ".join(_patch_name(p) for p in info.PATCHES)
