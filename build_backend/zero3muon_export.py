@@ -139,8 +139,10 @@ GRAD_WINDOW = Group(
         STAGE3:
         "`partition_grads` copies a parameter's first gradient of an accumulation window into its "
         "partition whichever micro-step it arrives in (it copied on micro-step 0 only and added "
-        "otherwise); the new `_zero_grad_partitions_without_gradient`, called first in `_pre_step`, "
-        "zeroes the gradient partition of every trainable parameter that got no gradient in the window.",
+        "otherwise); the new `_complete_window_gradients`, called first in `_pre_step`, zeroes the "
+        "gradient partition of every trainable parameter that got no gradient in the window and, under "
+        "optimizer offload, copies the window's sum of a parameter used before the boundary micro-step "
+        "but not in it to the fp32 gradient (with its norm).",
     },
     template="pr_grad_window.md",
 )
