@@ -8,10 +8,14 @@ fp32 with ``gradient_clipping: 0``, on the same global batch at every optimizer 
     zero2-gas4  ZeRO-2, gradient_accumulation_steps=4 (ZeRO-2 applies Muon at the boundary)
 
 The mean gradient of every step is the same in all three by construction, so the weights must
-agree to the fp32 floor. Prints the per-step losses side by side, the relative weight difference
-between runs, Newton-Schulz calls per optimizer step and Muon elements exchanged per rank per
-step; writes ``summary.json`` and ``loss.png`` to ``--out``. Exits non-zero if a run fails or
-(unless ``--no-check``) the zero3-gas4 vs zero3-gas1 difference exceeds ``--tolerance``.
+agree to the fp32 floor. Newton-Schulz computes in fp32 in every rank: ``train.py`` pins it on
+the CPU accelerator, which on CPUs whose oneDNN has fp16 reports fp16 support, so that upstream
+would otherwise run the "gram" kernel in fp16 (its rounding, 1.1e-3 gas=4 vs gas=1 measured with
+--quick, would hide the fp32 agreement). Prints the dtype Newton-Schulz computed in and why, the
+per-step losses side by side, the relative weight difference between runs, Newton-Schulz calls
+per optimizer step and Muon elements exchanged per rank per step; writes ``summary.json`` and
+``loss.png`` to ``--out``. Exits non-zero if a run fails or (unless ``--no-check``) the zero3-gas4
+vs zero3-gas1 difference exceeds ``--tolerance``.
 
     DS_ACCELERATOR=cpu python examples/demo/run_demo.py [--quick] [--steps N] [--out DIR]
 """
@@ -33,10 +37,12 @@ NPROC = 2
 # runs. They see the same samples each step, so they differ only by fp32 rounding (4 micro-batch
 # gradients summed instead of one batch's, matmuls over 2 rows instead of 8 per rank), which
 # training then amplifies step by step. Measured on stock DeepSpeed 0.19.8 (CPU, torch 2.13,
-# Newton-Schulz in fp32), default settings (40 steps), seeds 1-6 and 1234: 4.3e-6 to 1.24e-5;
-# --quick (6 steps), seeds 1-4 and 1234: 7.2e-7 to 1.0e-6; a repeated run: exactly 0. The
-# tolerance is 4x the largest floor seen. A ZeRO-3 that applies Muon per micro-batch (0.19.7)
-# is off by ~1e-1. The floor grows with the number of steps: much longer runs need --tolerance.
+# Newton-Schulz in fp32, a CPU without fp16), default settings (40 steps), seeds 1-6 and 1234:
+# 4.3e-6 to 1.24e-5; --quick (6 steps), seeds 1-4 and 1234: 7.2e-7 to 1.0e-6; a repeated run:
+# exactly 0. On a CPU with AVX512-FP16 and AMX (patched 0.19.8, Newton-Schulz pinned to fp32),
+# seed 1234: 6.0e-6 (40 steps), 4.6e-6 (--quick). The tolerance is 4x the largest floor seen.
+# A ZeRO-3 that applies Muon per micro-batch (0.19.7) is off by ~1e-1. The floor grows with the
+# number of steps: much longer runs need --tolerance.
 TOLERANCE = 5e-5
 
 # (name, legend label, ZeRO stage, gradient_accumulation_steps)
@@ -188,6 +194,24 @@ def weight_diffs(results, weights):
     return diffs
 
 
+def print_newton_schulz_dtype(results):
+    """One line: the dtype the "gram" Newton-Schulz kernel computed in, and why. Returns it (None if mixed)."""
+    used = {r["ns_compute_dtype"] for r in results.values()}
+    upstream = {r["ns_compute_dtype_upstream"] for r in results.values()}
+    dtype = used.pop() if len(used) == 1 else None
+    if dtype == "float32" and upstream != {"float32"}:
+        line = (f"float32 in every run, pinned on the CPU accelerator: it reports fp16 on this CPU (oneDNN has "
+                f"fp16), so upstream would compute in {'/'.join(sorted(upstream))}, whose rounding (~1e-3) would "
+                "hide the fp32 agreement checked below")
+    elif dtype == "float32":
+        line = "float32 in every run (upstream's choice on this CPU; on a CPU with fp16 the demo pins fp32)"
+    else:
+        per_run = ", ".join(f"{name}: {r['ns_compute_dtype']}" for name, r in results.items())
+        line = f"{per_run}: not fp32 everywhere, which the check below assumes"
+    print(f"\nNewton-Schulz (\"gram\" kernel) computed in {line}")
+    return dtype
+
+
 def print_muon_counters(results):
     """NS calls per step and Muon traffic per rank per step; adds both to each result. Returns the bound."""
     first = next(iter(results.values()))
@@ -255,6 +279,7 @@ def main(argv=None):
                "failed": failed, "seconds_wall": seconds, "runs": results}
     diffs = {}
     if results:
+        summary["ns_compute_dtype"] = print_newton_schulz_dtype(results)
         print_losses(results, args.steps)
         diffs = weight_diffs(results, weights)
         summary["owner_centric_bound"] = print_muon_counters(results)

@@ -6,9 +6,15 @@ and the Muon optimizer, fp32, ``gradient_clipping: 0``. Each optimizer step cons
 ``--global-batch`` windows whatever ``--gas`` is; ``--gas`` only decides how each rank's share
 is cut into micro-batches (the engine divides each micro-batch loss by ``gas``).
 
+Newton-Schulz runs in fp32 in every rank, on any CPU: upstream's ``ns_compute_dtype`` runs the
+"gram" kernel in fp16 where the accelerator supports fp16, and DeepSpeed's CPU accelerator does
+on CPUs whose oneDNN has fp16 (AVX512-FP16 or AMX). fp16 rounding there (gas=4 vs gas=1 1.1e-3
+after 6 steps, measured) would hide the fp32 agreement the demo shows, so the ranks train inside
+``fp32_newton_schulz()`` (shared with the tests), which makes the CPU accelerator report no fp16.
+
 Rank 0 writes, into ``--out``:
 - ``result.json``: per-step loss (float, nats/token, mean over the global batch), NS-kernel
-  calls and Muon boundary traffic counters, timings;
+  calls, the dtype Newton-Schulz computed in, Muon boundary traffic counters, timings;
 - ``weights.pt``: ``{name: fp32 CPU tensor}`` of every parameter at full shape after training.
 """
 import argparse
@@ -33,9 +39,9 @@ import torch  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import data  # noqa: E402
 
-# NSCounter and gathered_weights are shared with the tests (tests/unit/runtime/zero/zero3_muon_helpers.py).
+# Shared with the tests (tests/unit/runtime/zero/zero3_muon_helpers.py).
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
-from unit.runtime.zero.zero3_muon_helpers import NSCounter, gathered_weights  # noqa: E402
+from unit.runtime.zero.zero3_muon_helpers import NSCounter, fp32_newton_schulz, gathered_weights  # noqa: E402
 
 # Counters the patched build keeps on `engine.optimizer.muon_boundary.stats` (cumulative, per rank).
 BOUNDARY_FIELDS = ("optimizer_steps", "ns_calls", "elements_sent", "elements_received", "bytes_sent",
@@ -61,6 +67,24 @@ def parse_args(argv=None):
     p.add_argument("--max-corpus-bytes", type=int, default=None)
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
+
+
+def newton_schulz_dtype(ns_method="gram"):
+    """The dtype upstream's Newton-Schulz kernel for ``ns_method`` computes in, as it would decide
+    now (it decides at every call): upstream's ``ns_compute_dtype`` (0.19.8), or the same rule,
+    which 0.19.7 has inline in the kernels. Returns e.g. ``"float32"``."""
+    from deepspeed.runtime.zero.muon import original_muon
+    rule = getattr(original_muon, "ns_compute_dtype", None)
+    if rule is not None:
+        dtype = rule(ns_method)
+    else:
+        from deepspeed.accelerator import get_accelerator
+        accelerator = get_accelerator()
+        if ns_method == "gram":
+            dtype = torch.float16 if accelerator.is_fp16_supported() else torch.float32
+        else:
+            dtype = torch.bfloat16 if accelerator.is_bf16_supported() else torch.float32
+    return str(dtype).replace("torch.", "")
 
 
 def ds_config(args, micro_batch, patched=True):
@@ -124,6 +148,10 @@ def main(argv=None):
     model = LlamaForCausalLM(config).float()
     corpus = data.load_corpus(args.max_corpus_bytes)
 
+    ns_dtype_upstream = newton_schulz_dtype()
+    pin = contextlib.ExitStack()
+    pin.enter_context(fp32_newton_schulz())  # until training ends, below
+    ns_dtype = newton_schulz_dtype()
     counter = NSCounter().install()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=ds_config(args, micro, patched))
@@ -151,6 +179,7 @@ def main(argv=None):
             bar.update()
     if bar is not None:
         bar.close()
+    pin.close()
     t_trained = time.perf_counter()
 
     # Per-step loss averaged over ranks: the mean token loss of the whole global batch.
@@ -182,6 +211,10 @@ def main(argv=None):
             "optimizer_steps": engine.global_steps,
             "losses": losses.tolist(),
             "ns_calls_total": int(ns_total.item()),  # summed over ranks, all steps
+            "ns_calls_by_kernel": dict(counter.by_kernel),  # rank 0's
+            # "gram" Newton-Schulz: the dtype it computed in, and the one upstream would pick on this CPU
+            "ns_compute_dtype": ns_dtype,
+            "ns_compute_dtype_upstream": ns_dtype_upstream,
             "muon_matrices": len(muon_params),
             "muon_elements": int(muon_elements),  # P
             "params": int(sum(w.numel() for w in weights.values())),

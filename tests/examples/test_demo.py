@@ -5,7 +5,9 @@
 """The main job still runs: ``examples/demo/run_demo.py --quick`` end to end (2 ranks, 3 runs).
 
 Checks the demo's own verdict (ZeRO-3 gas=4 vs gas=1 within its stated tolerance) and what it
-reports: one Newton-Schulz call per Muon matrix per step at ZeRO-3, and, on the patched build,
+reports: the "gram" Newton-Schulz kernel computed in fp32 in every run, and the line saying so
+(the demo pins fp32 on CPUs whose oneDNN has fp16, where upstream would pick fp16; its tolerance
+assumes fp32); one Newton-Schulz call per Muon matrix per step at ZeRO-3; and, on the patched build,
 Muon traffic per rank per step equal to the owner-centric bound 2P(W-1)/W^2 (at W=2 every rank
 receives exactly P/2 whatever the owner plan, so equality is exact).
 """
@@ -30,6 +32,12 @@ def test_demo_quick(tmp_path):
     assert proc.returncode == 0, proc.stdout[-5000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["failed"] == [] and summary["check"]["ok"]
+    assert summary["ns_compute_dtype"] == "float32"
+    assert 'Newton-Schulz ("gram" kernel) computed in float32 in every run' in proc.stdout
+    for name, run in summary["runs"].items():
+        assert run["ns_compute_dtype"] == "float32", name
+        assert run["ns_calls_by_kernel"]["zeropower_via_newtonschulz5"] == 0, name
+        assert run["ns_calls_by_kernel"]["zeropower_via_gram_newtonschulz"] > 0, name
     for name in ("zero3-gas4", "zero3-gas1"):
         run = summary["runs"][name]
         assert run["ns_calls_per_step"] == run["muon_matrices"] > 0
