@@ -22,7 +22,9 @@ from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, plan_owners
 
 
 def _plan(shapes, partition_numels, world_size):
-    specs = [MatrixSpec(s, p, ns_problem=newton_schulz_problem(s, False, None)) for s, p in zip(shapes, partition_numels)]
+    specs = [
+        MatrixSpec(s, p, ns_problem=newton_schulz_problem(s, False, None)) for s, p in zip(shapes, partition_numels)
+    ]
     return plan_owners(specs, world_size, bucket_numel=10**9)
 
 

@@ -217,7 +217,7 @@ def test_bad_head_count_is_refused_naming_the_key(shape, heads):
         newton_schulz_problem(shape, False, heads)
 
 
-@pytest.mark.skipif(HAS_PER_HEAD, reason="checks the refusal on a base without per-head Muon (0.19.7); this base has it")
+@pytest.mark.skipif(HAS_PER_HEAD, reason="checks the refusal on a base without per-head Muon (0.19.7)")
 def test_per_head_refused_on_a_base_without_it():
     with pytest.raises(ValueError, match="per_head_muon"):
         newton_schulz_problem((24, 10), False, 4)
@@ -237,7 +237,7 @@ def _pristine_original_muon():
     """The release's own ``original_muon.py`` from ``DS_ZERO3MUON_SDIST``, as a module of another name."""
     source = os.environ.get("DS_ZERO3MUON_SDIST")
     if not source:
-        pytest.skip("set DS_ZERO3MUON_SDIST to the pristine sdist (tar.gz or unpacked directory) of the installed base")
+        pytest.skip("set DS_ZERO3MUON_SDIST to the installed base's pristine sdist (tar.gz or unpacked directory)")
     base = deepspeed.__version__.split("+")[0]
     member = "deepspeed/runtime/zero/muon/original_muon.py"
     path = Path(source)
