@@ -317,7 +317,7 @@ class Zero3MuonBoundary:
                                                     spec.is_expert_group, spec.num_heads)
 
         grads = [grad_flat.narrow(0, offset, numel) for offset, numel in sg.slices]
-        sg.pipeline.run(to_owner, grads, owner_update, grad_flat.dtype, original_muon.ns_compute_dtype(settings.ns_method),
-                        self.overlap)
+        update_dtype = original_muon.ns_compute_dtype(settings.ns_method)  # sent back without loss
+        sg.pipeline.run(to_owner, grads, owner_update, grad_flat.dtype, update_dtype, self.overlap)
         if sub_group_id == min(self.sub_groups):
             self.stats.optimizer_steps += 1
