@@ -2,157 +2,91 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Upstream ``muon_update`` taken apart at the point where it needs the whole matrix.
+"""Upstream ``muon_update`` run on ZeRO-3 partitions: its two halves, and where each one runs.
 
-Upstream ``deepspeed.runtime.zero.muon.original_muon.muon_update(grad, momentum, beta, ns_steps,
-nesterov, ns_method, is_expert_group, num_heads)`` (Keller Jordan's Muon,
-https://kellerjordan.github.io/posts/muon/) does, for one whole matrix:
+Upstream ``deepspeed.runtime.zero.muon.original_muon.muon_update`` (Keller Jordan's Muon,
+https://kellerjordan.github.io/posts/muon/) is the composition of
 
-1. ``finite = isfinite(grad).all()``;
-2. ``momentum = where(finite, momentum.lerp(grad, 1 - beta), momentum)``;
-3. ``x = grad.lerp_(momentum, beta)`` with Nesterov, else ``x = momentum``;
-4. ``update = NS(x) * aspect_ratio_scale`` (per head, batched for expert groups, conv weights
-   flattened), cast to ``grad.dtype``;
-5. returns ``where(finite, update, grad)``.
+1. ``muon_momentum_step_``: elementwise; advances the momentum where the gradient is finite and
+   returns the Newton-Schulz (NS) input (the Nesterov blend, or the momentum);
+2. ``muon_orthogonalize``: NS on the whole matrix, times the aspect-ratio scale, on the problems
+   ``muon_ns_problem`` describes;
 
-Steps 2 and 3 are elementwise, so under ZeRO-3 each rank runs them on its own partition of the
-gradient and of the momentum (``momentum_and_ns_input_``): the momentum never has to travel.
-Only step 4 needs the whole matrix; the owner rank runs it (``orthogonalize``) on the NS input it
-reassembles from every rank's partition. Step 1 needs one flag per matrix that every rank agrees
-on (the binding reduces the flags over ranks). Step 5: for a non-finite matrix the result is
-``x`` itself, which is exactly what the owner returns when it skips NS.
+then a cast to the gradient dtype, and ``where(finite, update, grad)``.
+
+Under ZeRO-3 each rank runs step 1 on its own partition of the gradient and of the momentum
+(``momentum_step_``), so the momentum never travels; only step 2 needs the whole matrix, and
+the owner rank runs it on the NS input reassembled from every rank's partition. The finite flag
+is one per matrix, agreed over the ranks (``all_finite_flags`` reduced with MIN). For a
+non-finite matrix the owner sends back what it received, which is the (in-place blended)
+gradient ``muon_update`` returns for it.
 
 ``tests/unit/runtime/zero/test_zero3_muon_math.py`` checks that these pieces, run on partitions,
-give what ``muon_update`` gives on the whole matrix, finite and non-finite.
+give bit for bit what ``muon_update`` gives on the whole matrix, finite and non-finite.
 """
 
-import math
-from typing import Optional, Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 
 from deepspeed.runtime.zero.muon import original_muon
 
 
-def momentum_and_ns_input_(grad: torch.Tensor, momentum: torch.Tensor, beta: float, nesterov: bool,
-                           finite: bool) -> torch.Tensor:
-    """Steps 2-3 of ``muon_update`` on a partition, in place: advance the momentum, form the NS input.
+def newton_schulz_problem(shape: Sequence[int], is_expert_group: bool, num_heads) -> Tuple[int, int, int]:
+    """``original_muon.muon_ns_problem`` for a Muon parameter, with errors that name its config keys.
 
     Args:
-        grad: this rank's partition of the accumulated gradient, already unscaled (loss scale)
-            and clipped; any shape, usually 1-D, fp32. Overwritten with the NS input.
-        momentum: the matching partition of the momentum buffer, same shape, fp32. Advanced in
-            place by ``lerp(grad, 1 - beta)`` if ``finite``, left alone otherwise.
-        beta: the Muon momentum coefficient (the parameter group's ``momentum``).
-        nesterov: use the Nesterov blend ``lerp(grad, momentum, beta)`` as NS input (upstream's
-            default and the only mode DeepSpeed uses); else the momentum itself.
-        finite: whether the WHOLE matrix's gradient is finite, agreed over all ranks.
+        shape: the parameter's full shape (``param.ds_shape``).
+        is_expert_group: ``param.is_expert_group``.
+        num_heads: ``param.muon_num_heads`` (set by ``per_head_muon``), or ``None``.
 
     Returns:
-        torch.Tensor: ``grad``, now holding this partition of the NS input (for a non-finite
-        matrix: what ``muon_update`` returns for it).
-    """
-    if finite:
-        momentum.lerp_(grad, 1 - beta)
-    if nesterov:
-        grad.lerp_(momentum, beta)
-    elif finite:
-        grad.copy_(momentum)
-    return grad
-
-
-def aspect_ratio_scale(rows: int, cols: int) -> float:
-    """``sqrt(max(1, rows / cols))``, the factor Muon multiplies the orthogonalized update by.
-
-    Uses the base's own helper (``_aspect_ratio_scale`` in DeepSpeed 0.19.8), or the expression
-    0.19.7 writes inline, so the result is bit-identical to ``muon_update`` on either base.
-    """
-    upstream = getattr(original_muon, "_aspect_ratio_scale", None)
-    if upstream is not None:
-        return upstream(rows, cols)
-    return max(1, rows / cols)**0.5
-
-
-def _ns_kernel(ns_method: str):
-    # Looked up on every call, as muon_update does, so wrappers installed on the module (e.g.
-    # counters in tests and benchmarks) see the calls.
-    if ns_method == "gram":
-        return original_muon.zeropower_via_gram_newtonschulz
-    return original_muon.zeropower_via_newtonschulz5
-
-
-def ns_output_dtype(ns_method: str) -> torch.dtype:
-    """The dtype upstream's Newton-Schulz kernels return for ``ns_method`` on this accelerator.
-
-    ``gram`` computes in fp16 where the accelerator supports fp16, ``standard`` in bf16 where it
-    supports bf16, else fp32 (upstream ``ns_compute_dtype``; 0.19.7 has the same rule inline).
-    The owner sends the orthogonalized update back in this dtype: that is the precision the
-    update has before ``muon_update`` casts it to the gradient dtype, so nothing is lost.
-    """
-    upstream = getattr(original_muon, "ns_compute_dtype", None)
-    if upstream is not None:
-        return upstream(ns_method)
-    from deepspeed.accelerator import get_accelerator
-    if ns_method == "gram":
-        return torch.float16 if get_accelerator().is_fp16_supported() else torch.float32
-    return torch.bfloat16 if get_accelerator().is_bf16_supported() else torch.float32
-
-
-def check_per_head_available() -> None:
-    """Raise ``ValueError`` if this DeepSpeed base has no per-head Muon (0.19.7 has none; 0.19.8's
-    is ``original_muon._per_head_orthogonalize``)."""
-    if getattr(original_muon, "_per_head_orthogonalize", None) is None:
-        raise ValueError("muon_num_heads is set on a parameter, but this DeepSpeed base has no per-head "
-                         "Muon; unset per_head_muon in the optimizer params.")
-
-
-def orthogonalize(x: torch.Tensor,
-                  ns_method: str = "gram",
-                  ns_steps: int = 5,
-                  is_expert_group: bool = False,
-                  num_heads: Optional[int] = None) -> torch.Tensor:
-    """Step 4 of ``muon_update``: Newton-Schulz on the whole NS input, times the aspect-ratio scale.
-
-    Same dispatch as upstream ``muon_update``: with ``num_heads`` the rows are split into heads
-    and each head is orthogonalized on its own (0.19.8's ``_per_head_orthogonalize``); an expert
-    group is batched over its leading dimensions; a 4-D convolution weight is flattened to
-    ``(out_channels, -1)`` and scaled by its last two dimensions, as upstream does.
-
-    Args:
-        x: the whole NS input, shape ``param.ds_shape`` (at least 2-D), fp32 (or the gradient
-            dtype). Not modified.
-        ns_method: ``"gram"`` (upstream ``zeropower_via_gram_newtonschulz``) or ``"standard"``
-            (``zeropower_via_newtonschulz5``).
-        ns_steps: Newton-Schulz iterations.
-        is_expert_group: batch NS over the leading dimensions.
-        num_heads: orthogonalize each of ``num_heads`` row blocks separately.
-
-    Returns:
-        torch.Tensor: the update with ``x.numel()`` elements (2-D for conv weights, else
-        ``x``'s shape), in ``ns_output_dtype(ns_method)``; the caller casts.
+        ``(batch, rows, cols)``: the NS problems the owner will run for this parameter.
 
     Raises:
-        ValueError: ``num_heads`` given for a tensor that is not 2-D, or that does not divide
-            the rows; or ``num_heads`` on a base without per-head Muon (0.19.7).
+        ValueError: for a parameter with fewer than 2 dimensions, or ``muon_num_heads`` on a
+            tensor that is not 2-D, on rows it does not divide, or on a DeepSpeed release without
+            per-head Muon (0.19.7).
     """
-    ns_fn = _ns_kernel(ns_method)
-    if num_heads is not None:
-        check_per_head_available()
-        if x.ndim != 2 or num_heads < 1 or x.shape[0] % num_heads:
-            raise ValueError(f"per-head Muon needs a 2-D projection whose rows divide into muon_num_heads="
-                             f"{num_heads}; got shape {tuple(x.shape)}.")
-        rows, cols = x.shape
-        head_dim = rows // num_heads
-        update = ns_fn(x.view(num_heads, head_dim, cols), steps=ns_steps) * aspect_ratio_scale(head_dim, cols)
-        return update.reshape(rows, cols)
-    if is_expert_group:
-        return ns_fn(x, steps=ns_steps) * aspect_ratio_scale(x.size(-2), x.size(-1))
-    rows, cols = x.size(-2), x.size(-1)
-    if x.ndim == 4:
-        x = x.view(len(x), -1)
-    update = ns_fn(x, steps=ns_steps)
-    update *= aspect_ratio_scale(rows, cols)
-    return update
+    try:
+        return original_muon.muon_ns_problem(shape, is_expert_group, num_heads)
+    except ValueError as e:
+        if num_heads is None:
+            raise ValueError(f"{e} Only parameters with `use_muon = True` and at least 2 dimensions belong in a "
+                             "Muon group.") from e
+        raise ValueError(f"muon_num_heads={num_heads} (optimizer params: per_head_muon) on a parameter of shape "
+                         f"{tuple(shape)}: {e}") from e
+
+
+def momentum_step_(grad_flat: torch.Tensor, momentum_flat: torch.Tensor, slices: Sequence[Tuple[int, int]],
+                   beta: float, nesterov: bool, finite: Sequence[bool]) -> List[torch.Tensor]:
+    """``muon_momentum_step_`` on this rank's partition of each matrix of a sub-group, in place.
+
+    Args:
+        grad_flat: the sub-group's flat gradient partition (1-D, fp32), already unscaled (loss
+            scale) and clipped. With Nesterov overwritten with the NS input.
+        momentum_flat: the sub-group's momentum partition, same layout; advanced in place where
+            the matrix is finite.
+        slices: per matrix, ``(offset, numel)`` of its partition in the flat partitions.
+        beta: the Muon momentum coefficient (the parameter group's ``momentum``).
+        nesterov: the group's ``nesterov`` (DeepSpeed's Muon always uses the default, True).
+        finite: per matrix, whether the WHOLE matrix's gradient is finite, agreed over ranks.
+
+    Returns:
+        list of 1-D tensors, per matrix what this rank sends its owner: the NS-input partition for
+        a finite matrix, the gradient partition (what ``muon_update`` returns) for a non-finite
+        one. They are views of ``grad_flat`` or ``momentum_flat``; nothing is copied.
+    """
+    if all(finite):  # one elementwise pass over the whole flat partition
+        ns_input = original_muon.muon_momentum_step_(grad_flat, momentum_flat, beta, nesterov, True)
+        return [ns_input.narrow(0, offset, numel) for offset, numel in slices]
+    to_owner = []
+    for (offset, numel), matrix_finite in zip(slices, finite):
+        grad = grad_flat.narrow(0, offset, numel)
+        ns_input = original_muon.muon_momentum_step_(grad, momentum_flat.narrow(0, offset, numel), beta, nesterov,
+                                                     bool(matrix_finite))
+        to_owner.append(ns_input if matrix_finite else grad)
+    return to_owner
 
 
 def all_finite_flags(partitions: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -168,8 +102,3 @@ def all_finite_flags(partitions: Sequence[torch.Tensor]) -> torch.Tensor:
     if not partitions:
         return torch.ones(0, dtype=torch.int32)
     return torch.stack([torch.isfinite(p).all() for p in partitions]).to(torch.int32)
-
-
-def pad_numel(numel: int, world_size: int) -> int:
-    """``ceil(numel / world_size)``: the ZeRO-3 partition size of a tensor of ``numel`` elements."""
-    return math.ceil(numel / world_size)

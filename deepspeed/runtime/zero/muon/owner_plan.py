@@ -6,7 +6,9 @@
 
 Pure Python, no torch and no processes: every rank builds the same plan from the same list of
 matrix shapes, so the plan never has to be communicated (the binding only checks, once at
-initialization, that all ranks agree).
+initialization, that all ranks agree). The Newton-Schulz problems of each matrix, which the cost
+model needs, come from the caller (upstream ``original_muon.muon_ns_problem``, the function the
+orthogonalization itself takes its views from).
 
 Terms:
 - *partition*: under ZeRO-3 every rank holds ``partition_numel = ceil(ds_numel / W)`` elements of
@@ -44,12 +46,28 @@ class MatrixSpec:
         ns_method: ``"gram"`` or ``"standard"`` (the parameter group's ``ns_method``).
         is_expert_group: ``param.is_expert_group``; NS is batched over the leading dimensions.
         num_heads: ``param.muon_num_heads``; NS runs per attention head (rows split into heads).
+        ns_problem: ``(batch, rows, cols)``, the matrices Newton-Schulz runs on for this
+            parameter, as upstream ``original_muon.muon_ns_problem`` gives them (the plan does
+            not restate that dispatch). May be omitted for a 2-D matrix without heads: one
+            problem of its own shape.
+
+    Raises:
+        ValueError: ``ns_problem`` omitted for a tensor that is not 2-D or has ``num_heads``.
     """
     shape: Tuple[int, ...]
     partition_numel: int
     ns_method: str = "gram"
     is_expert_group: bool = False
     num_heads: Optional[int] = None
+    ns_problem: Optional[Tuple[int, int, int]] = None
+
+    def __post_init__(self):
+        if self.ns_problem is None:
+            if len(self.shape) != 2 or self.num_heads is not None:
+                raise ValueError(f"MatrixSpec of shape {tuple(self.shape)} (num_heads={self.num_heads}) needs its "
+                                 "ns_problem (original_muon.muon_ns_problem); only a 2-D matrix without heads is "
+                                 "one problem of its own shape.")
+            object.__setattr__(self, "ns_problem", (1, self.shape[0], self.shape[1]))
 
     @property
     def numel(self) -> int:
@@ -57,39 +75,6 @@ class MatrixSpec:
         for d in self.shape:
             n *= d
         return n
-
-
-def newton_schulz_problems(spec: MatrixSpec) -> Tuple[int, int, int]:
-    """The batch of matrices Newton-Schulz runs on for ``spec``, as ``(batch, rows, cols)``.
-
-    Mirrors the dispatch in upstream ``deepspeed.runtime.zero.muon.original_muon.muon_update``:
-    per-head projections are viewed as ``(num_heads, rows / num_heads, cols)``, expert groups and
-    other N-D tensors are batched over their leading dimensions, and 4-D convolution weights
-    (not expert) are flattened to ``(out_channels, in_channels * kh * kw)``.
-
-    Raises:
-        ValueError: if the shape has fewer than 2 dimensions, or ``num_heads`` is set on a tensor
-            that is not 2-D or does not divide its rows (the message names ``muon_num_heads``).
-    """
-    shape = tuple(int(d) for d in spec.shape)
-    if len(shape) < 2:
-        raise ValueError(f"Muon needs a matrix, got a parameter of shape {shape}; only parameters with "
-                         "`use_muon = True` and at least 2 dimensions belong in a Muon group.")
-    if spec.num_heads is not None:
-        if len(shape) != 2:
-            raise ValueError(f"muon_num_heads={spec.num_heads} is set on a parameter of shape {shape}; per-head "
-                             "Muon (per_head_muon) needs a 2-D projection.")
-        rows, cols = shape
-        if spec.num_heads < 1 or rows % spec.num_heads:
-            raise ValueError(f"muon_num_heads={spec.num_heads} does not divide the {rows} rows of a "
-                             f"parameter of shape {shape}.")
-        return spec.num_heads, rows // spec.num_heads, cols
-    if len(shape) == 4 and not spec.is_expert_group:
-        return 1, shape[0], shape[1] * shape[2] * shape[3]
-    batch = 1
-    for d in shape[:-2]:
-        batch *= d
-    return batch, shape[-2], shape[-1]
 
 
 def newton_schulz_cost(spec: MatrixSpec, ns_steps: int = NS_STEPS_DEFAULT) -> float:
@@ -104,7 +89,7 @@ def newton_schulz_cost(spec: MatrixSpec, ns_steps: int = NS_STEPS_DEFAULT) -> fl
     Returns:
         float: the operation count (a cost for balancing, not a time).
     """
-    batch, rows, cols = newton_schulz_problems(spec)
+    batch, rows, cols = spec.ns_problem
     m, n = min(rows, cols), max(rows, cols)
     if spec.ns_method == "gram" and m < n:
         per_matrix = 3 * (2.0 * m * m * n) + ns_steps * 6.0 * m**3
@@ -202,8 +187,7 @@ def plan_owners(specs: Sequence[MatrixSpec],
         ``max(bin) - min(bin)`` of any one bucket.
 
     Raises:
-        ValueError: for ``world_size < 1``, an ``initial_load`` of the wrong length, or a bad
-            shape (see ``newton_schulz_problems``).
+        ValueError: for ``world_size < 1`` or an ``initial_load`` of the wrong length.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}.")

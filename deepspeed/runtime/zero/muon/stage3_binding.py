@@ -15,24 +15,28 @@ loss scale and the clip coefficient already divided out, which is what a PyTorch
 
 1. agrees over ranks, with one small all-reduce, which matrices have a finite gradient;
 2. on each rank, advances the momentum partition and forms the NS-input partition in place
-   (``momentum_math.momentum_and_ns_input_``); the momentum never leaves its rank;
-3. per bucket, sends the NS-input partitions to each matrix's owner rank (all-to-all), the owner
-   runs Newton-Schulz once (``momentum_math.orthogonalize``), and a second all-to-all returns
-   each rank its partition of the update, written into the gradient partition.
+   (upstream ``muon_momentum_step_``, via ``momentum_math.momentum_step_``); the momentum never
+   leaves its rank;
+3. per bucket (``bucket_pipeline.BucketPipeline``), sends the NS-input partitions to each
+   matrix's owner rank (all-to-all), the owner runs Newton-Schulz once (upstream
+   ``muon_orthogonalize``), and a second all-to-all returns each rank its partition of the
+   update, written into the gradient partition.
 
 The optimizer (``MuonWithAuxAdam``) then applies weight decay and ``-lr * update`` to the flat
 fp32 partition, as it already does for ZeRO partitions. The update is not rescaled afterwards.
 """
 
+import hashlib
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.zero.muon.momentum_math import (all_finite_flags, check_per_head_available,
-                                                       momentum_and_ns_input_, ns_output_dtype, orthogonalize)
+from deepspeed.runtime.zero.muon import original_muon
+from deepspeed.runtime.zero.muon.bucket_pipeline import BucketPipeline
+from deepspeed.runtime.zero.muon.momentum_math import all_finite_flags, momentum_step_, newton_schulz_problem
 from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeStats, OwnerExchange
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, OwnerPlan, plan_owners
 from deepspeed.utils import logger
@@ -45,12 +49,34 @@ MOMENTUM_KEY = "momentum_buffer"
 class _SubGroup:
     """What the boundary update needs to know about one Muon sub-group, fixed at initialization."""
     offsets: List[int]  # offset of each parameter's partition in the sub-group's flat partition
-    partition_numels: List[int]
-    specs: List[MatrixSpec]
+    specs: List[MatrixSpec]  # shape, partition size and NS dispatch of each parameter
     plan: OwnerPlan
-    layouts: List[BucketLayout]  # one per bucket of ``plan``
-    exchange: OwnerExchange
-    group: object  # the partition process group
+    pipeline: BucketPipeline  # holds the exchange (process group, rank, world size) and layouts
+
+    @property
+    def slices(self) -> List[Tuple[int, int]]:
+        """``(offset, numel)`` of each parameter's partition in the flat partition."""
+        return [(offset, spec.partition_numel) for offset, spec in zip(self.offsets, self.specs)]
+
+    @property
+    def exchange(self) -> OwnerExchange:
+        return self.pipeline.exchange
+
+
+@dataclass(frozen=True)
+class _MuonSettings:
+    """A Muon parameter group's settings, with upstream ``muon_update``'s defaults."""
+    momentum: float
+    nesterov: bool
+    ns_method: str
+    ns_steps: int
+
+    @classmethod
+    def of(cls, param_group: dict) -> "_MuonSettings":
+        return cls(momentum=param_group["momentum"],
+                   nesterov=param_group.get("nesterov", True),
+                   ns_method=param_group.get("ns_method", "gram"),
+                   ns_steps=param_group.get("ns_steps", 5))
 
 
 def refuse_unsupported(optimizer) -> None:
@@ -109,16 +135,16 @@ class Zero3MuonBoundary:
 
     Attributes:
         stats: ``ExchangeStats``, cumulative on this rank.
-        overlap: when True (default), the forward all-to-all of bucket k+1 and the back
-            all-to-all of bucket k run asynchronously while the owner orthogonalizes bucket k;
-            at most two buckets' exchange buffers are alive at once. False runs the buckets one
-            after the other (one bucket alive; the benchmark compares the two).
+        overlap: when True (default), while the owners orthogonalize bucket k the forward
+            all-to-all of bucket k+1 and the back all-to-all of bucket k-1 are in flight; at most
+            two buckets' exchange buffers are alive at once. False runs the buckets one after the
+            other (one bucket alive; the benchmark compares the two). See ``bucket_pipeline``.
 
     Raises:
         ValueError: at initialization, on every rank, for a Muon parameter that is not a matrix,
             or with ``muon_num_heads`` on a tensor that is not 2-D, on rows it does not divide, or
-            on a base without per-head Muon (configurations are checked earlier, by
-            ``check_config``).
+            on a base without per-head Muon (``momentum_math.newton_schulz_problem``;
+            configurations are checked earlier, by ``check_config``).
         RuntimeError: at initialization, if the ranks of a partition group built different
             owner plans.
     """
@@ -155,52 +181,59 @@ class Zero3MuonBoundary:
 
     def _build_sub_group(self, i, params, loads) -> _SubGroup:
         opt = self.optimizer
-        ns_method = self._param_group(i).get("ns_method", "gram")
+        ns_method = _MuonSettings.of(self._param_group(i)).ns_method
         group = opt._get_sub_group_process_group(i)
         rank, world_size = dist.get_rank(group=group), dist.get_world_size(group=group)
         # Every rank meets its sub-groups in the same order, so keying by the local group object
         # pools the same sub-groups on every rank.
         load = loads.setdefault(id(group), [0.0] * world_size)
-        offsets, partition_numels, specs = [], [], []
+        offsets, specs = [], []
         for param in params:
             _, offset, partition_numel = opt.grad_position[opt.get_param_id(param)]
+            shape = tuple(param.ds_shape)
+            is_expert_group = bool(getattr(param, "is_expert_group", False))
+            num_heads = getattr(param, "muon_num_heads", None)
             offsets.append(offset)
-            partition_numels.append(partition_numel)
             specs.append(
-                MatrixSpec(shape=tuple(param.ds_shape),
+                MatrixSpec(shape=shape,
                            partition_numel=partition_numel,
                            ns_method=ns_method,
-                           is_expert_group=bool(getattr(param, "is_expert_group", False)),
-                           num_heads=getattr(param, "muon_num_heads", None)))
-        if any(spec.num_heads is not None for spec in specs):
-            check_per_head_available()  # here, on every rank, not at the first step on the owner
+                           is_expert_group=is_expert_group,
+                           num_heads=num_heads,
+                           ns_problem=newton_schulz_problem(shape, is_expert_group, num_heads)))
         plan = plan_owners(specs, world_size, opt.reduce_bucket_size, initial_load=load)
         for r, cost in enumerate(plan.load()):
             load[r] += cost
         layouts = [
             BucketLayout(owners=[plan.owners[j] for j in bucket],
                          shapes=[specs[j].shape for j in bucket],
-                         partition_numels=[partition_numels[j] for j in bucket],
+                         partition_numels=[specs[j].partition_numel for j in bucket],
                          rank=rank,
                          world_size=world_size) for bucket in plan.buckets
         ]
         exchange = OwnerExchange(group, rank, world_size, self.device, dist.all_to_all_single, self.stats)
-        return _SubGroup(offsets, partition_numels, specs, plan, layouts, exchange, group)
+        return _SubGroup(offsets, specs, plan, BucketPipeline(exchange, plan.buckets, layouts))
 
     def _check_plans_agree(self):
+        """One all-reduce per sub-group: MAX of ``[count, digest, -count, -digest]``, where ``count``
+        is the number of Muon matrices and ``digest`` a SHA-256 of the shapes, partition sizes, NS
+        problems and plan (fixed length, so ranks with different matrix counts still meet in the
+        same collective). Every rank holds the same vector exactly when the maximum of each entry
+        and of its negation (the minimum) both equal its own."""
         for i, sg in self.sub_groups.items():
-            if sg.plan.world_size == 1:
+            if sg.exchange.world_size == 1:
                 continue
-            signature = torch.tensor([len(sg.specs)] + sg.plan.signature(), dtype=torch.int64, device=self.device)
-            lengths = signature[:1].clone()
-            high, low = signature.clone(), signature.clone()
-            dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=sg.group)
-            if int(lengths.item()) != len(sg.specs):
+            description = repr([(s.shape, s.partition_numel, s.ns_problem) for s in sg.specs] + sg.plan.signature())
+            digest = hashlib.sha256(description.encode()).digest()
+            # 56-bit chunks: non-negative and their negations fit in int64.
+            mine = [len(sg.specs)] + [int.from_bytes(digest[k:k + 7], "little") for k in range(0, 28, 7)]
+            extremes = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=self.device)
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=sg.exchange.group)
+            most, least = extremes[:len(mine)].tolist(), [-v for v in extremes[len(mine):].tolist()]
+            if most[0] != least[0]:
                 raise RuntimeError(f"ZeRO-3 Muon: ranks disagree on the number of Muon matrices in sub-group {i} "
-                                   f"({len(sg.specs)} here, up to {int(lengths.item())} elsewhere).")
-            dist.all_reduce(high, op=dist.ReduceOp.MAX, group=sg.group)
-            dist.all_reduce(low, op=dist.ReduceOp.MIN, group=sg.group)
-            if not (torch.equal(high, signature) and torch.equal(low, signature)):
+                                   f"({len(sg.specs)} here, from {least[0]} to {most[0]} over the ranks).")
+            if most != mine or least != mine:
                 raise RuntimeError(f"ZeRO-3 Muon: ranks built different owner plans for sub-group {i}. Every rank "
                                    "must see the same parameter shapes, Muon flags and "
                                    "zero_optimization.reduce_bucket_size.")
@@ -242,12 +275,17 @@ class Zero3MuonBoundary:
         itemsize = torch.empty((), dtype=opt.fp32_partitioned_groups_flat[0].dtype).element_size() if \
             opt.fp32_partitioned_groups_flat else 4
         return max((layout.world_size * layout.owned_numel * itemsize for sg in self.sub_groups.values()
-                    for layout in sg.layouts), default=0)
+                    for layout in sg.pipeline.layouts),
+                   default=0)
 
-    def _finite_flags(self, sg: _SubGroup, grads: List[torch.Tensor]) -> List[bool]:
-        flags = all_finite_flags(grads).to(self.device)
-        if sg.plan.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=sg.group)
+    def _finite_flags(self, sg: _SubGroup, grad_flat: torch.Tensor) -> List[bool]:
+        """Per matrix, whether its whole gradient is finite: MIN over ranks of each partition's flag.
+        Read on the host (one synchronization per sub-group): the owner skips Newton-Schulz for a
+        non-finite matrix, and the partitions take the single flat elementwise pass when all are
+        finite."""
+        flags = all_finite_flags([grad_flat.narrow(0, o, n) for o, n in sg.slices]).to(self.device)
+        if sg.exchange.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=sg.exchange.group)
         return [bool(f) for f in flags.tolist()]
 
     @torch.no_grad()
@@ -264,67 +302,22 @@ class Zero3MuonBoundary:
         sg = self.sub_groups.get(sub_group_id)
         if sg is None:
             return
-        group_settings = self._param_group(sub_group_id)
-        beta = group_settings["momentum"]
-        nesterov = group_settings.get("nesterov", True)
-        ns_method = group_settings.get("ns_method", "gram")
-        ns_steps = group_settings.get("ns_steps", 5)
-
+        settings = _MuonSettings.of(self._param_group(sub_group_id))
         grad_flat = self.optimizer.fp32_partitioned_groups_flat[sub_group_id].grad
         momentum_flat = self._momentum(sub_group_id, grad_flat)
-        grads = [grad_flat.narrow(0, o, n) for o, n in zip(sg.offsets, sg.partition_numels)]
-        finite = self._finite_flags(sg, grads)
-        if all(finite):
-            momentum_and_ns_input_(grad_flat, momentum_flat, beta, nesterov, True)
-        else:
-            for j, (offset, numel) in enumerate(zip(sg.offsets, sg.partition_numels)):
-                momentum_and_ns_input_(grads[j], momentum_flat.narrow(0, offset, numel), beta, nesterov, finite[j])
+        finite = self._finite_flags(sg, grad_flat)
+        to_owner = momentum_step_(grad_flat, momentum_flat, sg.slices, settings.momentum, settings.nesterov, finite)
 
-        result_dtype = ns_output_dtype(ns_method)
-        buckets = list(zip(sg.plan.buckets, sg.layouts))
+        def owner_update(j: int, ns_input: torch.Tensor) -> torch.Tensor:
+            if not finite[j]:
+                return ns_input  # the gradient itself, as muon_update returns it
+            self.stats.ns_calls += 1
+            spec = sg.specs[j]
+            return original_muon.muon_orthogonalize(ns_input, settings.ns_steps, settings.ns_method,
+                                                    spec.is_expert_group, spec.num_heads)
 
-        def send_forward(b):
-            bucket, layout = buckets[b]
-            return sg.exchange.send_to_owners(layout, [grads[j] for j in bucket], grad_flat.dtype, self.overlap)
-
-        def finish_back(pending):
-            bucket, layout, back, handle = pending
-            _wait(handle)
-            layout.unpack(back, [grads[j] for j in bucket])
-
-        forward = send_forward(0) if buckets else None
-        pending_back = None
-        for b, (bucket, layout) in enumerate(buckets):
-            recv, handle = forward
-            _wait(handle)
-            if b + 1 < len(buckets) and self.overlap:
-                forward = send_forward(b + 1)  # in flight while this bucket is orthogonalized
-            results = []
-            for k, x in zip(layout.owned, layout.owned_matrices(recv)):
-                j = bucket[k]
-                if finite[j]:
-                    spec = sg.specs[j]
-                    results.append(orthogonalize(x, ns_method, ns_steps, spec.is_expert_group, spec.num_heads))
-                    self.stats.ns_calls += 1
-                else:
-                    results.append(x)
-            del recv
-            if pending_back is not None:
-                finish_back(pending_back)
-            back, handle = sg.exchange.send_to_ranks(layout, results, result_dtype, self.overlap)
-            pending_back = (bucket, layout, back, handle)
-            del results
-            if not self.overlap:
-                finish_back(pending_back)
-                pending_back = None
-                if b + 1 < len(buckets):
-                    forward = send_forward(b + 1)
-        if pending_back is not None:
-            finish_back(pending_back)
+        grads = [grad_flat.narrow(0, offset, numel) for offset, numel in sg.slices]
+        update_dtype = original_muon.ns_compute_dtype(settings.ns_method)  # sent back without loss
+        sg.pipeline.run(to_owner, grads, owner_update, grad_flat.dtype, update_dtype, self.overlap)
         if sub_group_id == min(self.sub_groups):
             self.stats.optimizer_steps += 1
-
-
-def _wait(handle) -> None:
-    if handle is not None:
-        handle.wait()

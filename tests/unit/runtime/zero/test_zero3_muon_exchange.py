@@ -16,8 +16,16 @@ import random
 import pytest
 import torch
 
+from deepspeed.runtime.zero.muon.momentum_math import newton_schulz_problem
 from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeStats, OwnerExchange
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, plan_owners
+
+
+def _plan(shapes, partition_numels, world_size):
+    specs = [
+        MatrixSpec(s, p, ns_problem=newton_schulz_problem(s, False, None)) for s, p in zip(shapes, partition_numels)
+    ]
+    return plan_owners(specs, world_size, bucket_numel=10**9)
 
 
 def _partition(tensor, world_size, rank):
@@ -57,7 +65,7 @@ def test_round_trip(world_size, seed):
     gen = torch.Generator().manual_seed(seed)
     matrices = [torch.randn(s, generator=gen) for s in shapes]
     pn = [math.ceil(m.numel() / world_size) for m in matrices]
-    plan = plan_owners([MatrixSpec(s, p) for s, p in zip(shapes, pn)], world_size, bucket_numel=10**9)
+    plan = _plan(shapes, pn, world_size)
     layouts = [BucketLayout(plan.owners, shapes, pn, rank, world_size) for rank in range(world_size)]
 
     sends = [
@@ -92,7 +100,7 @@ def test_traffic_meets_owner_centric_bound(world_size):
     # 4 equal matrices per rank: a balanced plan reaches 2 P (W - 1) / W^2 exactly.
     shapes = [(256, 256)] * (4 * world_size)
     pn = [256 * 256 // world_size] * len(shapes)
-    plan = plan_owners([MatrixSpec(s, p) for s, p in zip(shapes, pn)], world_size, bucket_numel=10**9)
+    plan = _plan(shapes, pn, world_size)
     total = sum(256 * 256 for _ in shapes)
     for rank in range(world_size):
         layout = BucketLayout(plan.owners, shapes, pn, rank, world_size)
