@@ -74,9 +74,8 @@ def test_markers_cover_the_patches_of_each_base():
     for base_dir in sorted((REPO_ROOT / "patches").iterdir()):
         numbers = {p.name[:4] for p in base_dir.glob("*.patch")}
         marked = {num for num, _, _, bases in report_module.PATCH_MARKERS if bases is None or base_dir.name in bases}
-        # 0004 changes original_muon.py (not stage3.py) and has no marker here yet.
         assert marked <= numbers, (base_dir.name, sorted(marked - numbers))
-        assert numbers - {"0004"} <= marked, (base_dir.name, sorted(numbers - marked))
+        assert numbers <= marked, (base_dir.name, sorted(numbers - marked))
 
 
 def test_marker_of_another_base_is_not_checked(monkeypatch):

@@ -29,6 +29,7 @@ PATCH_MARKERS = (
     ("0001", "runtime/zero/stage3.py", "Zero3MuonBoundary", None),  # the boundary update's call in step()
     ("0002", "runtime/zero/stage3.py", "_complete_window_gradients", None),  # first use in a window, window sums
     ("0003", "runtime/zero/stage3.py", "backward_loss_scale", None),  # unscale by the step's backward loss scale
+    ("0004", "runtime/zero/muon/original_muon.py", "def muon_momentum_step_", None),  # muon_update split
     # 0.19.8's fix, backported: the coalesced parameter all-gather waits on every handle
     ("0005", "runtime/zero/partition_parameters.py", "for handle in launch_handles:", ("0.19.7", )),
 )
