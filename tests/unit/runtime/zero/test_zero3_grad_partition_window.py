@@ -15,8 +15,9 @@ micro-step 0, and fed a parameter without gradient in a window its last gradient
 Tolerance: AdamW in fp32, the same samples per step; the runs differ only in the order of fp32
 sums (samples split over ranks and micro-steps), so they agree to the fp32 floor. FLOOR = 2e-6 is
 about 3x the largest difference measured between such runs of the ZeRO-3 Muon tests (6e-7); on
-this model the patched build measures 1e-7 and below. Stock 0.19.8, which adds the stale
-partitions, is 1e-2 away (measured).
+this model the patched build measures 1.1e-7, with and without CPU offload. Stock 0.19.8 leaves
+``extra`` 3.9e-2 from the reference (4.6e-2 with CPU offload, where the parameters it did not
+reduce in the boundary micro-step also keep their previous gradient).
 """
 
 import pytest
@@ -128,5 +129,5 @@ class TestZero3GradPartitionWindow(DistributedTest):
                 weights[name] = param.detach().float().cpu().clone()
         initial = dict(new_model().named_parameters())
         assert relative_difference({n: initial[n].detach() for n in weights}, weights) > 1000 * FLOOR
-        difference = relative_difference(reference, weights)
-        assert difference <= FLOOR, {n: relative_difference({n: reference[n]}, {n: weights[n]}) for n in weights}
+        per_parameter = {n: relative_difference({n: reference[n]}, {n: weights[n]}) for n in weights}
+        assert relative_difference(reference, weights) <= FLOOR, per_parameter
