@@ -32,6 +32,7 @@ import types
 from typing import Optional
 
 import numpy as np
+import pytest
 import torch
 
 FLOOR = 2e-6
@@ -154,6 +155,21 @@ def gathered_weights(engine) -> dict:
         with ctx:
             weights[name] = param.detach().float().cpu().clone()
     return weights
+
+
+def needs_stage3_fix(fix: str):
+    """A ``skipif`` mark for a test whose expectation holds only with another ZeRO-3 fix of this
+    change, which is proposed upstream as a pull request of its own: ``"grad-window"`` (a
+    parameter without gradient in part of an accumulation window counts as zero there) or
+    ``"loss-scale"`` (unscale by the loss scale of the step's backward). With the whole change
+    installed both are present; with the Muon pull request alone these tests skip and say why."""
+    import inspect
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+    present = {
+        "grad-window": hasattr(Stage3, "_complete_window_gradients"),
+        "loss-scale": "loss_scale" in inspect.signature(Stage3.unscale_and_clip_grads).parameters,
+    }[fix]
+    return pytest.mark.skipif(not present, reason=f"needs ZeRO-3's {fix} fix (its own pull request), not installed")
 
 
 @contextlib.contextmanager
