@@ -383,4 +383,11 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # Results are written and the process group is torn down. Skip the interpreter's teardown of
+    # C++ objects: a gloo rank still aborts there now and then under load ("terminate called without
+    # an active exception", seen once in 3 ranks after barrier + destroy_process_group), which would
+    # turn a finished run into a failed launch.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
