@@ -8,7 +8,7 @@ On the patched build, for example::
 
     deepspeed 0.19.8+zero3muon: upstream 0.19.8, zero3muon 0.1.0, ZeRO-3 Muon update: owner-centric at the
     accumulation boundary (patches 0001-zero3-muon-boundary-update, 0002-zero3-grad-partition-first-use-in-window,
-    0003-zero3-unscale-by-backward-loss-scale)
+    0003-zero3-unscale-by-backward-loss-scale, 0004-muon-update-split)
 
 (one line), exit status 0. The versions come from ``_build_info.py``, which the build backend
 (``build_backend/zero3muon_build.py``) writes into this package, and the check that the installed

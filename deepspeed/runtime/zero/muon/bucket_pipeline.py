@@ -10,8 +10,9 @@ all-to-all returns every rank its partition of each update (``owner_exchange``).
 
 With ``overlap`` the buckets run as a two-stage pipeline: while the owners compute bucket k,
 the forward all-to-all of bucket k+1 and the back all-to-all of bucket k-1 are in flight, so
-at most two buckets' exchange buffers are alive at once. Without ``overlap`` the buckets run one
-after the other with blocking collectives (one bucket alive).
+the exchange buffers of at most three buckets are alive at once (k's received matrices, k+1's
+and k-1's in flight). Without ``overlap`` the buckets run one after the other with blocking
+collectives (one bucket alive).
 
 Every rank issues the same collectives in the same order, whatever it owns (a rank that owns
 nothing in a bucket still takes part in both all-to-alls):

@@ -136,8 +136,8 @@ class Zero3MuonBoundary:
     Attributes:
         stats: ``ExchangeStats``, cumulative on this rank.
         overlap: when True (default), while the owners orthogonalize bucket k the forward
-            all-to-all of bucket k+1 and the back all-to-all of bucket k-1 are in flight; at most
-            two buckets' exchange buffers are alive at once. False runs the buckets one after the
+            all-to-all of bucket k+1 and the back all-to-all of bucket k-1 are in flight; the
+            buffers of at most three buckets are alive at once. False runs the buckets one after the
             other (one bucket alive; the benchmark compares the two). See ``bucket_pipeline``.
 
     Raises:
