@@ -187,11 +187,26 @@ def cmd_setup(args, _extra):
     return 0
 
 
+def pristine_sdist(base):
+    """The sha256-checked ``deepspeed-<base>.tar.gz`` the build cached, or None. The tests compare
+    the patched ``muon_update`` with the release's own from it (``DS_ZERO3MUON_SDIST``)."""
+    sys.path.insert(0, str(ROOT / "build_backend"))
+    import zero3muon_build as zb
+    cached = zb.default_cache_dir() / f"deepspeed-{base}.tar.gz"
+    if cached.is_file() and zb.sha256_of(cached) == sdist_sha256(base):
+        return cached
+    return None
+
+
 def cmd_test(args, extra):
     venv = setup(args.base)
+    env = venv.env(TORCHDYNAMO_DISABLE="1")
+    sdist = None if os.environ.get("DS_ZERO3MUON_SDIST") else pristine_sdist(args.base)
+    if sdist is not None:
+        env["DS_ZERO3MUON_SDIST"] = str(sdist)
+        log(f"DS_ZERO3MUON_SDIST={sdist} (the release's muon_update, for the bit-identity tests)")
     log(f"pytest {' '.join(extra)}".rstrip())
-    rc = subprocess.run([str(venv.python), "-m", "pytest", *extra], cwd=ROOT,
-                        env=venv.env(TORCHDYNAMO_DISABLE="1")).returncode
+    rc = subprocess.run([str(venv.python), "-m", "pytest", *extra], cwd=ROOT, env=env).returncode
     if rc == 5:
         log("pytest collected no tests: treated as a failure")
         return 1
