@@ -10,9 +10,10 @@ all-to-all returns every rank its partition of each update (``owner_exchange``).
 
 With ``overlap`` the buckets run as a two-stage pipeline: while the owners compute bucket k,
 the forward all-to-all of bucket k+1 and the back all-to-all of bucket k-1 are in flight, so
-the exchange buffers of at most three buckets are alive at once (k's received matrices, k+1's
-and k-1's in flight). Without ``overlap`` the buckets run one after the other with blocking
-collectives (one bucket alive).
+the exchange buffers of three buckets are in use at once (k's received matrices, k+1's and
+k-1's in flight). Without ``overlap`` the buckets run one after the other with blocking
+collectives (one bucket's buffers). The buffers are ``owner_exchange.ExchangeBuffers`` slots,
+bucket k in slot ``k % slots``, allocated at the first step and reused at every later one.
 
 Every rank issues the same collectives in the same order, whatever it owns (a rank that owns
 nothing in a bucket still takes part in both all-to-alls):
@@ -27,11 +28,12 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
-from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, OwnerExchange
+from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeBuffers, OwnerExchange
 
-OwnerUpdate = Callable[[int, torch.Tensor], torch.Tensor]
-"""``owner_update(j, matrix) -> update``: run on the owner for each matrix ``j`` (sub-group order)
-it owns, with the whole matrix reassembled (shape ``ds_shape``); returns a tensor of the same
+OwnerUpdate = Callable[[Sequence[int], Sequence[torch.Tensor]], Sequence[torch.Tensor]]
+"""``owner_update(indices, matrices) -> updates``: run on the owner once per bucket with the
+matrices it owns there (``indices`` in sub-group order, each matrix reassembled whole, shape
+``ds_shape``, possibly a view of the receive buffer); returns one tensor per matrix with its
 number of elements."""
 
 
@@ -50,6 +52,8 @@ class BucketPipeline:
         self.exchange = exchange
         self.buckets = list(buckets)
         self.layouts = list(layouts)
+        self.buffers = {overlap: ExchangeBuffers(min(3 if overlap else 1, max(1, len(self.buckets))), exchange.device)
+                        for overlap in (True, False)}
 
     def run(self, to_owner: Sequence[torch.Tensor], into: Sequence[torch.Tensor], owner_update: OwnerUpdate,
             send_dtype: torch.dtype, return_dtype: torch.dtype, overlap: bool) -> None:
@@ -64,31 +68,36 @@ class BucketPipeline:
             return_dtype: dtype of the back exchange (the update's precision).
             overlap: run the two stages asynchronously (see the module docstring).
         """
-        forward = self._send(0, to_owner, send_dtype, overlap) if self.buckets else None
+        buffers = self.buffers[overlap]
+        forward = self._send(0, to_owner, send_dtype, overlap, buffers) if self.buckets else None
         returning: Optional[Tuple[int, torch.Tensor, object]] = None
         for b, layout in enumerate(self.layouts):
             received, handle = forward
             _wait(handle)
             if overlap and b + 1 < len(self.buckets):
-                forward = self._send(b + 1, to_owner, send_dtype, overlap)
-            updates = [owner_update(self.buckets[b][k], matrix)
-                       for k, matrix in zip(layout.owned, layout.owned_matrices(received))]
+                forward = self._send(b + 1, to_owner, send_dtype, overlap, buffers)
+            updates = owner_update([self.buckets[b][k] for k in layout.owned], layout.owned_matrices(received))
             del received
             if returning is not None:
                 self._receive(*returning, into)
-            returning = (b, *self.exchange.send_to_ranks(layout, updates, return_dtype, overlap))
+            returning = (b, *self.exchange.send_to_ranks(layout, updates, return_dtype, overlap, buffers,
+                                                         b % buffers.slots))
             del updates
             if not overlap:
                 self._receive(*returning, into)
                 returning = None
                 if b + 1 < len(self.buckets):
-                    forward = self._send(b + 1, to_owner, send_dtype, overlap)
+                    forward = self._send(b + 1, to_owner, send_dtype, overlap, buffers)
         if returning is not None:
             self._receive(*returning, into)
 
-    def _send(self, b: int, to_owner, dtype, async_op):
+    def retained_bytes(self) -> int:
+        """Bytes of exchange buffers kept between steps."""
+        return sum(buffers.retained_bytes() for buffers in self.buffers.values())
+
+    def _send(self, b: int, to_owner, dtype, async_op, buffers):
         partitions = [to_owner[j] for j in self.buckets[b]]
-        return self.exchange.send_to_owners(self.layouts[b], partitions, dtype, async_op)
+        return self.exchange.send_to_owners(self.layouts[b], partitions, dtype, async_op, buffers, b % buffers.slots)
 
     def _receive(self, b: int, buffer: torch.Tensor, handle, into) -> None:
         _wait(handle)

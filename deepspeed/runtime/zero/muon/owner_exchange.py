@@ -133,8 +133,10 @@ class BucketLayout:
             recv: 1-D, ``W * owned_numel`` elements (chunk ``s`` from rank ``s``).
 
         Returns:
-            list of new contiguous tensors, one per owned matrix (order of ``owned``), each of
-            its full ``shape``, padding dropped.
+            list of contiguous tensors, one per owned matrix (order of ``owned``), each of its
+            full ``shape``, padding dropped: a view of ``recv`` where the matrix's block is
+            contiguous there (it is the only matrix this rank owns in the bucket, or W is 1),
+            else a copy.
         """
         rows = recv.view(self.world_size, self.owned_numel)
         matrices = []
@@ -227,38 +229,95 @@ class OwnerExchange:
                                        async_op=async_op)
 
     def send_to_owners(self, layout: BucketLayout, partitions: Sequence[torch.Tensor], dtype: torch.dtype,
-                       async_op: bool = False):
+                       async_op: bool = False, buffers: Optional["ExchangeBuffers"] = None, slot: int = 0):
         """Forward all-to-all of one bucket.
 
         Args:
             layout: the bucket's layout on this rank.
             partitions: this rank's NS-input partition of each matrix of the bucket (bucket order).
             dtype: the exchange dtype.
+            buffers, slot: take the send and receive buffers from ``buffers``' slot ``slot``
+                (reused across steps) instead of allocating them.
 
         Returns:
             ``(recv, handle)``: the forward receive buffer (read it with
             ``layout.owned_matrices`` after ``handle.wait()``; ``handle`` is None when done).
         """
-        send = layout.pack(partitions, torch.empty(layout.send_numel, dtype=dtype, device=self.device))
-        recv = torch.empty(self.world_size * layout.owned_numel, dtype=dtype, device=self.device)
+        send_numel, recv_numel = layout.send_numel, self.world_size * layout.owned_numel
+        if buffers is None:
+            send = torch.empty(send_numel, dtype=dtype, device=self.device)
+            recv = torch.empty(recv_numel, dtype=dtype, device=self.device)
+        else:
+            send = buffers.take(slot, OUTGOING, send_numel, dtype)
+            recv = buffers.take(slot, INCOMING, recv_numel, dtype)
+        layout.pack(partitions, send)
         handle = self._all_to_all(recv, send, layout.recv_splits, layout.send_splits, async_op)
         return recv, handle
 
     def send_to_ranks(self, layout: BucketLayout, results: Sequence[torch.Tensor], dtype: torch.dtype,
-                      async_op: bool = False):
+                      async_op: bool = False, buffers: Optional["ExchangeBuffers"] = None, slot: int = 0):
         """Back all-to-all of one bucket: each rank gets its partition of every result.
 
         Args:
             layout: the bucket's layout on this rank.
             results: the owner's results (order of ``layout.owned``).
             dtype: the exchange dtype.
+            buffers, slot: as for ``send_to_owners``, with the two buffers' roles swapped: the
+                back send buffer is the forward receive buffer (same size), so call this only once
+                the owner no longer reads what it received.
 
         Returns:
             ``(recv, handle)``: the back receive buffer, to pass to ``layout.unpack`` after
             ``handle.wait()``.
         """
-        send = layout.write_results(results,
-                                    torch.empty(self.world_size * layout.owned_numel, dtype=dtype, device=self.device))
-        recv = torch.empty(layout.send_numel, dtype=dtype, device=self.device)
+        send_numel, recv_numel = self.world_size * layout.owned_numel, layout.send_numel
+        if buffers is None:
+            send = torch.empty(send_numel, dtype=dtype, device=self.device)
+            recv = torch.empty(recv_numel, dtype=dtype, device=self.device)
+        else:
+            send = buffers.take(slot, INCOMING, send_numel, dtype)
+            recv = buffers.take(slot, OUTGOING, recv_numel, dtype)
+        layout.write_results(results, send)
         handle = self._all_to_all(recv, send, layout.send_splits, layout.recv_splits, async_op)
         return recv, handle
+
+
+OUTGOING, INCOMING = 0, 1
+"""``ExchangeBuffers`` roles: this rank's partitions of a bucket (forward send, back receive:
+``send_numel`` elements) and the owner's whole matrices (forward receive, back send:
+``W * owned_numel`` elements)."""
+
+
+class ExchangeBuffers:
+    """Communication buffers of one sub-group's buckets, allocated once and reused every step.
+
+    Each slot holds one bucket in flight: an OUTGOING and an INCOMING buffer, each used in both
+    directions (see ``OwnerExchange.send_to_ranks``), so a bucket needs two buffers, not four. A
+    buffer is raw bytes viewed as the dtype asked for, grown when a request is larger than what it
+    holds (the first step sizes it to the largest bucket that uses the slot); afterwards no step
+    allocates.
+
+    Args:
+        slots: buckets in flight at once (``bucket_pipeline``: 3 with overlap, 1 without).
+        device: where the buffers live (the accelerator).
+    """
+
+    def __init__(self, slots: int, device):
+        self.slots = slots
+        self.device = device
+        self._buffers = {}
+
+    def take(self, slot: int, role: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first ``numel`` elements of slot ``slot``'s ``role`` buffer viewed as ``dtype``
+        (1-D; contents undefined)."""
+        if not 0 <= slot < self.slots:
+            raise IndexError(f"slot {slot} of {self.slots}")
+        nbytes = numel * dtype.itemsize
+        buffer = self._buffers.get((slot, role))
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._buffers[(slot, role)] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buffer[:nbytes].view(dtype)
+
+    def retained_bytes(self) -> int:
+        """Bytes the buffers hold between steps."""
+        return sum(b.numel() for b in self._buffers.values())

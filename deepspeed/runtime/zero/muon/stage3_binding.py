@@ -13,14 +13,17 @@ At that point the sub-group's fp32 gradient partition holds the accumulated grad
 loss scale and the clip coefficient already divided out, which is what a PyTorch user's
 ``clip_grad_norm_`` followed by Muon feeds the momentum. ``apply``:
 
-1. agrees over ranks, with one small all-reduce, which matrices have a finite gradient;
-2. on each rank, advances the momentum partition and forms the NS-input partition in place
-   (upstream ``muon_momentum_step_``, via ``momentum_math.momentum_step_``); the momentum never
-   leaves its rank;
+1. agrees over ranks, with one small all-reduce, which matrices have a finite gradient (the
+   flags stay on the device: nothing in the update waits for the host);
+2. on each rank, advances the momentum partition and forms the NS-input partition in place, in
+   one elementwise pass over the flat partition (upstream ``muon_momentum_step_``'s math, via
+   ``momentum_math.momentum_step_``); the momentum never leaves its rank;
 3. per bucket (``bucket_pipeline.BucketPipeline``), sends the NS-input partitions to each
-   matrix's owner rank (all-to-all), the owner runs Newton-Schulz once (upstream
-   ``muon_orthogonalize``), and a second all-to-all returns each rank its partition of the
-   update, written into the gradient partition.
+   matrix's owner rank (all-to-all), the owner runs Newton-Schulz once per matrix (upstream
+   ``muon_orthogonalize``; matrices of the same shape in one batched call,
+   ``momentum_math.orthogonalize``), and a second all-to-all returns each rank its partition of
+   the update, written into the gradient partition. The exchange buffers are allocated at the
+   first step and reused.
 
 The optimizer (``MuonWithAuxAdam``) then applies weight decay and ``-lr * update`` to the flat
 fp32 partition, as it already does for ZeRO partitions. The update is not rescaled afterwards.
@@ -28,7 +31,7 @@ fp32 partition, as it already does for ZeRO partitions. The update is not rescal
 
 import hashlib
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
@@ -36,7 +39,8 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.bucket_pipeline import BucketPipeline
-from deepspeed.runtime.zero.muon.momentum_math import all_finite_flags, momentum_step_, newton_schulz_problem
+from deepspeed.runtime.zero.muon.momentum_math import (FlatMatrices, all_finite_flags, momentum_step_,
+                                                       newton_schulz_problem, orthogonalize)
 from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeStats, OwnerExchange
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, OwnerPlan, plan_owners
 from deepspeed.utils import logger
@@ -48,15 +52,10 @@ MOMENTUM_KEY = "momentum_buffer"
 @dataclass
 class _SubGroup:
     """What the boundary update needs to know about one Muon sub-group, fixed at initialization."""
-    offsets: List[int]  # offset of each parameter's partition in the sub-group's flat partition
+    matrices: FlatMatrices  # where each parameter's partition lies in the sub-group's flat partition
     specs: List[MatrixSpec]  # shape, partition size and NS dispatch of each parameter
     plan: OwnerPlan
-    pipeline: BucketPipeline  # holds the exchange (process group, rank, world size) and layouts
-
-    @property
-    def slices(self) -> List[Tuple[int, int]]:
-        """``(offset, numel)`` of each parameter's partition in the flat partition."""
-        return [(offset, spec.partition_numel) for offset, spec in zip(self.offsets, self.specs)]
+    pipeline: BucketPipeline  # holds the exchange (process group, rank, world size), layouts, buffers
 
     @property
     def exchange(self) -> OwnerExchange:
@@ -137,8 +136,12 @@ class Zero3MuonBoundary:
         stats: ``ExchangeStats``, cumulative on this rank.
         overlap: when True (default), while the owners orthogonalize bucket k the forward
             all-to-all of bucket k+1 and the back all-to-all of bucket k-1 are in flight; the
-            buffers of at most three buckets are alive at once. False runs the buckets one after the
-            other (one bucket alive; the benchmark compares the two). See ``bucket_pipeline``.
+            buffers of three buckets are kept. False runs the buckets one after the other (one
+            bucket's buffers; the benchmark compares the two). See ``bucket_pipeline``.
+        batch_ns: True: an owner orthogonalizes the matrices of a bucket whose Newton-Schulz
+            problems have the same shape in one batched call; False: one call per matrix; None
+            (default): batched where it pays (always on an accelerator, small problems on the
+            CPU; ``momentum_math.batches``). The benchmark compares True and False.
 
     Raises:
         ValueError: at initialization, on every rank, for a Muon parameter that is not a matrix,
@@ -153,6 +156,7 @@ class Zero3MuonBoundary:
         self.optimizer = optimizer
         self.stats = ExchangeStats()
         self.overlap = True
+        self.batch_ns = None
         self.device = torch.device(get_accelerator().current_device_name())
         self.sub_groups = {}
         loads = {}  # NS cost owned per rank so far, per partition process group
@@ -212,7 +216,8 @@ class Zero3MuonBoundary:
                          world_size=world_size) for bucket in plan.buckets
         ]
         exchange = OwnerExchange(group, rank, world_size, self.device, dist.all_to_all_single, self.stats)
-        return _SubGroup(offsets, specs, plan, BucketPipeline(exchange, plan.buckets, layouts))
+        matrices = FlatMatrices([(o, s.partition_numel) for o, s in zip(offsets, specs)], self.device)
+        return _SubGroup(matrices, specs, plan, BucketPipeline(exchange, plan.buckets, layouts))
 
     def _check_plans_agree(self):
         """One all-reduce per sub-group: MAX of ``[count, digest, -count, -digest]``, where ``count``
@@ -268,25 +273,25 @@ class Zero3MuonBoundary:
                 opt.muon_momentum_buffer_partitioned_groups_flat[sub_group_id] = momentum
         return momentum
 
-    def peak_bucket_bytes(self) -> int:
-        """Bytes of the matrices this rank owns in its largest bucket, as exchanged (padding
-        included): what the boundary update holds beyond the partitions, per bucket in flight."""
-        opt = self.optimizer
-        itemsize = torch.empty((), dtype=opt.fp32_partitioned_groups_flat[0].dtype).element_size() if \
-            opt.fp32_partitioned_groups_flat else 4
-        return max((layout.world_size * layout.owned_numel * itemsize for sg in self.sub_groups.values()
-                    for layout in sg.pipeline.layouts),
+    def bucket_exchange_bytes(self) -> int:
+        """Bytes of this rank's two exchange buffers for its largest bucket in fp32 (its partitions,
+        ``send_numel``, and the whole matrices it owns, ``W * owned_numel``, padding included): what
+        one bucket in flight holds beyond the partitions."""
+        return max(((layout.send_numel + layout.world_size * layout.owned_numel) * torch.float32.itemsize
+                    for sg in self.sub_groups.values() for layout in sg.pipeline.layouts),
                    default=0)
 
-    def _finite_flags(self, sg: _SubGroup, grad_flat: torch.Tensor) -> List[bool]:
-        """Per matrix, whether its whole gradient is finite: MIN over ranks of each partition's flag.
-        Read on the host (one synchronization per sub-group): the owner skips Newton-Schulz for a
-        non-finite matrix, and the partitions take the single flat elementwise pass when all are
-        finite."""
-        flags = all_finite_flags([grad_flat.narrow(0, o, n) for o, n in sg.slices]).to(self.device)
+    def retained_bytes(self) -> int:
+        """Bytes the update keeps allocated between steps (the exchange buffers), on this rank."""
+        return sum(sg.pipeline.retained_bytes() for sg in self.sub_groups.values())
+
+    def _finite_flags(self, sg: _SubGroup, grad_flat: torch.Tensor) -> torch.Tensor:
+        """Per matrix, whether its whole gradient is finite: MIN over ranks of each partition's
+        flag (int32, shape ``(matrices,)``, on the device; never read on the host)."""
+        flags = all_finite_flags(sg.matrices.views(grad_flat)).to(self.device)
         if sg.exchange.world_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=sg.exchange.group)
-        return [bool(f) for f in flags.tolist()]
+        return flags.to(grad_flat.device).bool()
 
     @torch.no_grad()
     def apply(self, sub_group_id: int) -> None:
@@ -306,18 +311,16 @@ class Zero3MuonBoundary:
         grad_flat = self.optimizer.fp32_partitioned_groups_flat[sub_group_id].grad
         momentum_flat = self._momentum(sub_group_id, grad_flat)
         finite = self._finite_flags(sg, grad_flat)
-        to_owner = momentum_step_(grad_flat, momentum_flat, sg.slices, settings.momentum, settings.nesterov, finite)
-
-        def owner_update(j: int, ns_input: torch.Tensor) -> torch.Tensor:
-            if not finite[j]:
-                return ns_input  # the gradient itself, as muon_update returns it
-            self.stats.ns_calls += 1
-            spec = sg.specs[j]
-            return original_muon.muon_orthogonalize(ns_input, settings.ns_steps, settings.ns_method,
-                                                    spec.is_expert_group, spec.num_heads)
-
-        grads = [grad_flat.narrow(0, offset, numel) for offset, numel in sg.slices]
+        to_owner = momentum_step_(grad_flat, momentum_flat, sg.matrices, settings.momentum, settings.nesterov, finite)
         update_dtype = original_muon.ns_compute_dtype(settings.ns_method)  # sent back without loss
-        sg.pipeline.run(to_owner, grads, owner_update, grad_flat.dtype, update_dtype, self.overlap)
+        owner_finite = finite.to(self.device)
+
+        def owner_update(indices, matrices):
+            self.stats.ns_calls += len(indices)
+            return orthogonalize(matrices, [sg.specs[j] for j in indices], settings.ns_steps, settings.ns_method,
+                                 update_dtype, [owner_finite[j] for j in indices], self.batch_ns)
+
+        sg.pipeline.run(to_owner, sg.matrices.views(grad_flat), owner_update, grad_flat.dtype, update_dtype,
+                        self.overlap)
         if sub_group_id == min(self.sub_groups):
             self.stats.optimizer_steps += 1

@@ -43,8 +43,8 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.muon import original_muon
 
 from unit.common import DistributedTest
-from unit.runtime.zero.zero3_muon_helpers import (BF16_NS_FLOOR, FLOOR, Zero3MuonRun, build_model, muon_matrix_count,
-                                                  needs_stage3_fix, relative_difference)
+from unit.runtime.zero.zero3_muon_helpers import (BF16_NS_FLOOR, FLOOR, Zero3MuonRun, build_model, needs_stage3_fix,
+                                                  newton_schulz_problem_count, relative_difference)
 
 STEPS = 4
 HAS_PER_HEAD = hasattr(original_muon, "_per_head_orthogonalize")
@@ -136,7 +136,8 @@ def frozen_reference(references):
 def check_against_reference(name, run, result, reference, floor=FLOOR):
     assert relative_difference(reference, result.weights) <= floor, name
     if run.optimizer == "Muon":
-        result.assert_newton_schulz_once_per_matrix_per_step(muon_matrix_count(run.model), run.steps)
+        result.assert_newton_schulz_once_per_problem_per_step(
+            newton_schulz_problem_count(run.model, result.muon_num_heads), run.steps)
 
 
 class TestZero3MuonConfigs(DistributedTest):

@@ -19,8 +19,8 @@ import pytest
 import torch.distributed as dist
 
 from unit.common import DistributedTest
-from unit.runtime.zero.zero3_muon_helpers import (FLOOR, CrossShapes, Zero3MuonRun, build_model, muon_matrix_count,
-                                                  relative_difference)
+from unit.runtime.zero.zero3_muon_helpers import (FLOOR, CrossShapes, Zero3MuonRun, build_model,
+                                                  newton_schulz_problem_count, relative_difference)
 
 # Stock 0.19.7's ZeRO-2 Muon does not match upstream muon_update on this model: measured 4.6e-2
 # (two bias-free layers) and 4.9e-2 (MixedMLP) from the reference at W=1, where our ZeRO-3 is at
@@ -59,10 +59,10 @@ class TestZero3MuonGas(DistributedTest):
         runs = {"gas4": GAS4.train(), "gas1": GAS4.with_(gas=1).train()}
         if ZERO2_MATCHES_REFERENCE:
             runs["zero2"] = GAS4.with_(stage=2).train()
-        matrices = muon_matrix_count("mixed")
+        matrices = newton_schulz_problem_count("mixed")
         for name in ("gas4", "gas1"):
             result = runs[name]
-            result.assert_newton_schulz_once_per_matrix_per_step(matrices, GAS4.steps)
+            result.assert_newton_schulz_once_per_problem_per_step(matrices, GAS4.steps)
             assert sum(r.stats["ns_calls"] for r in result.per_rank) == matrices * GAS4.steps, name
             assert all(r.stats["optimizer_steps"] == GAS4.steps for r in result.per_rank), name
             assert all(r.dynamo_graphs == 0 for r in result.per_rank), "ordinary tests run Newton-Schulz eagerly"

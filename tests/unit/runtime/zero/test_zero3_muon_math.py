@@ -29,8 +29,10 @@ import torch
 
 import deepspeed
 from deepspeed.runtime.zero.muon import original_muon
-from deepspeed.runtime.zero.muon.momentum_math import all_finite_flags, momentum_step_, newton_schulz_problem
-from unit.runtime.zero.zero3_muon_helpers import reference_muon_update
+from deepspeed.runtime.zero.muon.momentum_math import (FlatMatrices, all_finite_flags, batches, momentum_step_,
+                                                       newton_schulz_problem, orthogonalize)
+from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec
+from unit.runtime.zero.zero3_muon_helpers import NSCounter, reference_muon_update
 
 HAS_PER_HEAD = hasattr(original_muon, "_per_head_orthogonalize")
 
@@ -121,10 +123,13 @@ def _reassemble(partitions, shape):
 def _partitioned_update(grad, momentum, world_size, beta, nesterov=True, **kwargs):
     """The ZeRO-3 path for one matrix: per-rank momentum step, owner NS, as the binding runs it."""
     grads, momenta = _partitions(grad, world_size), _partitions(momentum, world_size)
-    finite = bool(torch.stack([all_finite_flags([g])[0] for g in grads]).min())  # the MIN all-reduce
-    to_owner = [momentum_step_(g, m, [(0, g.numel())], beta, nesterov, [finite])[0] for g, m in zip(grads, momenta)]
+    finite = torch.stack([all_finite_flags([g])[0] for g in grads]).min().view(1)  # the MIN all-reduce
+    to_owner = [
+        momentum_step_(g, m, FlatMatrices([(0, g.numel())], "cpu"), beta, nesterov, finite)[0]
+        for g, m in zip(grads, momenta)
+    ]
     x = _reassemble(to_owner, grad.shape)
-    update = original_muon.muon_orthogonalize(x, **kwargs).to(grad.dtype) if finite else x
+    update = original_muon.muon_orthogonalize(x, **kwargs).to(grad.dtype) if bool(finite) else x
     return update, _reassemble(momenta, grad.shape)
 
 
@@ -155,24 +160,111 @@ def test_non_finite_matrix_keeps_momentum(bad, nesterov, world_size):
 
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_momentum_step_on_a_flat_partition_of_several_matrices(nesterov):
-    """The binding's flat partition: one pass when all matrices are finite, per matrix otherwise;
-    what goes to the owner is the NS input of a finite matrix and the gradient of another."""
+    """The binding's flat partition, one elementwise pass whatever the flags (given as a device
+    tensor, never read on the host): each matrix's momentum and what goes to its owner are what
+    upstream's ``muon_momentum_step_`` gives for that matrix alone, bit for bit, finite or not
+    (a non-finite matrix's momentum unchanged); the momentum of padding between partitions is
+    left alone."""
     gen = torch.Generator().manual_seed(11)
-    slices = [(0, 5), (5, 7), (12, 3)]
-    grad, momentum = torch.randn(16, generator=gen), torch.randn(16, generator=gen)  # last element: padding
-    for finite in ([True, True, True], [True, False, True]):
+    slices = [(0, 5), (5, 7), (14, 3)]  # elements 12-13 and 17: padding
+    matrices = FlatMatrices(slices, "cpu")
+    grad, momentum = torch.randn(18, generator=gen), torch.randn(18, generator=gen)
+    for finite in ([True, True, True], [True, False, True], [False, True, False]):
         g, m = grad.clone(), momentum.clone()
-        if not all(finite):
-            g[6] = float("nan")
+        for (offset, _), f in zip(slices, finite):
+            if not f:
+                g[offset + 1] = float("nan")
         g_before = g.clone()
-        to_owner = momentum_step_(g, m, slices, 0.9, nesterov, finite)
+        to_owner = momentum_step_(g, m, matrices, 0.9, nesterov, torch.tensor(finite))
         for (offset, numel), f, sent in zip(slices, finite, to_owner):
             g1, m1 = g_before[offset:offset + numel].clone(), momentum[offset:offset + numel].clone()
-            x = original_muon.muon_momentum_step_(g1, m1, 0.9, nesterov, f)
+            x = original_muon.muon_momentum_step_(g1, m1, 0.9, nesterov, torch.tensor(f))
             assert torch.equal(m[offset:offset + numel], m1)
             assert _same(sent, x if f else g1)
-            owner_buffer = g if (nesterov or not f) else m
-            assert sent.data_ptr() == owner_buffer[offset:offset + numel].data_ptr(), "a view, not a copy"
+            if nesterov:
+                assert sent.data_ptr() == g[offset:offset + numel].data_ptr(), "a view, not a copy"
+        for pad in (12, 13, 17):
+            assert _same(m[pad], momentum[pad]), "the momentum of padding must be left alone"
+
+
+def test_flat_matrices_refuses_overlapping_partitions():
+    with pytest.raises(ValueError, match="overlap"):
+        FlatMatrices([(0, 5), (4, 3)], "cpu")
+
+
+# An owner's matrices in one bucket: same-shape groups (2-D both ways round, conv filters, an expert
+# group whose problems match the 2-D ones), matrices alone in their group, and a non-finite one.
+OWNED = [((40, 24), {}), ((40, 24), {}), ((24, 40), {}), ((40, 24), {}), ((2, 40, 24), dict(is_expert_group=True)),
+         ((8, 3, 3, 3), {}), ((8, 3, 3, 3), {}), ((24, 40), {}), ((96, 96), {}), ((96, 96), {}), ((17, 5), {})]
+if HAS_PER_HEAD:
+    OWNED += [((48, 40), dict(num_heads=2)), ((24, 40), {})]  # per head: two 24x40 problems
+
+
+def _specs(owned):
+    specs = []
+    for shape, kw in owned:
+        expert, heads = kw.get("is_expert_group", False), kw.get("num_heads")
+        specs.append(MatrixSpec(shape, 1, is_expert_group=expert, num_heads=heads,
+                                ns_problem=newton_schulz_problem(shape, expert, heads)))
+    return specs
+
+
+def _fp64_orthogonalize(matrix, ns_method, kw, monkeypatch):
+    """``muon_orthogonalize`` with every step in fp64: the exact result the fp32/bf16 kernels round."""
+    with monkeypatch.context() as m:
+        m.setattr(original_muon, "ns_compute_dtype", lambda *_: torch.float64)
+        return original_muon.muon_orthogonalize(matrix.double(), ns_method=ns_method, **kw)
+
+
+@pytest.mark.parametrize("ns_method", ["gram", "standard"])
+def test_batched_orthogonalize_equals_one_by_one(ns_method, monkeypatch):
+    """The owner's batched Newton-Schulz: a matrix alone in its group is bit-identical to upstream's
+    ``muon_orthogonalize``; a batched one is as close to the fp64 result as the one-by-one call
+    (measured: bit-identical for some shapes, 1.5e-6 relative in fp32 where the matmul blocking
+    changes, a bf16 rounding apart with "standard", both sides equally far from fp64); a
+    non-finite matrix comes back as its input and leaves the others of its batch as they are."""
+    gen = torch.Generator().manual_seed(5)
+    matrices = [torch.randn(shape, generator=gen) for shape, _ in OWNED]
+    matrices[3].view(-1)[7] = float("nan")
+    specs = _specs(OWNED)
+    finite = torch.tensor([bool(torch.isfinite(m).all()) for m in matrices])
+    dtype = original_muon.ns_compute_dtype(ns_method)
+    counter = NSCounter()
+    with counter:
+        batched = orthogonalize(matrices, specs, 5, ns_method, dtype, finite, batch=True)
+    assert counter.count == sum(s.ns_problem[0] for s in specs), "every problem orthogonalized once"
+    assert counter.calls == len({s.ns_problem[1:] for s in specs}), "one call per problem shape"
+    for k, ((shape, kw), matrix, spec, ours) in enumerate(zip(OWNED, matrices, specs, batched)):
+        assert ours.dtype == dtype and ours.shape == matrix.shape, k
+        if not finite[k]:
+            assert _same(ours, matrix.to(dtype)), k
+            continue
+        alone = original_muon.muon_orthogonalize(matrix, 5, ns_method, dtype=dtype, **kw).reshape(matrix.shape)
+        if sum(s.ns_problem[1:] == spec.ns_problem[1:] for s in specs) == 1:
+            assert _same(ours, alone), k
+            continue
+        exact = _fp64_orthogonalize(matrix, ns_method, kw, monkeypatch).reshape(matrix.shape)
+        error_batched = ((ours.double() - exact).norm() / exact.norm()).item()
+        error_alone = ((alone.double() - exact).norm() / exact.norm()).item()
+        # Rounding differs between the two, not accuracy: each within 2x the other's error.
+        assert error_batched <= 2 * error_alone + 1e-12, (k, shape, error_batched, error_alone)
+    unbatched = orthogonalize(matrices, specs, 5, ns_method, dtype, finite, batch=False)
+    for k, (matrix, spec) in enumerate(zip(matrices, specs)):
+        kw = OWNED[k][1]
+        expected = original_muon.muon_orthogonalize(matrix, 5, ns_method, dtype=dtype, **kw).reshape(matrix.shape)
+        assert _same(unbatched[k], expected if finite[k] else matrix.to(dtype)), k
+
+
+def test_default_batching_by_device_and_size():
+    """By default the CPU batches problems up to CPU_BATCH_MAX_ELEMENTS only; an accelerator all."""
+    assert batches(128, 128, torch.device("cpu")) and not batches(129, 128, torch.device("cpu"))
+    assert batches(4096, 4096, torch.device("cuda", 0))
+    small, large = (16, 24), (136, 128)
+    matrices = [torch.randn(s) for s in (small, small, large, large)]
+    specs = _specs([(s, {}) for s in (small, small, large, large)])
+    with NSCounter() as counter:
+        orthogonalize(matrices, specs, 5, "gram", torch.float32, torch.ones(4, dtype=torch.bool))
+    assert counter.count == 4 and counter.calls == 3, "the two small ones batched, the large ones one by one"
 
 
 @pytest.mark.parametrize("ns_method", ["gram", "standard"])

@@ -20,7 +20,8 @@ import torch
 
 from deepspeed.runtime.zero.muon.bucket_pipeline import BucketPipeline
 from deepspeed.runtime.zero.muon.momentum_math import newton_schulz_problem
-from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeStats, OwnerExchange
+from deepspeed.runtime.zero.muon.owner_exchange import (INCOMING, OUTGOING, BucketLayout, ExchangeBuffers,
+                                                        ExchangeStats, OwnerExchange)
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, plan_owners
 
 TIMEOUT = 60  # seconds a simulated rank waits for the others before the test fails
@@ -92,13 +93,13 @@ class RecordingExchange(OwnerExchange):
         super().__init__(*args)
         self.layouts, self.order = layouts, []
 
-    def send_to_owners(self, layout, partitions, dtype, async_op=False):
+    def send_to_owners(self, layout, *args):
         self.order.append(f"F{self.layouts.index(layout)}")
-        return super().send_to_owners(layout, partitions, dtype, async_op)
+        return super().send_to_owners(layout, *args)
 
-    def send_to_ranks(self, layout, results, dtype, async_op=False):
+    def send_to_ranks(self, layout, *args):
         self.order.append(f"B{self.layouts.index(layout)}")
-        return super().send_to_ranks(layout, results, dtype, async_op)
+        return super().send_to_ranks(layout, *args)
 
 
 SHAPES = [(7, 5), (12, 12), (1, 3), (9, 16), (2, 3, 5), (16, 9), (30, 4), (5, 5), (3, 40)]
@@ -116,14 +117,18 @@ def owner_function(j, matrix):
     return matrix.flip(0) * (j + 1) + matrix.sum()
 
 
-def _run_ranks(world_size, bucket_numel, overlap, alias):
+def _run_ranks(world_size, bucket_numel, overlap, alias, steps=1):
+    """Run the pipeline of every simulated rank ``steps`` times (one ``BucketPipeline`` per rank,
+    new matrices each step; returns the last step's). ``buffers[rank]`` lists, per step, the
+    pipeline's retained bytes and the addresses of its buffers after that step."""
     gen = torch.Generator().manual_seed(world_size * 100 + bucket_numel)
-    matrices = [torch.randn(s, generator=gen) for s in SHAPES]
+    steps_matrices = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(steps)]
+    matrices = steps_matrices[-1]
     pn = [math.ceil(m.numel() / world_size) for m in matrices]
     specs = [MatrixSpec(s, p, ns_problem=newton_schulz_problem(s, False, None)) for s, p in zip(SHAPES, pn)]
     plan = plan_owners(specs, world_size, bucket_numel)
     fake = FakeAllToAll(world_size)
-    results, exchanges, calls, failures = {}, {}, [], []
+    results, exchanges, calls, failures, buffers = {}, {}, [], [], {}
 
     def rank_main(rank):
         try:
@@ -133,15 +138,19 @@ def _run_ranks(world_size, bucket_numel, overlap, alias):
             ]
             exchange = RecordingExchange(layouts, None, rank, world_size, torch.device("cpu"), fake.for_rank(rank),
                                          ExchangeStats())
-            to_owner = [_partition(m, world_size, rank) for m in matrices]
-            into = to_owner if alias else [torch.full((p, ), float("nan")) for p in pn]
+            pipeline = BucketPipeline(exchange, plan.buckets, layouts)
 
-            def owner_update(j, matrix):
-                calls.append((rank, j))
-                return owner_function(j, matrix)
+            def owner_update(indices, owned):
+                calls.extend((rank, j) for j in indices)
+                return [owner_function(j, matrix) for j, matrix in zip(indices, owned)]
 
-            BucketPipeline(exchange, plan.buckets, layouts).run(to_owner, into, owner_update, torch.float32,
-                                                                torch.float64, overlap)
+            for step_matrices in steps_matrices:
+                to_owner = [_partition(m, world_size, rank) for m in step_matrices]
+                into = to_owner if alias else [torch.full((p, ), float("nan")) for p in pn]
+                pipeline.run(to_owner, into, owner_update, torch.float32, torch.float64, overlap)
+                held = pipeline.buffers[overlap]._buffers
+                buffers.setdefault(rank, []).append(
+                    (pipeline.retained_bytes(), sorted((k, b.data_ptr()) for k, b in held.items())))
             results[rank], exchanges[rank] = into, exchange
         except Exception as e:  # reported by the main thread
             failures.append(f"rank {rank}: {e!r}")
@@ -152,7 +161,7 @@ def _run_ranks(world_size, bucket_numel, overlap, alias):
     for t in threads:
         t.join(2 * TIMEOUT)
     assert not failures and not fake.errors, failures + fake.errors
-    return plan, matrices, results, exchanges, fake, sorted(calls)
+    return plan, matrices, results, exchanges, fake, sorted(calls), buffers
 
 
 @pytest.mark.parametrize("alias", [False, True], ids=["separate", "in_place"])
@@ -160,7 +169,7 @@ def _run_ranks(world_size, bucket_numel, overlap, alias):
 @pytest.mark.parametrize("bucket_numel", [1, 100, 10**9])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_every_rank_gets_its_partition_of_the_owner_result(world_size, bucket_numel, overlap, alias):
-    plan, matrices, results, _, _, calls = _run_ranks(world_size, bucket_numel, overlap, alias)
+    plan, matrices, results, _, _, calls, _ = _run_ranks(world_size, bucket_numel, overlap, alias)
     assert calls == sorted((plan.owners[j], j) for j in range(len(SHAPES))), "once per matrix, on its owner"
     for rank in range(world_size):
         for j, matrix in enumerate(matrices):
@@ -171,7 +180,7 @@ def test_every_rank_gets_its_partition_of_the_owner_result(world_size, bucket_nu
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_collectives_in_the_same_documented_order_on_every_rank(world_size, overlap):
-    plan, _, _, exchanges, fake, _ = _run_ranks(world_size, 100, overlap, alias=True)
+    plan, _, _, exchanges, fake, _, _ = _run_ranks(world_size, 100, overlap, alias=True)
     n = len(plan.buckets)
     assert n >= 3, "the test needs several buckets"
     if overlap:  # bucket k+1's forward is issued before bucket k is computed and returned
@@ -182,6 +191,34 @@ def test_collectives_in_the_same_documented_order_on_every_rank(world_size, over
         assert exchanges[rank].order == expected, rank
         assert fake.async_ops[rank] == [overlap] * 2 * n, rank
         assert exchanges[rank].stats.exchanges == 2 * n
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_buffers_are_allocated_once_and_reused(world_size, overlap):
+    """Later steps allocate no exchange buffer: the same buffers (addresses) and bytes as after
+    the first step, with 3 slots under overlap and 1 without, however many buckets there are; and
+    the results of the last step are still right."""
+    plan, matrices, results, _, _, _, buffers = _run_ranks(world_size, 100, overlap, alias=False, steps=3)
+    assert len(plan.buckets) > 3
+    for rank in range(world_size):
+        first = buffers[rank][0]
+        assert first[0] > 0 and all(step == first for step in buffers[rank][1:]), rank
+        assert {slot for (slot, _), _ in first[1]} == set(range(3 if overlap else 1))
+        for j, matrix in enumerate(matrices):
+            assert torch.equal(results[rank][j], _partition(owner_function(j, matrix), world_size, rank)), (rank, j)
+
+
+def test_exchange_buffers_view_one_storage_as_each_dtype():
+    buffers = ExchangeBuffers(2, torch.device("cpu"))
+    a = buffers.take(1, OUTGOING, 6, torch.float32)
+    b = buffers.take(1, OUTGOING, 12, torch.bfloat16)
+    assert a.dtype == torch.float32 and a.numel() == 6 and b.numel() == 12
+    assert a.data_ptr() == b.data_ptr() and buffers.retained_bytes() == 24
+    assert buffers.take(1, OUTGOING, 4, torch.float64).data_ptr() != a.data_ptr(), "grown for a larger request"
+    assert buffers.retained_bytes() == 32
+    with pytest.raises(IndexError):
+        buffers.take(2, INCOMING, 1, torch.float32)
 
 
 def test_no_buckets_no_collectives():

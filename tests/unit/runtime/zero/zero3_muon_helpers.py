@@ -26,6 +26,7 @@ The measurements behind the tolerances are in docs/configurations.md.
 import contextlib
 import dataclasses
 import glob
+import math
 import os
 import socket
 import types
@@ -110,11 +111,17 @@ class NSCounter:
     restores the kernels. Works on stock DeepSpeed too.
 
     Attributes:
-        count: all calls; by_kernel: calls per kernel name (NS_KERNELS).
+        count: matrices orthogonalized, over all calls: a call on a batch of shape
+            ``(..., rows, cols)`` counts the product of its leading dimensions, so one batched call
+            on k same-shape matrices counts k, as k calls of one would (an expert group of E experts
+            counts E; a per-head projection its number of heads);
+        by_kernel: the same per kernel name (NS_KERNELS);
+        calls: kernel calls.
     """
 
     def __init__(self):
         self.count = 0
+        self.calls = 0
         self.by_kernel = dict.fromkeys(NS_KERNELS, 0)
         self._saved = {}
 
@@ -123,10 +130,12 @@ class NSCounter:
         for name in NS_KERNELS:
             kernel = self._saved[name] = getattr(original_muon, name)
 
-            def counted(*args, _kernel=kernel, _name=name, **kwargs):
-                self.count += 1
-                self.by_kernel[_name] += 1
-                return _kernel(*args, **kwargs)
+            def counted(G, *args, _kernel=kernel, _name=name, **kwargs):
+                problems = math.prod(G.shape[:-2])
+                self.count += problems
+                self.by_kernel[_name] += problems
+                self.calls += 1
+                return _kernel(G, *args, **kwargs)
 
             setattr(original_muon, name, counted)
         return self
@@ -350,9 +359,17 @@ def is_muon_param(name: str, param: torch.Tensor) -> bool:
     return param.ndim >= 2 and not any(key in name.lower() for key in ("embed", "lm_head"))
 
 
-def muon_matrix_count(name: str) -> int:
-    """Number of parameters of model ``name`` that DeepSpeed optimizes with Muon."""
-    return sum(1 for n, p in build_model(name).named_parameters() if is_muon_param(n, p) and p.requires_grad)
+def newton_schulz_problem_count(name: str, num_heads: Optional[dict] = None) -> int:
+    """Number of 2-D Newton-Schulz problems per optimizer step of model ``name``: over the
+    parameters DeepSpeed optimizes with Muon, one per matrix, one per expert of an expert group,
+    one per head of a projection in ``num_heads`` (parameter name -> ``muon_num_heads``, as
+    ``Zero3MuonResult.muon_num_heads`` reports them; ``muon_ns_problem``): what
+    ``NSCounter.count`` counts for one step."""
+    from deepspeed.runtime.zero.muon.momentum_math import newton_schulz_problem
+    heads = num_heads or {}
+    return sum(
+        newton_schulz_problem(p.shape, getattr(p, "is_expert_group", False), heads.get(n))[0]
+        for n, p in build_model(name).named_parameters() if is_muon_param(n, p) and p.requires_grad)
 
 
 def step_batch(name: str, step: int, target_scale: float = 1.0, samples: int = TOTAL_SAMPLES):
@@ -765,9 +782,10 @@ class Zero3MuonResult:
     def ns_by_kernel(self):
         return {k: sum(r.ns_by_kernel[k] for r in self.per_rank) for k in NS_KERNELS}
 
-    def assert_newton_schulz_once_per_matrix_per_step(self, matrices, steps):
-        """Summed over ranks: ``matrices`` NS calls at every boundary, none off the boundary."""
-        assert self.ns_per_step() == [matrices] * steps, self.ns_per_step()
+    def assert_newton_schulz_once_per_problem_per_step(self, problems, steps):
+        """Summed over ranks: ``problems`` matrices orthogonalized (``NSCounter.count``) at every
+        boundary, none off the boundary."""
+        assert self.ns_per_step() == [problems] * steps, self.ns_per_step()
         assert self.ns_off_boundary() == 0
 
 
