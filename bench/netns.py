@@ -317,10 +317,17 @@ def measure_throughput(prefix: Sequence[str], nbytes: int, timeout: float = 120.
     return 8 * result["bytes"] / result["seconds"]
 
 
+def _rate_argument(text: str) -> float:
+    try:
+        return parse_rate(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Run a command inside a network namespace whose loopback is "
                                      "shaped to RATE (aggregate of all senders inside).")
-    parser.add_argument("--rate", type=parse_rate, required=True, help="tc-style rate, e.g. 40mbit, 2.5gbit")
+    parser.add_argument("--rate", type=_rate_argument, required=True, help="tc-style rate, e.g. 40mbit, 2.5gbit")
     parser.add_argument("--measure", type=int, metavar="BYTES", default=None,
                         help="first measure TCP throughput inside with BYTES bytes and print it")
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="namespace name prefix")
