@@ -137,18 +137,20 @@ def ratio_vs_w(results, path):
             panels.append((net, lines))
     if not panels:
         return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
     for ax, (net, lines) in zip(axes[0], panels):
+        ws = sorted({w for pts in lines.values() for w, _ in pts})
+        step = 0.6 / max(1, len(lines))  # the lines side by side around each W
         for i, ((build, name), pts) in enumerate(sorted(lines.items())):
             pts.sort(key=lambda p: p[0])
-            ws = [w * (1 + 0.03 * (i - len(lines) / 2)) for w, _ in pts]  # spread the points a little
-            _errorbar(ax, ws, [s for _, s in pts], marker=STYLE.get(build, {}).get("marker", "o"), ms=4,
+            xs = [ws.index(w) + step * (i - (len(lines) - 1) / 2) for w, _ in pts]
+            _errorbar(ax, xs, [s for _, s in pts], marker=STYLE.get(build, {}).get("marker", "o"), ms=4, ls="-", lw=0.8,
                       label=f"{name} ({build})")
         ax.axhline(1.0, color="k", ls=":", lw=1)
-        ws = sorted({w for pts in lines.values() for w, _ in pts})
-        ax.set(xscale="log", xlabel="ranks W", ylabel=f"boundary time patched / {REFERENCE}",
-               title=f"boundary micro-step, {_net_label(net)}")
-        ax.set_xticks(ws, labels=[str(w) for w in ws])
+        ax.set(xlabel="ranks W", ylabel=f"boundary time patched / {REFERENCE}",
+               title=f"boundary micro-step, {_net_label(net)}\nmedian of per-repeat ratios, bars min-max")
+        ax.set_xticks(range(len(ws)), labels=[str(w) for w in ws])
+        ax.set_xlim(-0.5, len(ws) - 0.5)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=6)
     fig.tight_layout()

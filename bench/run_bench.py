@@ -245,7 +245,8 @@ def run_job(job, python, configs, tmp, out, timeout, log, samples, errors, prefi
     """One launch ``job = (net, w, rep, build)``: the seed table at W=1, else the grid's configs
     for this build (``configs_for``) minus what already failed on this build, W and link; adds
     each row, tagged with its repeat and link, to ``samples`` and each failure to ``errors``,
-    both keyed ``(net, build, w, name)``."""
+    both keyed ``(net, build, w, name)``. Returns the launch's wall time in seconds (relaunches
+    after a crash included)."""
     net, w, rep, build = job
     if w == 1:
         cfgs = seed_grid()
@@ -253,7 +254,10 @@ def run_job(job, python, configs, tmp, out, timeout, log, samples, errors, prefi
         cfgs = [c for c in configs_for(build, configs) if (net, build, w, c["name"]) not in errors]
     workdir = tmp / f"{build}-w{w}-r{rep}-{re.sub(r'[^A-Za-z0-9.]+', '_', net) or 'nolimit'}"
     workdir.mkdir()
+    started = time.time()
     rows, errs = launch(python, w, cfgs, workdir, timeout, log, prefix)
+    seconds = time.time() - started
+    log.write(f"# {build} W={w} repeat {rep} {net or 'no network limit'}: {seconds:.1f} s\n")
     for row in rows:
         row["repeat"], row["net"] = rep, net
         err = row_error(row)
@@ -269,6 +273,7 @@ def run_job(job, python, configs, tmp, out, timeout, log, samples, errors, prefi
             if f.exists():
                 samples[(net, build, w, c["name"])][-1]["weights_file"] = str(out / f"{build}-{c['name']}.pt")
                 os.replace(f, out / f"{build}-{c['name']}.pt")
+    return seconds
 
 
 def row_error(row):
@@ -474,6 +479,7 @@ def main(argv=None):
     seed = not (args.no_seed or args.net)
     jobs = net_jobs(links.labels, args.world_sizes, args.repeats, builds, seed)
     samples, errors = {}, {}
+    durations = {}  # (net, w, build) -> seconds of each launch
     t0 = time.time()
     interrupted = False
     with open(out / "launches.log", "w") as log, tempfile.TemporaryDirectory() as tmp:
@@ -485,8 +491,9 @@ def main(argv=None):
             for (net, w), group in groups.items():
                 with links.namespace(net, w, say=tqdm.write) as prefix:
                     for job in group:
-                        run_job(job, pythons[job[3]], configs + extra, Path(tmp), out, args.timeout, log, samples,
-                                errors, prefix)
+                        seconds = run_job(job, pythons[job[3]], configs + extra, Path(tmp), out, args.timeout, log,
+                                          samples, errors, prefix)
+                        durations.setdefault(job[:2] + job[3:], []).append(seconds)
                         bar.update()
             bar.close()
         except KeyboardInterrupt:  # Ctrl-C: report what was measured so far
@@ -495,16 +502,19 @@ def main(argv=None):
     results = {k: aggregate(v) for k, v in samples.items()}
     if interrupted:
         print(f"\ninterrupted after {elapsed / 60:.1f} min: the tables hold the launches that finished")
-    report(results, errors, builds, args, configs, extra, out, elapsed, links)
+    report(results, errors, builds, args, configs, extra, out, elapsed, links, durations)
     failed_patched = [k for k in errors if k[1].startswith("patched")]
     return 1 if failed_patched else 0
 
 
-def report(results, errors, builds, args, configs, extra, out, elapsed, links):
+def report(results, errors, builds, args, configs, extra, out, elapsed, links, durations):
     names = [c["name"] for c in configs + extra]
     print(f"\nZeRO-3 Muon benchmark: {len(builds)} builds ({', '.join(builds)}), W in {args.world_sizes}, "
           f"{args.repeats} interleaved repeats, {args.steps} measured steps after {args.warmup} warm-up; "
           f"{elapsed / 60:.1f} min")
+    print("Launch wall time, s, median [min-max] over repeats: " + "; ".join(
+        f"{'' if net == NO_NET else net + ' '}W={w} {build} {spread(v).format('.0f')}"
+        for (net, w, build), v in durations.items()))
     if links.unavailable:
         print(f"Network: emulation unavailable ({links.unavailable}); ran WITHOUT a network limit")
     elif links.specs:
@@ -541,7 +551,7 @@ def report(results, errors, builds, args, configs, extra, out, elapsed, links):
         print_overlap(results, builds, args.world_sizes, extra)
     if not (args.no_seed or args.net):
         print_seed(results, errors, builds)
-    write_outputs(results, errors, builds, args, out, links, lines)
+    write_outputs(results, errors, builds, args, out, links, lines, durations)
 
 
 def print_results_table(results, errors, builds, net, w, names):
@@ -668,7 +678,7 @@ def memory_lines(results, net, build, w, muon_names, mine, pair, rate_text):
     exchange bytes (``bucket_bound_bytes``) on every patched Muon workload."""
     out = []
     worst = worst_ratio(results, net, build, w, muon_names, "alloc_boundary_bytes")
-    reason = "not measured: rows lack alloc_boundary_bytes"
+    reason = "not measured: no workload with alloc_boundary_bytes on both builds"
     if worst:
         r, ref = results[(net, build, w, worst[0])], results[(net, REFERENCE, w, worst[0])]
         reason = (f"worst {worst[0]}: {mib(r['alloc_boundary_bytes']):.1f} MiB vs {mib(ref['alloc_boundary_bytes']):.1f} "
@@ -826,7 +836,7 @@ def print_seed(results, errors, builds):
     print()
 
 
-def write_outputs(results, errors, builds, args, out, links, lines):
+def write_outputs(results, errors, builds, args, out, links, lines, durations):
     data = dict(builds=builds,
                 world_sizes=args.world_sizes,
                 repeats=args.repeats,
@@ -838,6 +848,7 @@ def write_outputs(results, errors, builds, args, out, links, lines):
                       for k, v in results.items()],
                 errors=[dict(net=k[0], build=k[1], world_size=k[2], name=k[3], error=e) for k, e in errors.items()],
                 targets=lines,
+                launch_seconds=[dict(net=k[0], world_size=k[1], build=k[2], seconds=v) for k, v in durations.items()],
                 model={name: model.summary(shapes, args.world_sizes) for name, shapes in SHAPES.items()})
     (out / "results.json").write_text(json.dumps(data, indent=1, default=str))
     try:

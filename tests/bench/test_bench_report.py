@@ -113,7 +113,7 @@ def test_target_name_must_not_hold_the_separator():
 def fake_row(name, build, w, times, step_times=None, **fields):
     """A Muon row of four 1024x1024 matrices whose traffic is the patched bound, timed per repeat."""
     p = 4 * 1024 * 1024
-    r = dict(name=name, workload=name.split("-")[0], gas=4, world_size=w, optimizer="muon", muon_elements=p,
+    r = dict(name=name, build=build, workload=name.split("-")[0], gas=4, world_size=w, optimizer="muon", muon_elements=p,
              muon_matrices=4, ns_calls_per_step=4, ns_calls_micro_per_step=0,
              muon_elements_boundary_mean=2 * p * (w - 1) / w**2, muon_elements_micro_mean=0,
              muon_elements_boundary_max=2 * p * (w - 1) / w**2, muon_elements_micro_max=0,
@@ -345,3 +345,23 @@ def test_dev_bench_all_bases(dev):
     assert bench_pythons(args) == sorted(f"{kind}-{b}" for b in known for kind in ("patched", "stock"))
     assert args[-2:] == ["--grid", "quick"] and "--all-bases" not in args
     assert json.dumps(args)  # plain strings
+
+
+# --- plots ----------------------------------------------------------------------------------------
+
+
+def test_plots_ratio_vs_w_and_time_vs_rate(tmp_path):
+    import plots
+    rows = []
+    for net, rate in (("", None), ("auto", 2e10), ("1gbit", 1e9)):
+        for w in (2, 4):
+            for build, times in (("patched-0.19.8", [0.5, 0.6, 0.7]), ("stock-0.19.8", [1.0, 1.0, 1.4])):
+                rows.append(fake_row("sq1024-gas4-fp32", build, w, times, net=net, net_rate_bits=rate))
+    results = dict(builds=["stock-0.19.8", "patched-0.19.8"], world_sizes=[2, 4], nets=["", "auto", "1gbit"],
+                   rows=rows)
+    assert plots.ratio_vs_w(results, tmp_path / "ratio.png") and (tmp_path / "ratio.png").stat().st_size > 0
+    assert plots.time_vs_rate(results, tmp_path / "rate.png") and (tmp_path / "rate.png").stat().st_size > 0
+    no_net = dict(results, rows=[r for r in rows if not r["net"]], nets=[""])
+    assert not plots.time_vs_rate(no_net, tmp_path / "none.png")
+    only_patched = dict(no_net, rows=[r for r in no_net["rows"] if r["build"].startswith("patched")])
+    assert not plots.ratio_vs_w(only_patched, tmp_path / "none.png")
