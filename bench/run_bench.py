@@ -389,6 +389,7 @@ class Links:
         self.rates = {}  # (net, w) -> bits/s
         self.measured = {}  # (net, w) -> bits/s measured through the namespace
         self.derivations = {}  # w -> lines
+        self.failures = {}  # (net, w) -> why the namespace failed
         if self.specs:
             import netns  # bench/netns.py
             self.netns = netns
@@ -419,6 +420,8 @@ class Links:
         text = f"link {self.netns.format_rate(rate)}" + (" (derived inter-node rate)" if net == "auto" else "")
         if (net, w) in self.measured:
             text += f", measured {self.netns.format_rate(self.measured[(net, w)])}"
+        if (net, w) in self.failures:
+            text += f", FAILED: {self.failures[(net, w)]}"
         return text
 
     @contextlib.contextmanager
@@ -433,13 +436,17 @@ class Links:
             if net == "auto":
                 for line in self.derivations.get(w, []):
                     say(f"[W={w}] {line}")
-            self.measured[(net, w)] = self.netns.measure_throughput(prefix, THROUGHPUT_PROBE_BYTES)
+            nbytes = probe_bytes(rate)
+            self.measured[(net, w)] = self.netns.measure_throughput(prefix, nbytes)
             say(f"[W={w}] namespace shaped to {self.netns.format_rate(rate)}: measured "
-                f"{self.netns.format_rate(self.measured[(net, w)])} ({THROUGHPUT_PROBE_BYTES // 2**20} MiB sent)")
+                f"{self.netns.format_rate(self.measured[(net, w)])} ({nbytes / 2**20:.1f} MiB sent)")
             yield list(prefix)
 
 
-THROUGHPUT_PROBE_BYTES = 16 * 2**20
+def probe_bytes(rate_bits):
+    """Bytes of the throughput probe at ``rate_bits`` bits/s: about 1 s of traffic (tbf lets its
+    bucket, 10 ms, through at once, so the probe must last much longer), 2 to 64 MiB."""
+    return int(min(64 * 2**20, max(2 * 2**20, rate_bits / 8)))
 
 
 def main(argv=None):
@@ -489,12 +496,19 @@ def main(argv=None):
             for job in jobs:
                 groups.setdefault((job[0], job[1]), []).append(job)
             for (net, w), group in groups.items():
-                with links.namespace(net, w, say=tqdm.write) as prefix:
-                    for job in group:
-                        seconds = run_job(job, pythons[job[3]], configs + extra, Path(tmp), out, args.timeout, log,
-                                          samples, errors, prefix)
-                        durations.setdefault(job[:2] + job[3:], []).append(seconds)
-                        bar.update()
+                done = 0
+                try:
+                    with links.namespace(net, w, say=tqdm.write) as prefix:
+                        for job in group:
+                            seconds = run_job(job, pythons[job[3]], configs + extra, Path(tmp), out, args.timeout,
+                                              log, samples, errors, prefix)
+                            durations.setdefault(job[:2] + job[3:], []).append(seconds)
+                            done += 1
+                            bar.update()
+                except (RuntimeError, OSError, subprocess.SubprocessError) as e:  # the namespace failed
+                    links.failures[(net, w)] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+                    tqdm.write(f"link {net} at W={w} failed, its remaining launches skipped: {links.failures[(net, w)]}")
+                    bar.update(len(group) - done)
             bar.close()
         except KeyboardInterrupt:  # Ctrl-C: report what was measured so far
             interrupted = True
@@ -536,6 +550,9 @@ def report(results, errors, builds, args, configs, extra, out, elapsed, links, d
     for net in links.labels:
         for w in args.world_sizes:
             print(f"=== W={w}, {links.describe(net, w)} ===")
+            if net == "auto":
+                for line in links.derivations.get(w, []):
+                    print(line)
             print_results_table(results, errors, builds, net, w, names)
             print()
             print_ratio_table(results, builds, net, w, names)

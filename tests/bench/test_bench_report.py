@@ -292,6 +292,28 @@ def test_net_auto_and_rate_run_the_net_grid_in_one_namespace_per_rate_and_w(monk
     assert sorted(m["name"].rsplit(" ", 1)[-1] for m in targets) == ["0.4", "0.6"]  # at the derived rate only
 
 
+def test_a_failing_namespace_skips_its_launches_and_the_run_goes_on(monkeypatch, tmp_path, capsys):
+    made = stub_net(monkeypatch)
+    netns = sys.modules["netns"]
+    good = netns.shaped_namespace
+
+    @contextlib.contextmanager
+    def shaped_namespace(rate_bits):
+        if rate_bits == 1e9:
+            raise RuntimeError("tc: qdisc refused\nmore")
+        with good(rate_bits) as prefix:
+            yield prefix
+
+    monkeypatch.setattr(netns, "shaped_namespace", shaped_namespace)
+    seen = fake_launches(monkeypatch)
+    assert run_bench.main(PYTHONS + ["--net", "1gbit", "auto", "--repeats", "1", "--world-sizes", "2", "--out",
+                                     str(tmp_path)]) == 0
+    assert made == [2e10] and len(seen) == 2
+    out = capsys.readouterr().out
+    assert "=== W=2, link 1gbit, FAILED: RuntimeError: tc: qdisc refused ===" in out
+    assert "=== W=2, link 20gbit (derived inter-node rate), measured 18gbit ===" in out
+
+
 def test_net_unavailable_runs_without_limit_and_says_so(monkeypatch, tmp_path, capsys):
     made = stub_net(monkeypatch, unavailable="no CAP_NET_ADMIN")
     seen = fake_launches(monkeypatch)
