@@ -414,9 +414,12 @@ class Links:
         return self.rates[(net, w)]
 
     def describe(self, net, w):
-        rate = self.rate(net, w)
-        if rate is None:
+        """The link of ``net`` at ``w`` in words, from what the run found (no new measurement)."""
+        if net == NO_NET:
             return "no network limit"
+        rate = self.rates.get((net, w))
+        if rate is None:
+            return f"link {net}, not run" + (f", FAILED: {self.failures[(net, w)]}" if (net, w) in self.failures else "")
         text = f"link {self.netns.format_rate(rate)}" + (" (derived inter-node rate)" if net == "auto" else "")
         if (net, w) in self.measured:
             text += f", measured {self.netns.format_rate(self.measured[(net, w)])}"
@@ -861,7 +864,7 @@ def write_outputs(results, errors, builds, args, out, links, lines, durations):
                 net_unavailable=links.unavailable,
                 net_rates={f"{net}|{w}": rate for (net, w), rate in links.rates.items()},
                 net_measured={f"{net}|{w}": rate for (net, w), rate in links.measured.items()},
-                rows=[dict(v, build=k[1], net=k[0], net_rate_bits=links.rate(k[0], k[2]) if k[2] > 1 else None)
+                rows=[dict(v, build=k[1], net=k[0], net_rate_bits=links.rates.get((k[0], k[2])))
                       for k, v in results.items()],
                 errors=[dict(net=k[0], build=k[1], world_size=k[2], name=k[3], error=e) for k, e in errors.items()],
                 targets=lines,
