@@ -560,7 +560,7 @@ def report(results, errors, builds, args, configs, extra, out, elapsed, links, d
             print()
             print_ratio_table(results, builds, net, w, names)
             print()
-            lines += target_lines(results, builds, net, w, names, links)
+            lines += target_lines(results, builds, net, w, names, links, errors)
     print("=== targets ===")
     for line in lines:
         print(line)
@@ -652,9 +652,9 @@ def boundary_reason(results, net, build, w, name, sp):
             f"forward+backward ratio {fmt(fb and fb.median, '.2f')}")
 
 
-def target_lines(results, builds, net, w, names, links):
+def target_lines(results, builds, net, w, names, links, errors=None):
     """The target lines (and information lines) of one link and world size, for every patched
-    build present, against stock 0.19.8."""
+    build present, against stock 0.19.8 (``errors``: why a workload has no row, for reasons)."""
     out = []
     rate_text = "" if net == NO_NET else f" link {links.describe(net, w).split(',')[0].replace('link ', '')}"
     muon_names = [n for n in names if any(is_muon(r) for (nt, b, ww, nn), r in results.items()
@@ -687,7 +687,7 @@ def target_lines(results, builds, net, w, names, links):
                        f"{step[1].format('.2f')} ({step[0]})")
         out += memory_lines(results, net, build, w, muon_names, mine, pair, rate_text)
         if net == NO_NET:
-            out += batch_ns_lines(results, net, build, w)
+            out += batch_ns_lines(results, net, build, w, names, errors)
             out += traffic_lines(mine, build, w)
     return out + muon_adamw_lines(results, builds, net, w, rate_text)
 
@@ -719,15 +719,18 @@ def memory_lines(results, net, build, w, muon_names, mine, pair, rate_text):
     return out
 
 
-def batch_ns_lines(results, net, build, w):
+def batch_ns_lines(results, net, build, w, names=(), errors=None):
     """Batched NS on the Llama-shaped workload: NS time per step over one-by-one's (paired
-    repeats), and the same results (relative difference of the last loss)."""
-    batched = results.get((net, build, w, "llama-gas4-fp32"))
-    single = results.get((net, build, w, "llama-gas4-fp32-ns-onebyone"))
-    if batched is None and single is None:
+    repeats), and the same results (relative difference of the last loss). Printed when either
+    row exists or the grid (``names``) has them; a missing row is MISSED, with its error."""
+    llama = ("llama-gas4-fp32", "llama-gas4-fp32-ns-onebyone")
+    batched, single = (results.get((net, build, w, n)) for n in llama)
+    if batched is None and single is None and not any(n in names for n in llama):
         return []
+    failed = [f"{n}: {(errors or {}).get((net, build, w, n), 'no row')}" for n in llama
+              if results.get((net, build, w, n)) is None]
     sp = ratio_spread(batched, single, "ns_seconds_per_step")
-    reason = "not measured: no ns_seconds_per_step in both rows"
+    reason = "not measured: " + ("; ".join(failed) if failed else "no ns_seconds_per_step in both rows")
     if sp:
         reason = (f"NS {batched['ns_seconds_per_step'] * 1e3:.0f} ms vs {single['ns_seconds_per_step'] * 1e3:.0f} ms "
                   f"per step, per-repeat ratios {sp.low:.2f}-{sp.high:.2f}; problems per step "
@@ -743,7 +746,7 @@ def batch_ns_lines(results, net, build, w):
     out.append(
         target_line(f"batched NS same results as one-by-one {build} llama-gas4 W={w} (relative loss difference) "
                     f"<= {SAME_RESULTS_TOLERANCE:g}", diff, diff is not None and diff <= SAME_RESULTS_TOLERANCE,
-                    "not measured: a llama row is missing" if diff is None else
+                    reason if failed else "not measured: no loss_last" if diff is None else
                     f"last loss {batched['loss_last']:.9g} vs {single['loss_last']:.9g}", spec=".1e"))
     return out
 

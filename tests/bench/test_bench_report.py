@@ -387,3 +387,15 @@ def test_plots_ratio_vs_w_and_time_vs_rate(tmp_path):
     assert not plots.time_vs_rate(no_net, tmp_path / "none.png")
     only_patched = dict(no_net, rows=[r for r in no_net["rows"] if r["build"].startswith("patched")])
     assert not plots.ratio_vs_w(only_patched, tmp_path / "none.png")
+
+
+def test_batched_ns_targets_missed_with_the_error_when_llama_did_not_run():
+    names = ["llama-gas4-fp32", "llama-gas4-fp32-ns-onebyone"]
+    results = {("", "stock-0.19.8", 2, "sq1024-gas4-fp32"): fake_row("sq1024-gas4-fp32", "stock-0.19.8", 2, [1.0]),
+               ("", "patched-0.19.8", 2, "sq1024-gas4-fp32"): fake_row("sq1024-gas4-fp32", "patched-0.19.8", 2, [1.0])}
+    errors = {("", "patched-0.19.8", 2, n): "crash: KeyError: 'llama'" for n in names}
+    lines = run_bench.target_lines(results, ["stock-0.19.8", "patched-0.19.8"], "", 2, ["sq1024-gas4-fp32"] + names,
+                                   run_bench.Links(None), errors)
+    batched = [TARGET.match(line) for line in lines if line.startswith("target batched NS")]
+    assert len(batched) == 2
+    assert all(m["value"] == "-" and m["verdict"] == "MISSED" and "KeyError: 'llama'" in m["reason"] for m in batched)
