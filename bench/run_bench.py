@@ -393,6 +393,7 @@ class Links:
         if self.specs:
             import netns  # bench/netns.py
             self.netns = netns
+            self.show = getattr(netns, "describe_rate", netns.format_rate)  # for people, if it has one
             self.unavailable = netns.unavailable_reason()
 
     @property
@@ -420,9 +421,9 @@ class Links:
         rate = self.rates.get((net, w))
         if rate is None:
             return f"link {net}, not run" + (f", FAILED: {self.failures[(net, w)]}" if (net, w) in self.failures else "")
-        text = f"link {self.netns.format_rate(rate)}" + (" (derived inter-node rate)" if net == "auto" else "")
+        text = f"link {self.show(rate)}" + (" (derived inter-node rate)" if net == "auto" else "")
         if (net, w) in self.measured:
-            text += f", measured {self.netns.format_rate(self.measured[(net, w)])}"
+            text += f", measured {self.show(self.measured[(net, w)])}"
         if (net, w) in self.failures:
             text += f", FAILED: {self.failures[(net, w)]}"
         return text
@@ -442,7 +443,9 @@ class Links:
             nbytes = probe_bytes(rate)
             self.measured[(net, w)] = self.netns.measure_throughput(prefix, nbytes)
             say(f"[W={w}] namespace shaped to {self.netns.format_rate(rate)}: measured "
-                f"{self.netns.format_rate(self.measured[(net, w)])} ({nbytes / 2**20:.1f} MiB sent)")
+                f"{self.show(self.measured[(net, w)])} ({nbytes / 2**20:.1f} MiB sent)")
+            if hasattr(self.netns, "link_check"):
+                say(f"[W={w}] {self.netns.link_check(rate, self.measured[(net, w)])}")
             yield list(prefix)
 
 
