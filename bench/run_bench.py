@@ -439,7 +439,7 @@ class Links:
         with self.netns.shaped_namespace(rate) as prefix:
             if net == "auto":
                 for line in self.derivations.get(w, []):
-                    say(f"[W={w}] {line}")
+                    say(line)  # the lines name W themselves
             nbytes = probe_bytes(rate)
             self.measured[(net, w)] = self.netns.measure_throughput(prefix, nbytes)
             say(f"[W={w}] namespace shaped to {self.netns.format_rate(rate)}: measured "
