@@ -442,7 +442,7 @@ class Links:
                     say(line)  # the lines name W themselves
             nbytes = probe_bytes(rate)
             self.measured[(net, w)] = self.netns.measure_throughput(prefix, nbytes)
-            say(f"[W={w}] namespace shaped to {self.netns.format_rate(rate)}: measured "
+            say(f"[W={w}] namespace shaped to {self.show(rate)}: measured "
                 f"{self.show(self.measured[(net, w)])} ({nbytes / 2**20:.1f} MiB sent)")
             if hasattr(self.netns, "link_check"):
                 say(f"[W={w}] {self.netns.link_check(rate, self.measured[(net, w)])}")
