@@ -5,7 +5,8 @@ creates needs Python >= 3.10).
   python3 dev.py setup [--base X]            venv .venv/<X>/ with torch, test deps and patched DeepSpeed
   python3 dev.py test  [--base X] [ARGS...]  setup, then pytest (ARGS go to pytest)
   python3 dev.py demo  [--base X] [ARGS...]  setup, then examples/demo/run_demo.py ARGS
-  python3 dev.py bench [ARGS...]             patched and stock venvs of every base, then bench/run_bench.py ARGS
+  python3 dev.py bench [--all-bases] [ARGS...]  patched and stock venvs of the default base (every base with
+                                             --all-bases), then bench/run_bench.py ARGS
   python3 dev.py export [--base X] [--out DIR] the change as three pull requests (a diff and a description
                                              each) and the combined diff, against the release
                                              (default DIR: out/export/<X>/; needs no venv)
@@ -223,12 +224,20 @@ def cmd_demo(args, extra):
     return subprocess.run([str(venv.python), str(DEMO), *extra], cwd=ROOT, env=venv.env()).returncode
 
 
-def cmd_bench(_args, extra):
-    """Every venv the benchmark compares (patched and stock, each base), then the benchmark, run by
-    the patched default-base venv's Python (it launches each build's own Python per workload)."""
+def bench_bases(args, default_base, known):
+    """Bases whose patched and stock builds the benchmark compares: the default base (stock
+    0.19.8 is the benchmark's reference) and ``--base`` if another, or every known base with
+    ``--all-bases``."""
+    return sorted(known) if args.all_bases else sorted({default_base, args.base})
+
+
+def cmd_bench(args, extra):
+    """The venvs the benchmark compares (patched and stock of ``bench_bases``), then the
+    benchmark, run by the patched default-base venv's Python (it launches each build's own
+    Python per workload)."""
     default_base, known = project_config()
     pythons = {}
-    for base in known:
+    for base in bench_bases(args, default_base, known):
         for stock in (True, False):
             venv = setup(base, stock)
             pythons[f"{'stock' if stock else 'patched'}-{base}"] = str(venv.python)
@@ -396,7 +405,8 @@ def main(argv=None):
                                  ("test", cmd_test, "setup, then run pytest (extra args go to pytest)"),
                                  ("demo", cmd_demo, "setup, then run examples/demo/run_demo.py (extra args go "
                                   "to it, e.g. --quick; output in out/demo/<base>/ unless --out)"),
-                                 ("bench", cmd_bench, "stock and patched venvs of every base, then bench/run_bench.py"),
+                                 ("bench", cmd_bench, "stock and patched venvs of the default base (--all-bases: "
+                                  "every base), then bench/run_bench.py (extra args go to it)"),
                                  ("export", cmd_export, "write the change as three pull requests (diff and "
                                   "description each) and the combined diff, against the release"),
                                  ("intree", cmd_intree, "setup, then run the exported tests inside a copy of "
@@ -405,6 +415,10 @@ def main(argv=None):
         p.add_argument("--base", default=os.environ.get("DS_ZERO3MUON_BASE") or default_base,
                        help=f"DeepSpeed base release, one of {', '.join(known)} (default: %(default)s)")
         p.set_defaults(func=func)
+        if name == "bench":
+            p.add_argument("--all-bases", action="store_true", help="also every other base's patched and "
+                           f"stock builds ({', '.join(b for b in known if b != default_base)}); default: "
+                           f"{default_base}'s two")
         if name == "export":
             p.add_argument("--out", type=Path, help="output directory (default: out/export/<base>/)")
         if name == "intree":

@@ -1,10 +1,12 @@
 # Copyright (c) 2026 The zero3muon authors
 # SPDX-License-Identifier: Apache-2.0
-"""Plots of the benchmark (matplotlib): Muon traffic per rank against W, and step time against gas.
+"""Plots of the benchmark (matplotlib): Muon traffic per rank against W, step time against gas,
+the boundary-time ratio patched / stock 0.19.8 against W, and boundary time against link rate.
 
 ``make_all(results, out)`` takes the dict ``run_bench.py`` writes to ``results.json`` and writes
-``traffic_vs_w.png`` and ``time_vs_gas.png`` to ``out``; ``python bench/plots.py results.json
-OUT_DIR`` redraws them from a saved run.
+``traffic_vs_w.png``, ``time_vs_gas.png`` (runs without a network limit), ``ratio_vs_w.png`` and,
+when the run had ``--net`` links, ``time_vs_rate.png`` to ``out``; ``python bench/plots.py
+results.json OUT_DIR`` redraws them from a saved run.
 """
 
 import json
@@ -18,6 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model  # noqa: E402
+from repeats import per_repeat, ratio_spread, spread  # noqa: E402
 
 STYLE = {
     "stock-0.19.7": dict(color="tab:red", marker="v"),
@@ -26,10 +29,17 @@ STYLE = {
     "patched-0.19.8": dict(color="tab:blue", marker="o"),
 }
 MODEL_WS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+REFERENCE = "stock-0.19.8"
+
+
+def _no_limit(rows):
+    """The rows measured without a network limit (all rows of a run before ``--net`` existed)."""
+    return [r for r in rows if not r.get("net")]
 
 
 def _measured(rows, build, name):
-    return sorted((r["world_size"], r) for r in rows if r["build"] == build and r["name"] == name)
+    return sorted(((r["world_size"], r) for r in _no_limit(rows) if r["build"] == build and r["name"] == name),
+                  key=lambda p: p[0])
 
 
 def traffic_vs_w(results, path):
@@ -64,7 +74,7 @@ def traffic_vs_w(results, path):
 def time_vs_gas(results, path):
     """Optimizer-step time (boundary micro-step plus gas-1 non-boundary micro-steps, medians) per
     build against gas, for the fp32 workloads measured at gas 1, 4 and 16, at the smallest W."""
-    rows = results["rows"]
+    rows = _no_limit(results["rows"])
     w = min(results["world_sizes"])
     workloads = sorted({r["workload"] for r in rows if r["world_size"] == w and r["gas"] == 16})
     if not workloads:
@@ -72,9 +82,11 @@ def time_vs_gas(results, path):
     fig, axes = plt.subplots(1, len(workloads), figsize=(3.6 * len(workloads), 3.6), squeeze=False)
     for ax, wl in zip(axes[0], workloads):
         for build in results["builds"]:
-            pts = sorted((r["gas"], r) for r in rows
+            pts = sorted(((r["gas"], r) for r in rows
                          if r["build"] == build and r["world_size"] == w and r["workload"] == wl and r["dtype"] == "fp32"
-                         and not r["offload"] and r.get("reduce_bucket_size") is None)
+                         and not r["offload"] and r.get("reduce_bucket_size") is None
+                          and r.get("optimizer", "muon") == "muon" and r.get("batch_ns") is not False),
+                         key=lambda p: p[0])
             if not pts:
                 continue
             ax.plot([g for g, _ in pts], [r["boundary_time"] + (g - 1) * (r["micro_time"] or 0) for g, r in pts],
@@ -91,12 +103,103 @@ def time_vs_gas(results, path):
     return True
 
 
+def _errorbar(ax, xs, spreads, scale=1.0, **kw):
+    """Median with min-max error bars (``repeats.Spread`` per x)."""
+    ax.errorbar(xs, [s.median * scale for s in spreads],
+                yerr=[[(s.median - s.low) * scale for s in spreads], [(s.high - s.median) * scale for s in spreads]],
+                capsize=3, **kw)
+
+
+def _net_label(net):
+    return "no network limit" if not net else f"link {net}"
+
+
+def ratio_vs_w(results, path):
+    """Boundary micro-step time patched / stock 0.19.8 against W, one panel per link (no limit
+    first) and per patched build's line per Muon workload: median of the per-repeat ratios, error
+    bars min-max (repeat i paired with repeat i). Returns False when no workload has both builds."""
+    rows = results["rows"]
+    nets = [n for n in results.get("nets", [""])]
+    panels = []
+    for net in nets:
+        lines = {}
+        for r in rows:
+            if (r.get("net") or "") != net or not r["build"].startswith("patched") or r["world_size"] < 2:
+                continue
+            if r.get("optimizer", "muon") != "muon":
+                continue
+            ref = next((x for x in rows if x["build"] == REFERENCE and (x.get("net") or "") == net
+                        and x["world_size"] == r["world_size"] and x["name"] == r["name"]), None)
+            sp = ratio_spread(r, ref, "boundary_time")
+            if sp:
+                lines.setdefault((r["build"], r["name"]), []).append((r["world_size"], sp))
+        if lines:
+            panels.append((net, lines))
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
+    for ax, (net, lines) in zip(axes[0], panels):
+        ws = sorted({w for pts in lines.values() for w, _ in pts})
+        step = 0.6 / max(1, len(lines))  # the lines side by side around each W
+        for i, ((build, name), pts) in enumerate(sorted(lines.items())):
+            pts.sort(key=lambda p: p[0])
+            xs = [ws.index(w) + step * (i - (len(lines) - 1) / 2) for w, _ in pts]
+            _errorbar(ax, xs, [s for _, s in pts], marker=STYLE.get(build, {}).get("marker", "o"), ms=4, ls="-", lw=0.8,
+                      label=f"{name} ({build})")
+        ax.axhline(1.0, color="k", ls=":", lw=1)
+        ax.set(xlabel="ranks W", ylabel=f"boundary time patched / {REFERENCE}",
+               title=f"boundary micro-step, {_net_label(net)}\nmedian of per-repeat ratios, bars min-max")
+        ax.set_xticks(range(len(ws)), labels=[str(w) for w in ws])
+        ax.set_xlim(-0.5, len(ws) - 0.5)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def time_vs_rate(results, path):
+    """Boundary micro-step time against the link rate (``net_rate_bits``) for every build, one
+    panel per W, a line per build and Muon workload: medians with min-max over repeats; the
+    runs without a limit drawn as dashed horizontal lines. Returns False without ``--net`` rows."""
+    rows = results["rows"]
+    shaped = [r for r in rows if r.get("net") and r.get("net_rate_bits") and r.get("optimizer", "muon") == "muon"]
+    if not shaped:
+        return False
+    ws = sorted({r["world_size"] for r in shaped})
+    fig, axes = plt.subplots(1, len(ws), figsize=(6 * len(ws), 4.5), squeeze=False)
+    for ax, w in zip(axes[0], ws):
+        for build in results["builds"]:
+            for name in sorted({r["name"] for r in shaped if r["world_size"] == w}):
+                pts = sorted(((r["net_rate_bits"], spread(per_repeat(r, "boundary_time").values())) for r in shaped
+                              if r["build"] == build and r["world_size"] == w and r["name"] == name),
+                             key=lambda p: p[0])
+                pts = [(x, s) for x, s in pts if s]
+                if not pts:
+                    continue
+                _errorbar(ax, [x / 1e9 for x, _ in pts], [s for _, s in pts], **STYLE.get(build, {}), ms=4,
+                          ls="-" if name.endswith("gas4-fp32") else "--", label=f"{name} ({build})")
+        ax.set(xscale="log", yscale="log", xlabel="link rate, Gbit/s", ylabel="boundary micro-step time, s",
+               title=f"W={w}")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def make_all(results, out):
     out = Path(out)
-    written = [out / "traffic_vs_w.png"]
-    traffic_vs_w(results, written[0])
-    if time_vs_gas(results, out / "time_vs_gas.png"):
-        written.append(out / "time_vs_gas.png")
+    written = []
+    if any(not r.get("net") and r.get("muon_elements") for r in results["rows"]):
+        traffic_vs_w(results, out / "traffic_vs_w.png")
+        written.append(out / "traffic_vs_w.png")
+    for name, draw in (("time_vs_gas.png", time_vs_gas), ("ratio_vs_w.png", ratio_vs_w),
+                       ("time_vs_rate.png", time_vs_rate)):
+        if draw(results, out / name):
+            written.append(out / name)
     return written
 
 

@@ -1,26 +1,37 @@
 # Copyright (c) 2026 The zero3muon authors
 # SPDX-License-Identifier: Apache-2.0
-"""Side-by-side benchmark of Muon under ZeRO-3: stock and patched DeepSpeed 0.19.7 and 0.19.8.
+"""Side-by-side benchmark of Muon under ZeRO-3: patched and stock DeepSpeed 0.19.8 (and 0.19.7).
 
 Run through ``python3 dev.py bench [ARGS]``, which prepares one venv per build (cached) and passes
-each build's Python as ``--python NAME=PATH``. Every workload runs on every build, in interleaved
-launches (repeat 1 of every build, then repeat 2, ...) so machine noise hits all builds alike.
-Prints, per world size, one table with a row per workload and build, the ratios patched /
-stock 0.19.8, the target checks, the seed table (stage 1/2/3 x gas 1/4 at W=1), and the overlap
-comparison; writes ``results.json`` and plots to ``--out``. Asserts nothing about absolute
-times; the exit code is non-zero only if a patched build fails a workload.
+each build's Python as ``--python NAME=PATH`` (patched-0.19.8 and stock-0.19.8; with
+``--all-bases`` also 0.19.7's pair). Every workload runs on every build, in interleaved launches
+(repeat 1 of every build, then repeat 2, ...) so machine noise hits all builds alike, and a ratio
+between two builds pairs repeat i with repeat i (``bench/repeats.py``). Prints, per link rate
+(``--net``) and world size, one table with a row per workload and build (timings as median
+[min-max] over repeats), the ratios patched / stock 0.19.8 (median [min-max] of the paired
+per-repeat ratios), one ``target <name>: <value> <met|MISSED>`` line per target, the seed table
+(stage 1/2/3 x gas 1/4 at W=1) and the overlap comparison; writes ``results.json`` (every
+repeat's value) and plots to ``--out``. Asserts nothing about absolute times; the exit code is
+non-zero only if a patched build fails a workload.
+
+``--net RATE|auto [...]`` runs the net grid inside a network namespace whose link is shaped to
+RATE (``bench/netns.py``; ``auto``: the inter-node rate ``bench/link_rate.py`` derives for each
+world size), so the exchange's traffic costs what it would between nodes.
 
 Workloads (``bench/worker.py``): chains of bias-free Linear layers, every matrix a Muon matrix,
 4 matrices each: ``sq256`` (256x256), ``rect256`` (384x256 / 256x384), ``sq1024``, ``rect1024``
-(768x1024 / 1024x768). All fp32 with ``gradient_clipping: 0``, ``reduce_scatter: false`` (stock
+(768x1024 / 1024x768); ``llama``: one Llama-shaped layer set (d x d q/k/v/o, f x d gate/up, d x f
+down; sizes in ``bench/worker.py``), with Newton-Schulz batched or one matrix at a time
+(``batch_ns``, patched builds), and AdamW runs (``optimizer: adamw``) as the step-time reference. All fp32 with ``gradient_clipping: 0``, ``reduce_scatter: false`` (stock
 refuses the default ``true`` with Muon; the patched build accepts both) and
 ``stage3_param_persistence_threshold: 0``; TorchDynamo off (NS eager on every build).
 """
 
 import argparse
+import contextlib
 import json
 import os
-import statistics
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,12 +44,15 @@ from tqdm import tqdm
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import model  # noqa: E402  (bench/model.py)
+from repeats import Spread, per_repeat, ratio_spread, spread, target_line  # noqa: E402
 
 # Shared with the tests and the demo: tests/unit/runtime/zero/zero3_muon_helpers.py.
 sys.path.insert(0, str(HERE.parent / "tests"))
 from unit.runtime.zero.zero3_muon_helpers import free_port, relative_difference  # noqa: E402
 
 REFERENCE = "stock-0.19.8"
+PATCHED_DEFAULT = "patched-0.19.8"
+NET_BUILDS = (PATCHED_DEFAULT, REFERENCE)  # the builds of a --net run
 BUILD_ORDER = ("stock-0.19.7", "stock-0.19.8", "patched-0.19.7", "patched-0.19.8")
 SHAPES = {
     "sq256": [(256, 256)] * 4,
@@ -48,36 +62,105 @@ SHAPES = {
 }
 TRAFFIC_TARGET = 0.10  # Muon traffic per rank within 10% of 2P(W-1)/W^2
 MODEL_WS = (2, 4, 8, 16, 64, 256, 1024)
+# Boundary micro-step time patched / stock 0.19.8: no network limit (every Muon workload) and on
+# the emulated link at the derived inter-node rate (the 1024 workloads), per world size.
+BOUNDARY_TARGET_NO_LIMIT = 1.0
+BOUNDARY_TARGET_NET = {2: 0.6, 4: 0.4}
+MEMORY_TARGET_BUCKETS = 3.0  # boundary peak tensor bytes <= 3x the largest bucket's exchange bytes
+BATCH_NS_TARGET = 0.8  # batched NS time per step <= 0.8x one matrix at a time (llama)
+SAME_RESULTS_TOLERANCE = 1e-5  # relative loss difference, batched vs one-by-one NS
+MUON_ADAMW = ("sq1024-gas4-fp32", "llama-gas4-fp32")  # Muon workloads with an AdamW twin
+# Fields kept per repeat (seconds, then bytes); the row's value is their median.
+TIMING_KEYS = ("boundary_time", "boundary_step_time", "step_time", "micro_time", "ns_seconds_per_step")
+MEMORY_KEYS = ("boundary_peak_bytes", "alloc_boundary_bytes", "alloc_peak_bytes", "alloc_peak_step_bytes",
+               "retained_muon_bytes")
+NO_NET = ""  # the net label of runs without a network limit
+
+
+def workload_config(name, workload, gas, steps, warmup, dtype="fp32", offload=False, only=None, patched=None, **extra):
+    """One workload config as ``bench/worker.py`` reads it, plus two driver-only keys:
+    ``only`` ("patched": run on patched builds only) and ``patched`` (keys merged into the config
+    on patched builds, e.g. ``batch_ns``, which stock builds do not know)."""
+    cfg = dict(name=name, workload=workload, stage=3, gas=gas, dtype=dtype, offload=offload, micro_batch=2,
+               steps=steps, warmup=warmup, **extra)
+    if only:
+        cfg["only"] = only
+    if patched:
+        cfg["patched"] = dict(patched)
+    return cfg
+
+
+def llama_and_adamw(steps, warmup):
+    """The Llama-shaped workload at gas 4 on every build (patched: Newton-Schulz batched), one
+    matrix at a time on patched builds (the batched-NS target's reference), and the AdamW twins
+    of sq1024 and llama at gas 4 on every build (the Muon / AdamW step-time ratio)."""
+    return [
+        workload_config("llama-gas4-fp32", "llama", 4, steps, warmup, optimizer="muon", patched={"batch_ns": True}),
+        workload_config("llama-gas4-fp32-ns-onebyone", "llama", 4, steps, warmup, optimizer="muon", only="patched",
+                        patched={"batch_ns": False}),
+        workload_config("sq1024-gas4-fp32-adamw", "sq1024", 4, steps, warmup, optimizer="adamw"),
+        workload_config("llama-gas4-fp32-adamw", "llama", 4, steps, warmup, optimizer="adamw"),
+    ]
 
 
 def grid(kind: str, steps: int, warmup: int):
-    """Workload configs of one launch. ``default``: each workload at gas 4 (fp32), plus, one factor
-    at a time, gas 1 and CPU offload for each, gas 16 and bf16 for the ~256 workloads (stock
-    0.19.7 runs Newton-Schulz gas times per step: gas 16 on the 1024 workloads alone would take
-    longer than the rest); ``full``: the full product; ``quick``: sq256 only, gas 1/4, fp32 and
-    offload (a smoke run)."""
-    workloads = ["sq256"] if kind == "quick" else list(SHAPES)
-    points = []
-    for w in workloads:
-        if kind == "full":
-            points += [(w, g, d, o) for g in (1, 4, 16) for d in ("fp32", "bf16") for o in (False, True)]
-        elif kind == "quick":
-            points += [(w, 1, "fp32", False), (w, 4, "fp32", False), (w, 4, "fp32", True)]
-        else:
-            points += [(w, 4, "fp32", False), (w, 1, "fp32", False), (w, 4, "fp32", True)]
-            if w.endswith("256"):
-                points += [(w, 16, "fp32", False), (w, 4, "bf16", False)]
-    return [
-        dict(name=f"{w}-gas{g}-{d}{'-offload' if o else ''}",
-             workload=w,
-             stage=3,
-             gas=g,
-             dtype=d,
-             offload=o,
-             micro_batch=2,
-             steps=steps,
-             warmup=warmup) for w, g, d, o in points
+    """Workload configs of one launch.
+
+    ``default``: each of the four chain workloads at gas 4 (fp32), plus, one factor at a time,
+    gas 1 and CPU offload for each, gas 16 and bf16 for the ~256 workloads (stock 0.19.7 runs
+    Newton-Schulz gas times per step: gas 16 on the 1024 workloads alone would take longer than
+    the rest), plus ``llama_and_adamw``; ``full``: the full product plus ``llama_and_adamw``;
+    ``quick``: sq256 only, gas 1/4, fp32 and offload (a smoke run); ``net`` (the grid of a
+    ``--net`` run): sq1024 and rect1024 at gas 1 and 4 (fp32), and sq1024's AdamW twin.
+    Raises ValueError for another kind."""
+    if kind not in ("default", "full", "quick", "net"):
+        raise ValueError(f"unknown grid {kind!r}")
+    if kind == "net":
+        points = [(w, g, "fp32", False) for w in ("sq1024", "rect1024") for g in (1, 4)]
+    else:
+        points = []
+        for w in (["sq256"] if kind == "quick" else list(SHAPES)):
+            if kind == "full":
+                points += [(w, g, d, o) for g in (1, 4, 16) for d in ("fp32", "bf16") for o in (False, True)]
+            elif kind == "quick":
+                points += [(w, 1, "fp32", False), (w, 4, "fp32", False), (w, 4, "fp32", True)]
+            else:
+                points += [(w, 4, "fp32", False), (w, 1, "fp32", False), (w, 4, "fp32", True)]
+                if w.endswith("256"):
+                    points += [(w, 16, "fp32", False), (w, 4, "bf16", False)]
+    configs = [
+        workload_config(f"{w}-gas{g}-{d}{'-offload' if o else ''}", w, g, steps, warmup, dtype=d, offload=o)
+        for w, g, d, o in points
     ]
+    if kind in ("default", "full"):
+        configs += llama_and_adamw(steps, warmup)
+    if kind == "net":
+        configs.append(workload_config("sq1024-gas4-fp32-adamw", "sq1024", 4, steps, warmup, optimizer="adamw"))
+    return configs
+
+
+def configs_for(build, configs):
+    """The configs a launch of ``build`` runs: ``only``-patched ones dropped on stock builds,
+    ``patched`` keys merged in on patched builds, the driver-only keys removed."""
+    patched = build.startswith("patched")
+    out = []
+    for c in configs:
+        if c.get("only") == "patched" and not patched:
+            continue
+        cfg = {k: v for k, v in c.items() if k not in ("only", "patched")}
+        if patched:
+            cfg.update(c.get("patched", {}))
+        out.append(cfg)
+    return out
+
+
+def select_builds(pythons, net):
+    """Builds to run, in ``BUILD_ORDER`` then by name: every given one, or with ``--net`` only
+    patched-0.19.8 and stock-0.19.8 (of those given)."""
+    builds = [b for b in BUILD_ORDER if b in pythons] + sorted(set(pythons) - set(BUILD_ORDER))
+    if net:
+        builds = [b for b in builds if b in NET_BUILDS]
+    return builds
 
 
 def overlap_grid(steps, warmup):
@@ -87,17 +170,9 @@ def overlap_grid(steps, warmup):
     for bucket in (2 * 1024 * 1024, 1024 * 1024):
         for overlap in (True, False):
             out.append(
-                dict(name=f"sq1024-gas1-bucket{bucket // 1024}k-{'overlap' if overlap else 'serial'}",
-                     workload="sq1024",
-                     stage=3,
-                     gas=1,
-                     dtype="fp32",
-                     offload=False,
-                     micro_batch=2,
-                     steps=steps,
-                     warmup=warmup,
-                     reduce_bucket_size=bucket,
-                     overlap=overlap))
+                workload_config(f"sq1024-gas1-bucket{bucket // 1024}k-{'overlap' if overlap else 'serial'}",
+                                "sq1024", 1, steps, warmup, only="patched", reduce_bucket_size=bucket,
+                                overlap=overlap))
     return out
 
 
@@ -117,9 +192,10 @@ def seed_grid():
     ]
 
 
-def launch(python, world_size, configs, workdir, timeout, log):
-    """Run ``configs`` in one torchrun launch of ``world_size`` ranks under ``python``; relaunch
-    after a crash or hang with the configs not yet run. Returns ``(rows, errors)``."""
+def launch(python, world_size, configs, workdir, timeout, log, prefix=()):
+    """Run ``configs`` in one torchrun launch of ``world_size`` ranks under ``python``, the command
+    preceded by ``prefix`` (e.g. ``ip netns exec NAME``: the launch inside a shaped namespace);
+    relaunch after a crash or hang with the configs not yet run. Returns ``(rows, errors)``."""
     rows, errors = [], {}
     remaining = list(configs)
     while remaining:
@@ -127,7 +203,7 @@ def launch(python, world_size, configs, workdir, timeout, log):
         out_file = workdir / "rows.jsonl"
         cfg_file.write_text(json.dumps(remaining))
         out_file.write_text("")
-        cmd = [
+        cmd = list(prefix) + [
             python, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}", f"--master_port={free_port()}",
             str(HERE / "worker.py"), "--configs",
             str(cfg_file), "--out",
@@ -165,27 +241,93 @@ def launch(python, world_size, configs, workdir, timeout, log):
     return rows, errors
 
 
-def run_job(rep, w, build, python, configs, extra, tmp, out, timeout, log, samples, errors):
-    """One launch: the seed table at W=1, else the grid (plus the overlap runs on patched
-    builds, minus what already failed on this build and W); adds to ``samples`` and ``errors``."""
+def run_job(job, python, configs, tmp, out, timeout, log, samples, errors, prefix=()):
+    """One launch ``job = (net, w, rep, build)``: the seed table at W=1, else the grid's configs
+    for this build (``configs_for``) minus what already failed on this build, W and link; adds
+    each row, tagged with its repeat and link, to ``samples`` and each failure to ``errors``,
+    both keyed ``(net, build, w, name)``. Returns the launch's wall time in seconds (relaunches
+    after a crash included)."""
+    net, w, rep, build = job
     if w == 1:
         cfgs = seed_grid()
     else:
-        cfgs = configs + (extra if build.startswith("patched") else [])
-        cfgs = [c for c in cfgs if (build, w, c["name"]) not in errors]
-    workdir = tmp / f"{build}-w{w}-r{rep}"
+        cfgs = [c for c in configs_for(build, configs) if (net, build, w, c["name"]) not in errors]
+    workdir = tmp / f"{build}-w{w}-r{rep}-{re.sub(r'[^A-Za-z0-9.]+', '_', net) or 'nolimit'}"
     workdir.mkdir()
-    rows, errs = launch(python, w, cfgs, workdir, timeout, log)
+    started = time.time()
+    rows, errs = launch(python, w, cfgs, workdir, timeout, log, prefix)
+    seconds = time.time() - started
+    log.write(f"# {build} W={w} repeat {rep} {net or 'no network limit'}: {seconds:.1f} s\n")
     for row in rows:
-        samples.setdefault((build, w, row["name"]), []).append(row)
+        row["repeat"], row["net"] = rep, net
+        err = row_error(row)
+        if err:
+            errs[row["name"]] = err
+            continue
+        samples.setdefault((net, build, w, row["name"]), []).append(row)
     for name, err in errs.items():
-        errors[(build, w, name)] = err
+        errors[(net, build, w, name)] = err
     if w == 1:  # keep the weights for the gas=1 vs gas=4 comparison
         for c in cfgs:
             f = workdir / f"{c['name']}.pt"
             if f.exists():
-                samples[(build, w, c["name"])][-1]["weights_file"] = str(out / f"{build}-{c['name']}.pt")
+                samples[(net, build, w, c["name"])][-1]["weights_file"] = str(out / f"{build}-{c['name']}.pt")
                 os.replace(f, out / f"{build}-{c['name']}.pt")
+    return seconds
+
+
+def row_error(row):
+    """Why a row cannot be used, or None: an AdamW config whose row counted Newton-Schulz calls
+    ran Muon (a worker that does not know ``optimizer``), so its times are not AdamW's."""
+    if row.get("optimizer") == "adamw" and row.get("ns_calls_per_step"):
+        return "ran Muon, not AdamW: the worker ignores optimizer=adamw (NS calls counted)"
+    return None
+
+
+def with_step_time(row):
+    """The row with ``step_time`` (seconds per optimizer step): the worker's if it writes one, else
+    boundary micro-step + (gas - 1) x median non-boundary micro-step, and ``step_time_source``
+    saying which."""
+    row = dict(row)
+    if row.get("step_time") is None and row.get("boundary_time") is not None:
+        row["step_time"] = row["boundary_time"] + (row["gas"] - 1) * (row.get("micro_time") or 0.0)
+        row["step_time_source"] = "boundary_time + (gas - 1) x micro_time"
+    else:
+        row["step_time_source"] = "worker"
+    return row
+
+
+def aggregate(samples):
+    """One row from the repeats of one (link, build, W, workload): the first repeat's counts
+    (they must agree across repeats), and for every timing and memory field its value per repeat
+    (``<key>_per_repeat``, aligned with ``repeat_index``) and the median of those as ``<key>``
+    (None when no repeat has it: a field the worker does not write)."""
+    samples = sorted((with_step_time(s) for s in samples), key=lambda s: s["repeat"])
+    first = dict(samples[0])
+    first.pop("repeat", None)
+    first["repeat_index"] = [s["repeat"] for s in samples]
+    for key in TIMING_KEYS + MEMORY_KEYS:
+        values = [s.get(key) for s in samples]
+        first[key + "_per_repeat"] = values
+        sp = spread(values)
+        first[key] = sp.median if sp else None
+    first["repeats"] = len(samples)
+    return first
+
+
+def muon_traffic(row):
+    """Muon elements received per rank per optimizer step (mean over ranks), micro-steps included."""
+    return row["muon_elements_boundary_mean"] + row["muon_elements_micro_mean"]
+
+
+def is_muon(row):
+    return row.get("optimizer", "muon") == "muon" and bool(row.get("muon_elements"))
+
+
+def lower_bound(row):
+    """2P(W-1)/W^2 elements for the row's P Muon elements (``model.lower_bound`` from the row's count)."""
+    w = row["world_size"]
+    return 2 * row["muon_elements"] * (w - 1) / w**2
 
 
 def fmt(x, spec=".3g"):
@@ -196,189 +338,465 @@ def fmt(x, spec=".3g"):
     return format(x, spec)
 
 
+def fmt_spread(row, key, scale=1.0, spec="auto"):
+    """``median [min-max]`` over the repeats of ``row[key]`` times ``scale``; ``-`` when absent."""
+    sp = spread(per_repeat(row, key).values()) if row else None
+    return sp.format(spec, scale) if sp else "-"
+
+
+def fmt_ratio(sp: Spread, spec=".2f"):
+    return sp.format(spec) if sp else "-"
+
+
+def mib(x):
+    return None if x is None else x / 2**20
+
+
 def print_table(headers, rows):
     if not rows:
         print("(nothing measured)")
         return
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)] if rows else []
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
     print("  ".join(str(h).ljust(w) for h, w in zip(headers, widths)))
     print("  ".join("-" * w for w in widths))
     for r in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
 
 
-def aggregate(samples):
-    """Median over repeats of the timing and memory fields; counts must agree across repeats."""
-    first = dict(samples[0])
-    for key in ("boundary_time", "boundary_step_time", "micro_time", "boundary_peak_bytes"):
-        values = [s[key] for s in samples if s.get(key) is not None]
-        first[key] = statistics.median(values) if values else None
-    first["repeats"] = len(samples)
-    return first
+def net_jobs(nets, world_sizes, repeats, builds, seed):
+    """Launch order ``[(net, w, rep, build), ...]``: per link and world size, the repeats, each
+    repeat running every build once (interleaved); then the seed table at W=1 without a link."""
+    jobs = [(net, w, rep, b) for net in nets for w in world_sizes for rep in range(repeats) for b in builds]
+    if seed:
+        jobs += [(NO_NET, 1, 0, b) for b in builds]
+    return jobs
 
 
-def muon_traffic(row):
-    """Muon elements received per rank per optimizer step (mean over ranks), micro-steps included."""
-    return row["muon_elements_boundary_mean"] + row["muon_elements_micro_mean"]
+@contextlib.contextmanager
+def no_namespace(_rate):
+    yield ()
 
 
-def step_time(row):
-    return row["boundary_time"] + (row["gas"] - 1) * (row["micro_time"] or 0.0)
+class Links:
+    """The links of a run: ``NO_NET`` without ``--net``, else each ``--net`` value (``auto`` or a
+    rate such as ``1gbit``), with the namespace module and the rate derivation loaded lazily (so
+    a run without ``--net`` needs neither). ``unavailable`` holds why emulation cannot run (then
+    every launch runs without a limit, under the ``NO_NET`` label)."""
+
+    def __init__(self, specs):
+        self.specs = list(specs or [])
+        self.unavailable = None
+        self.rates = {}  # (net, w) -> bits/s
+        self.measured = {}  # (net, w) -> bits/s measured through the namespace
+        self.derivations = {}  # w -> lines
+        self.failures = {}  # (net, w) -> why the namespace failed
+        if self.specs:
+            import netns  # bench/netns.py
+            self.netns = netns
+            self.show = getattr(netns, "describe_rate", netns.format_rate)  # for people, if it has one
+            self.unavailable = netns.unavailable_reason()
+
+    @property
+    def labels(self):
+        return [NO_NET] if not self.specs or self.unavailable else self.specs
+
+    def rate(self, net, w):
+        """Link rate in bits/s of ``net`` at world size ``w`` (None without a link)."""
+        if net == NO_NET:
+            return None
+        if (net, w) not in self.rates:
+            if net == "auto":
+                import link_rate  # bench/link_rate.py
+                derivation = link_rate.derive(w)
+                self.derivations[w] = list(derivation.lines())
+                self.rates[(net, w)] = derivation.inter_node_rate_bits
+            else:
+                self.rates[(net, w)] = self.netns.parse_rate(net)
+        return self.rates[(net, w)]
+
+    def describe(self, net, w):
+        """The link of ``net`` at ``w`` in words, from what the run found (no new measurement)."""
+        if net == NO_NET:
+            return "no network limit"
+        rate = self.rates.get((net, w))
+        if rate is None:
+            return f"link {net}, not run" + (f", FAILED: {self.failures[(net, w)]}" if (net, w) in self.failures else "")
+        text = f"link {self.show(rate)}" + (" (derived inter-node rate)" if net == "auto" else "")
+        if (net, w) in self.measured:
+            text += f", measured {self.show(self.measured[(net, w)])}"
+        if (net, w) in self.failures:
+            text += f", FAILED: {self.failures[(net, w)]}"
+        return text
+
+    @contextlib.contextmanager
+    def namespace(self, net, w, say=print):
+        """Command prefix of the launches of ``net`` at ``w``: a shaped namespace created here
+        and removed on exit (its derivation and measured throughput printed once), or ``()``."""
+        rate = self.rate(net, w)
+        if rate is None:
+            yield ()
+            return
+        with self.netns.shaped_namespace(rate) as prefix:
+            if net == "auto":
+                for line in self.derivations.get(w, []):
+                    say(line)  # the lines name W themselves
+            nbytes = probe_bytes(rate)
+            self.measured[(net, w)] = self.netns.measure_throughput(prefix, nbytes)
+            say(f"[W={w}] namespace shaped to {self.show(rate)}: measured "
+                f"{self.show(self.measured[(net, w)])} ({nbytes / 2**20:.1f} MiB sent)")
+            if hasattr(self.netns, "link_check"):
+                say(f"[W={w}] {self.netns.link_check(rate, self.measured[(net, w)])}")
+            yield list(prefix)
+
+
+def probe_bytes(rate_bits):
+    """Bytes of the throughput probe at ``rate_bits`` bits/s: about 1 s of traffic (tbf lets its
+    bucket, 10 ms, through at once, so the probe must last much longer), 2 to 64 MiB."""
+    return int(min(64 * 2**20, max(2 * 2**20, rate_bits / 8)))
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--python", action="append", default=[], metavar="BUILD=PATH",
-                   help="a build's Python (dev.py bench passes all four)")
+                   help="a build's Python (dev.py bench passes patched-0.19.8 and stock-0.19.8; "
+                   "with --all-bases 0.19.7's too)")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--grid", choices=("default", "full", "quick"), default="default")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="interleaved launches per build and world size (3 on a quiet machine for tighter medians)")
+    p.add_argument("--grid", choices=("default", "full", "quick"), default="default",
+                   help="workloads (ignored with --net, which runs the net grid)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="interleaved launches per build, world size and link (medians and min-max over them); "
+                   "a launch of the default grid took 50 to 65 s at W=2 on 2 shared cores, so the default run "
+                   "(2 builds x W 2, 4) takes about 20 to 25 min")
     p.add_argument("--steps", type=int, default=1, help="measured optimizer steps per workload")
     p.add_argument("--warmup", type=int, default=1, help="optimizer steps before measuring")
+    p.add_argument("--net", nargs="+", metavar="RATE|auto",
+                   help="run the net grid (sq1024, rect1024 at gas 1 and 4, sq1024 AdamW; patched-0.19.8 and "
+                   "stock-0.19.8) inside a network namespace shaped to each RATE (e.g. 1gbit); auto: the "
+                   "inter-node rate bench/link_rate.py derives for each W")
     p.add_argument("--no-seed", action="store_true", help="skip the seed table")
     p.add_argument("--no-overlap", action="store_true", help="skip the overlap comparison")
     p.add_argument("--timeout", type=float, default=900, help="seconds per launch before it counts as hung")
     p.add_argument("--out", default="out/bench")
     args = p.parse_args(argv)
     pythons = dict(item.split("=", 1) for item in args.python)
-    builds = [b for b in BUILD_ORDER if b in pythons] + sorted(set(pythons) - set(BUILD_ORDER))
+    builds = select_builds(pythons, args.net)
     if not builds:
-        p.error("no build given: run `python3 dev.py bench`, or pass --python BUILD=PATH")
+        p.error("no build given: run `python3 dev.py bench`, or pass --python BUILD=PATH"
+                + (f" (--net runs {' and '.join(NET_BUILDS)} only)" if args.net else ""))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    configs = grid(args.grid, args.steps, args.warmup)
-    extra = [] if args.no_overlap else overlap_grid(args.steps, args.warmup)
-
-    jobs = [(rep, w, b) for rep in range(args.repeats) for w in args.world_sizes for b in builds]
-    if not args.no_seed:
-        jobs += [(0, 1, b) for b in builds]
+    links = Links(args.net)
+    if links.unavailable:
+        print(f"network emulation unavailable: {links.unavailable}; running the net grid without a network limit")
+    configs = grid("net" if args.net else args.grid, args.steps, args.warmup)
+    extra = [] if (args.no_overlap or args.net) else overlap_grid(args.steps, args.warmup)
+    seed = not (args.no_seed or args.net)
+    jobs = net_jobs(links.labels, args.world_sizes, args.repeats, builds, seed)
     samples, errors = {}, {}
+    durations = {}  # (net, w, build) -> seconds of each launch
     t0 = time.time()
     interrupted = False
     with open(out / "launches.log", "w") as log, tempfile.TemporaryDirectory() as tmp:
         try:
-            for rep, w, build in tqdm(jobs, desc="launches", unit="launch"):
-                run_job(rep, w, build, pythons[build], configs, extra, Path(tmp), out, args.timeout, log, samples, errors)
+            bar = tqdm(total=len(jobs), desc="launches", unit="launch")
+            groups = {}
+            for job in jobs:
+                groups.setdefault((job[0], job[1]), []).append(job)
+            for (net, w), group in groups.items():
+                done = 0
+                try:
+                    with links.namespace(net, w, say=tqdm.write) as prefix:
+                        for job in group:
+                            seconds = run_job(job, pythons[job[3]], configs + extra, Path(tmp), out, args.timeout,
+                                              log, samples, errors, prefix)
+                            durations.setdefault(job[:2] + job[3:], []).append(seconds)
+                            done += 1
+                            bar.update()
+                except (RuntimeError, OSError, subprocess.SubprocessError) as e:  # the namespace failed
+                    links.failures[(net, w)] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+                    tqdm.write(f"link {net} at W={w} failed, its remaining launches skipped: {links.failures[(net, w)]}")
+                    bar.update(len(group) - done)
+            bar.close()
         except KeyboardInterrupt:  # Ctrl-C: report what was measured so far
             interrupted = True
     elapsed = time.time() - t0
     results = {k: aggregate(v) for k, v in samples.items()}
     if interrupted:
         print(f"\ninterrupted after {elapsed / 60:.1f} min: the tables hold the launches that finished")
-    report(results, errors, builds, args, configs, extra, out, elapsed)
-    failed_patched = [k for k in errors if k[0].startswith("patched")]
+    report(results, errors, builds, args, configs, extra, out, elapsed, links, durations)
+    failed_patched = [k for k in errors if k[1].startswith("patched")]
     return 1 if failed_patched else 0
 
 
-def report(results, errors, builds, args, configs, extra, out, elapsed):
-    names = [c["name"] for c in configs]
-    print(f"\nZeRO-3 Muon benchmark: {len(builds)} builds, W in {args.world_sizes}, {args.repeats} interleaved "
-          f"repeats, {args.steps} measured steps after {args.warmup} warm-up; {elapsed / 60:.1f} min\n")
+def report(results, errors, builds, args, configs, extra, out, elapsed, links, durations):
+    names = [c["name"] for c in configs + extra]
+    print(f"\nZeRO-3 Muon benchmark: {len(builds)} builds ({', '.join(builds)}), W in {args.world_sizes}, "
+          f"{args.repeats} interleaved repeats, {args.steps} measured steps after {args.warmup} warm-up; "
+          f"{elapsed / 60:.1f} min")
+    print("Launch wall time, s, median [min-max] over repeats: " + "; ".join(
+        f"{'' if net == NO_NET else net + ' '}W={w} {build} {spread(v).format('.0f')}"
+        for (net, w, build), v in durations.items()))
+    if links.unavailable:
+        print(f"Network: emulation unavailable ({links.unavailable}); ran WITHOUT a network limit")
+    elif links.specs:
+        print(f"Network: launches inside a namespace shaped to each of {', '.join(links.specs)} (one table per rate)")
+    else:
+        print("Network: none (no limit; gloo through shared memory on this machine)")
+    print("Boundary-time targets apply to the whole boundary micro-step (forward + backward + step(): what a "
+          "user waits for); the ratio of step() at the boundary alone follows each on the next line, as "
+          "information.\n")
     print("Per optimizer step and rank. NS: Newton-Schulz calls summed over ranks (micro: on non-boundary "
           "micro-steps). Muon recv: Muon elements received per rank (mean over ranks; micro-steps included), "
-          "/bound: over 2P(W-1)/W^2. Times: median, slowest rank. Peak: resident memory of the boundary "
-          "micro-step above its start, largest over ranks.\n")
-    checks = []
-    for w in args.world_sizes:
-        print(f"=== W={w} ===")
-        table = []
-        for name in names:
-            for build in builds:
-                key = (build, w, name)
-                if key in errors:
-                    table.append([name, build, errors[key]] + [""] * 7)
-                    continue
-                r = results.get(key)
-                if r is None:
-                    continue
-                bound = model.lower_bound(SHAPES[r["workload"]], w)
-                table.append([
-                    name, build, f"{r['ns_calls_per_step']:.0f}/{r['muon_matrices']}",
-                    f"{r['ns_calls_micro_per_step']:.0f}", f"{muon_traffic(r) / r['muon_elements']:.3f} P",
-                    f"{muon_traffic(r) / bound:.3f}", f"{(r['muon_bytes_boundary_mean'] + r['muon_bytes_micro_mean']) / 2**20:.2f}",
-                    f"{r['boundary_time'] * 1e3:.0f}", fmt(r["micro_time"] and r["micro_time"] * 1e3, ".0f"),
-                    fmt(r["boundary_peak_bytes"] and r["boundary_peak_bytes"] / 2**20, ".1f")
-                ])
-        print_table(["workload", "build", "NS/matrices", "NS micro", "Muon recv", "/bound", "MiB recv",
-                     "boundary ms", "micro ms", "peak MiB"], table)
-        print()
-        # ratios patched / stock 0.19.8
-        ratio_rows = []
-        for name in names:
-            ref = results.get((REFERENCE, w, name))
-            for build in builds:
-                if not build.startswith("patched"):
-                    continue
-                r = results.get((build, w, name))
-                if r is None or ref is None:
-                    continue
-                ratio_rows.append([
-                    name, build,
-                    f"{muon_traffic(r) / muon_traffic(ref):.3f}" if muon_traffic(ref) else "-",
-                    f"{r['ns_calls_per_step'] / ref['ns_calls_per_step']:.2f}" if ref["ns_calls_per_step"] else "-",
-                    f"{r['boundary_time'] / ref['boundary_time']:.2f}", f"{step_time(r) / step_time(ref):.2f}",
-                    f"{r['boundary_peak_bytes'] / ref['boundary_peak_bytes']:.2f}"
-                    if r.get("boundary_peak_bytes") and ref.get("boundary_peak_bytes") else "-"
-                ])
-        print(f"Ratios {'patched'} / {REFERENCE} at W={w}:")
-        print_table(["workload", "build", "Muon recv", "NS calls", "boundary time", "step time", "peak mem"],
-                    ratio_rows)
-        print()
-        checks += target_checks(results, builds, w, names)
-
-    print("=== targets (patched builds) ===")
-    print_table(["target", "build", "W", "measured", "holds"], checks)
+          "/bound: over 2P(W-1)/W^2. Times (ms): median [min-max] over repeats, slowest rank; boundary: the "
+          "boundary micro-step, step(): engine.step() in it, step: the optimizer step (every micro-step). RSS: "
+          "resident memory of the boundary micro-step above its start; tensor: peak live tensor bytes of step() "
+          "at the boundary above its start plus retained (Muon buffers kept across steps); MiB, largest over "
+          "ranks. Ratios: median [min-max] of the per-repeat ratios, repeat i paired with repeat i. '-': not "
+          "measured (a field this worker does not write).\n")
+    lines = []
+    for net in links.labels:
+        for w in args.world_sizes:
+            print(f"=== W={w}, {links.describe(net, w)} ===")
+            if net == "auto":
+                for line in links.derivations.get(w, []):
+                    print(line)
+            print_results_table(results, errors, builds, net, w, names)
+            print()
+            print_ratio_table(results, builds, net, w, names)
+            print()
+            lines += target_lines(results, builds, net, w, names, links, errors)
+    print("=== targets ===")
+    for line in lines:
+        print(line)
     print()
-    print_model(results, builds, args.world_sizes)
+    if not args.net:
+        print_model(results, builds, args.world_sizes)
     if extra:
-        print_overlap(results, errors, builds, args.world_sizes, extra)
-    if not args.no_seed:
+        print_overlap(results, builds, args.world_sizes, extra)
+    if not (args.no_seed or args.net):
         print_seed(results, errors, builds)
-    write_outputs(results, errors, builds, args, out)
+    write_outputs(results, errors, builds, args, out, links, lines, durations)
 
 
-def target_checks(results, builds, w, names):
+def print_results_table(results, errors, builds, net, w, names):
+    table = []
+    for name in names:
+        for build in builds:
+            key = (net, build, w, name)
+            if key in errors:
+                table.append([name, build, errors[key]] + [""] * 11)
+                continue
+            r = results.get(key)
+            if r is None:
+                continue
+            muon = is_muon(r)
+            table.append([
+                name, build, f"{r['ns_calls_per_step']:.0f}/{r['muon_matrices']}", f"{r['ns_calls_micro_per_step']:.0f}",
+                f"{muon_traffic(r) / r['muon_elements']:.3f} P" if muon else "-",
+                f"{muon_traffic(r) / lower_bound(r):.3f}" if muon else "-",
+                fmt_spread(r, "boundary_time", 1e3), fmt_spread(r, "boundary_step_time", 1e3),
+                fmt_spread(r, "step_time", 1e3), fmt_spread(r, "ns_seconds_per_step", 1e3),
+                fmt(mib(r.get("boundary_peak_bytes")), ".1f"), fmt(mib(r.get("alloc_boundary_bytes")), ".1f"),
+                fmt(mib(r.get("retained_muon_bytes")), ".1f"), fmt(mib(r.get("bucket_bound_bytes")), ".1f")
+            ])
+    print_table(["workload", "build", "NS/matrices", "NS micro", "Muon recv", "/bound", "boundary ms", "step() ms",
+                 "step ms", "NS ms", "RSS MiB", "tensor MiB", "retained MiB", "bucket MiB"], table)
+
+
+def print_ratio_table(results, builds, net, w, names):
     rows = []
+    for name in names:
+        ref = results.get((net, REFERENCE, w, name))
+        for build in builds:
+            r = results.get((net, build, w, name))
+            if not build.startswith("patched") or r is None or ref is None:
+                continue
+            rows.append([
+                name, build,
+                f"{muon_traffic(r) / muon_traffic(ref):.3f}" if is_muon(r) and muon_traffic(ref) else "-",
+                f"{r['ns_calls_per_step'] / ref['ns_calls_per_step']:.2f}" if ref["ns_calls_per_step"] else "-",
+                fmt_ratio(ratio_spread(r, ref, "boundary_time")), fmt_ratio(ratio_spread(r, ref, "boundary_step_time")),
+                fmt_ratio(ratio_spread(r, ref, "step_time")), fmt_ratio(ratio_spread(r, ref, "boundary_peak_bytes")),
+                fmt_ratio(ratio_spread(r, ref, "alloc_boundary_bytes"))
+            ])
+    print(f"Ratios patched / {REFERENCE} at W={w}:")
+    print_table(["workload", "build", "Muon recv", "NS calls", "boundary time", "step() at boundary", "step time",
+                 "RSS peak", "tensor peak"], rows)
+
+
+def worst_ratio(results, net, build, w, names, key):
+    """``(name, Spread)`` of the workload with the largest median paired ratio build / stock
+    0.19.8 of ``key`` among ``names``, or None when no workload has both."""
+    pairs = []
+    for name in names:
+        sp = ratio_spread(results.get((net, build, w, name)), results.get((net, REFERENCE, w, name)), key)
+        if sp is not None:
+            pairs.append((sp.median, name, sp))
+    if not pairs:
+        return None
+    _, name, sp = max(pairs)
+    return name, sp
+
+
+def boundary_reason(results, net, build, w, name, sp):
+    """What was measured on the workload that decided a boundary-time target: both medians, the
+    range of the per-repeat ratios, and which part of the micro-step is slower (step() or
+    forward + backward)."""
+    r, ref = results[(net, build, w, name)], results[(net, REFERENCE, w, name)]
+
+    def fwd_bwd(row):
+        t, s = per_repeat(row, "boundary_time"), per_repeat(row, "boundary_step_time")
+        return {i: t[i] - s[i] for i in t if i in s}
+
+    step = ratio_spread(r, ref, "boundary_step_time")
+    fb = spread(
+        [a / b for a, b in ((fwd_bwd(r)[i], fwd_bwd(ref)[i]) for i in set(fwd_bwd(r)) & set(fwd_bwd(ref))) if b > 0])
+    return (f"worst {name}: {r['boundary_time'] * 1e3:.0f} ms vs {ref['boundary_time'] * 1e3:.0f} ms, per-repeat "
+            f"ratios {sp.low:.2f}-{sp.high:.2f} over {sp.n}; step() ratio {fmt(step and step.median, '.2f')}, "
+            f"forward+backward ratio {fmt(fb and fb.median, '.2f')}")
+
+
+def target_lines(results, builds, net, w, names, links, errors=None):
+    """The target lines (and information lines) of one link and world size, for every patched
+    build present, against stock 0.19.8 (``errors``: why a workload has no row, for reasons)."""
+    out = []
+    rate_text = "" if net == NO_NET else f" link {links.describe(net, w).split(',')[0].replace('link ', '')}"
+    muon_names = [n for n in names if any(is_muon(r) for (nt, b, ww, nn), r in results.items()
+                                           if nt == net and ww == w and nn == n)]
     for build in builds:
         if not build.startswith("patched"):
             continue
-        mine = {n: results.get((build, w, n)) for n in names}
+        mine = {n: results.get((net, build, w, n)) for n in names}
         mine = {n: r for n, r in mine.items() if r}
         if not mine:
             continue
-        worst = max(abs(muon_traffic(r) / model.lower_bound(SHAPES[r["workload"]], w) - 1) for r in mine.values())
-        rows.append(["Muon recv within 10% of 2P(W-1)/W^2 (mean over ranks)", build, w, f"{worst:.4f} off",
-                     worst <= TRAFFIC_TARGET])
-        worst_max = max(
-            abs((r["muon_elements_boundary_max"] + r["muon_elements_micro_max"]) /
-                model.lower_bound(SHAPES[r["workload"]], w) - 1) for r in mine.values())
-        rows.append(["  the same, busiest rank", build, w, f"{worst_max:.4f} off", worst_max <= TRAFFIC_TARGET])
-        ns_ok = all(r["ns_calls_per_step"] == r["muon_matrices"] and r["ns_calls_micro_per_step"] == 0
-                    for r in mine.values())
-        rows.append(["NS calls = matrices, none on micro-steps (offload too)", build, w,
-                     f"{sum(1 for r in mine.values() if r['ns_calls_per_step'] == r['muon_matrices'])}/{len(mine)}",
-                     ns_ok])
-        for wl in SHAPES:
-            g1, g16 = mine.get(f"{wl}-gas1-fp32"), mine.get(f"{wl}-gas16-fp32")
-            if g1 and g16:
-                flat = muon_traffic(g16) == muon_traffic(g1) and g16["ns_calls_per_step"] == g1["ns_calls_per_step"]
-                rows.append([f"Muon cost flat in gas ({wl}: recv, NS gas16/gas1)", build, w,
-                             f"{muon_traffic(g16) / muon_traffic(g1):.3f}, "
-                             f"{g16['ns_calls_per_step'] / g1['ns_calls_per_step']:.2f}", flat])
-        ref = {n: results.get((REFERENCE, w, n)) for n in mine}
-        pairs = [(r, ref[n]) for n, r in mine.items() if ref.get(n)]
-        if pairs:
-            ratios = [r["boundary_time"] / s["boundary_time"] for r, s in pairs]
-            rows.append(["boundary time <= stock 0.19.8 (max ratio)", build, w, f"{max(ratios):.2f}",
-                         max(ratios) <= 1.0])
-        peaks = [(r["boundary_peak_bytes"], r["bucket_bound_bytes"]) for r in mine.values()
-                 if r.get("boundary_peak_bytes") is not None and r.get("bucket_bound_bytes")]
-        if peaks:
-            worst_peak = max(pk / bb for pk, bb in peaks)
-            rows.append(["boundary peak / owned bytes of one bucket (max)", build, w, f"{worst_peak:.2f}", "-"])
-    return rows
+        pair = f"{build}/{REFERENCE}"
+        # boundary micro-step time
+        if net == NO_NET:
+            limit, scope, wl_names = BOUNDARY_TARGET_NO_LIMIT, "every Muon workload", muon_names
+        else:
+            limit, scope = (BOUNDARY_TARGET_NET.get(w) if net == "auto" else None), "1024 workloads"
+            wl_names = [n for n in muon_names if n.startswith(("sq1024", "rect1024"))]
+        worst = worst_ratio(results, net, build, w, wl_names, "boundary_time")
+        name = f"boundary micro-step time {pair} W={w}{rate_text} {scope} (median of repeats)"
+        if limit is not None:
+            out.append(target_line(f"{name} <= {limit}", worst and worst[1].median,
+                                   worst is not None and worst[1].median <= limit,
+                                   boundary_reason(results, net, build, w, *worst) if worst else "not measured"))
+        elif worst:
+            out.append(f"info {name}: {worst[1].format('.2f')} ({worst[0]}; no target at this rate/W)")
+        step = worst_ratio(results, net, build, w, wl_names, "boundary_step_time")
+        if step:
+            out.append(f"  info step() at the boundary {pair} W={w}{rate_text} {scope}: worst "
+                       f"{step[1].format('.2f')} ({step[0]})")
+        out += memory_lines(results, net, build, w, muon_names, mine, pair, rate_text)
+        if net == NO_NET:
+            out += batch_ns_lines(results, net, build, w, names, errors)
+            out += traffic_lines(mine, build, w)
+    return out + muon_adamw_lines(results, builds, net, w, rate_text)
+
+
+def memory_lines(results, net, build, w, muon_names, mine, pair, rate_text):
+    """Boundary peak tensor memory (``alloc_boundary_bytes``): at most stock 0.19.8's (worst
+    workload's median ratio), and at most ``MEMORY_TARGET_BUCKETS`` x the largest bucket's
+    exchange bytes (``bucket_bound_bytes``) on every patched Muon workload."""
+    out = []
+    worst = worst_ratio(results, net, build, w, muon_names, "alloc_boundary_bytes")
+    reason = "not measured: no workload with alloc_boundary_bytes on both builds"
+    if worst:
+        r, ref = results[(net, build, w, worst[0])], results[(net, REFERENCE, w, worst[0])]
+        reason = (f"worst {worst[0]}: {mib(r['alloc_boundary_bytes']):.1f} MiB vs {mib(ref['alloc_boundary_bytes']):.1f} "
+                  f"MiB, retained {fmt(mib(r.get('retained_muon_bytes')), '.1f')} vs "
+                  f"{fmt(mib(ref.get('retained_muon_bytes')), '.1f')} MiB")
+    out.append(target_line(f"boundary peak tensor memory {pair} W={w}{rate_text} every Muon workload <= 1.0",
+                           worst and worst[1].median, worst is not None and worst[1].median <= 1.0, reason))
+    per_bucket = [(r["alloc_boundary_bytes"] / r["bucket_bound_bytes"], n) for n, r in mine.items()
+                  if is_muon(r) and r.get("alloc_boundary_bytes") is not None and r.get("bucket_bound_bytes")]
+    reason = "not measured: rows lack alloc_boundary_bytes or bucket_bound_bytes"
+    if per_bucket:
+        value, n = max(per_bucket)
+        reason = (f"worst {n}: {mib(mine[n]['alloc_boundary_bytes']):.1f} MiB against "
+                  f"{mib(mine[n]['bucket_bound_bytes']):.1f} MiB of exchange")
+    out.append(target_line(f"boundary peak tensor memory / largest bucket's exchange bytes {build} W={w}{rate_text} "
+                           f"<= {MEMORY_TARGET_BUCKETS:g}", max(per_bucket)[0] if per_bucket else None,
+                           bool(per_bucket) and max(per_bucket)[0] <= MEMORY_TARGET_BUCKETS, reason))
+    return out
+
+
+def batch_ns_lines(results, net, build, w, names=(), errors=None):
+    """Batched NS on the Llama-shaped workload: NS time per step over one-by-one's (paired
+    repeats), and the same results (relative difference of the last loss). Printed when either
+    row exists or the grid (``names``) has them; a missing row is MISSED, with its error."""
+    llama = ("llama-gas4-fp32", "llama-gas4-fp32-ns-onebyone")
+    batched, single = (results.get((net, build, w, n)) for n in llama)
+    if batched is None and single is None and not any(n in names for n in llama):
+        return []
+    failed = [f"{n}: {(errors or {}).get((net, build, w, n), 'no row')}" for n in llama
+              if results.get((net, build, w, n)) is None]
+    sp = ratio_spread(batched, single, "ns_seconds_per_step")
+    reason = "not measured: " + ("; ".join(failed) if failed else "no ns_seconds_per_step in both rows")
+    if sp:
+        reason = (f"NS {batched['ns_seconds_per_step'] * 1e3:.0f} ms vs {single['ns_seconds_per_step'] * 1e3:.0f} ms "
+                  f"per step, per-repeat ratios {sp.low:.2f}-{sp.high:.2f}; problems per step "
+                  f"{fmt(batched.get('ns_problems_per_step'), '.0f')} vs {fmt(single.get('ns_problems_per_step'), '.0f')}")
+    out = [target_line(f"batched NS time per step / one-by-one {build} llama-gas4 W={w} <= {BATCH_NS_TARGET}",
+                       sp and sp.median, sp is not None and sp.median <= BATCH_NS_TARGET, reason)]
+    step = ratio_spread(batched, single, "step_time")
+    if step:
+        out.append(f"  info optimizer step time batched / one-by-one {build} llama-gas4 W={w}: {step.format('.2f')}")
+    diff = None
+    if batched and single and batched.get("loss_last") is not None and single.get("loss_last") is not None:
+        diff = abs(batched["loss_last"] - single["loss_last"]) / max(abs(single["loss_last"]), 1e-30)
+    out.append(
+        target_line(f"batched NS same results as one-by-one {build} llama-gas4 W={w} (relative loss difference) "
+                    f"<= {SAME_RESULTS_TOLERANCE:g}", diff, diff is not None and diff <= SAME_RESULTS_TOLERANCE,
+                    reason if failed else "not measured: no loss_last" if diff is None else
+                    f"last loss {batched['loss_last']:.9g} vs {single['loss_last']:.9g}", spec=".1e"))
+    return out
+
+
+def muon_adamw_lines(results, builds, net, w, rate_text):
+    """Optimizer step time Muon / AdamW per build (no target): paired repeats of each workload of
+    ``MUON_ADAMW`` and its ``-adamw`` twin."""
+    out = []
+    for name in MUON_ADAMW:
+        parts = []
+        for build in builds:
+            sp = ratio_spread(results.get((net, build, w, name)), results.get((net, build, w, name + "-adamw")),
+                              "step_time")
+            if sp:
+                parts.append(f"{build} {sp.format('.2f')}")
+        if parts and any(b.startswith("patched") for b in builds):
+            out.append(f"info step time Muon/AdamW {name} W={w}{rate_text}: {', '.join(parts)}")
+    return out
+
+
+def traffic_lines(mine, build, w):
+    """The count targets: Muon traffic per rank within 10% of 2P(W-1)/W^2 (mean over ranks and
+    busiest rank), NS once per matrix per step and never on a micro-step, Muon cost flat in gas."""
+    muon = {n: r for n, r in mine.items() if is_muon(r)}
+    if not muon:
+        return []
+    out = []
+    worst = max((abs(muon_traffic(r) / lower_bound(r) - 1), n) for n, r in muon.items())
+    out.append(target_line(f"Muon recv per rank off 2P(W-1)/W^2 (mean over ranks) {build} W={w} <= {TRAFFIC_TARGET}",
+                           worst[0], worst[0] <= TRAFFIC_TARGET, f"worst {worst[1]}", spec=".4f"))
+    worst = max((abs((r["muon_elements_boundary_max"] + r["muon_elements_micro_max"]) / lower_bound(r) - 1), n)
+                for n, r in muon.items())
+    out.append(target_line(f"Muon recv per rank off 2P(W-1)/W^2 (busiest rank) {build} W={w} <= {TRAFFIC_TARGET}",
+                           worst[0], worst[0] <= TRAFFIC_TARGET, f"worst {worst[1]}", spec=".4f"))
+    bad = [n for n, r in muon.items() if r["ns_calls_per_step"] != r["muon_matrices"] or r["ns_calls_micro_per_step"]]
+    out.append(target_line(f"workloads with NS calls per step != Muon matrices or NS on micro-steps {build} W={w} "
+                           f"(of {len(muon)}) = 0", len(bad), not bad, ", ".join(bad), spec=".0f"))
+    for wl in SHAPES:
+        g1, g16 = muon.get(f"{wl}-gas1-fp32"), muon.get(f"{wl}-gas16-fp32")
+        if g1 and g16:
+            flat = muon_traffic(g16) == muon_traffic(g1) and g16["ns_calls_per_step"] == g1["ns_calls_per_step"]
+            out.append(target_line(f"Muon recv gas16/gas1 {wl} {build} W={w} (and NS calls equal) = 1", muon_traffic(g16) /
+                                   muon_traffic(g1), flat, f"NS calls gas16/gas1 "
+                                   f"{g16['ns_calls_per_step'] / g1['ns_calls_per_step']:.2f}", spec=".3f"))
+    return out
 
 
 def print_model(results, builds, world_sizes):
@@ -389,7 +807,7 @@ def print_model(results, builds, world_sizes):
             for build, predict in (("patched-0.19.8", lambda: sum(model.patched_traffic(shapes, w)) / w),
                                    ("patched-0.19.7", lambda: sum(model.patched_traffic(shapes, w)) / w),
                                    ("stock-0.19.8", lambda: model.stock_0198_traffic(shapes, w))):
-                r = results.get((build, w, f"{wl}-gas4-fp32"))
+                r = results.get((NO_NET, build, w, f"{wl}-gas4-fp32"))
                 if r:
                     rows.append([w, wl, build, f"{muon_traffic(r):.0f}", f"{predict():.0f}",
                                  f"{muon_traffic(r) / predict():.4f}"])
@@ -405,7 +823,7 @@ def print_model(results, builds, world_sizes):
     print()
 
 
-def print_overlap(results, errors, builds, world_sizes, extra):
+def print_overlap(results, builds, world_sizes, extra):
     print("=== overlap: exchange of bucket k+1 in flight while the owner orthogonalizes bucket k ===")
     rows = []
     for w in world_sizes:
@@ -415,8 +833,8 @@ def print_overlap(results, errors, builds, world_sizes, extra):
             for c in extra:
                 if not c["overlap"]:
                     continue
-                on = results.get((build, w, c["name"]))
-                off = results.get((build, w, c["name"].replace("overlap", "serial")))
+                on = results.get((NO_NET, build, w, c["name"]))
+                off = results.get((NO_NET, build, w, c["name"].replace("overlap", "serial")))
                 if on and off:
                     rows.append([w, build, c["name"].rsplit("-", 1)[0], f"{off['boundary_time'] * 1e3:.0f}",
                                  f"{on['boundary_time'] * 1e3:.0f}", f"{on['boundary_time'] / off['boundary_time']:.2f}",
@@ -432,8 +850,9 @@ def print_seed(results, errors, builds):
     rows = []
     for build in builds:
         for stage in (1, 2, 3):
-            g1, g4 = (results.get((build, 1, f"seed-stage{stage}-gas{g}")) for g in (1, 4))
-            err = errors.get((build, 1, f"seed-stage{stage}-gas1")) or errors.get((build, 1, f"seed-stage{stage}-gas4"))
+            g1, g4 = (results.get((NO_NET, build, 1, f"seed-stage{stage}-gas{g}")) for g in (1, 4))
+            err = (errors.get((NO_NET, build, 1, f"seed-stage{stage}-gas1"))
+                   or errors.get((NO_NET, build, 1, f"seed-stage{stage}-gas4")))
             if err or not (g1 and g4):
                 rows.append([build, stage, err or "missing", "", ""])
                 continue
@@ -445,11 +864,19 @@ def print_seed(results, errors, builds):
     print()
 
 
-def write_outputs(results, errors, builds, args, out):
+def write_outputs(results, errors, builds, args, out, links, lines, durations):
     data = dict(builds=builds,
                 world_sizes=args.world_sizes,
-                rows=[dict(v, build=k[0]) for k, v in results.items()],
-                errors=[dict(build=k[0], world_size=k[1], name=k[2], error=e) for k, e in errors.items()],
+                repeats=args.repeats,
+                nets=links.labels,
+                net_unavailable=links.unavailable,
+                net_rates={f"{net}|{w}": rate for (net, w), rate in links.rates.items()},
+                net_measured={f"{net}|{w}": rate for (net, w), rate in links.measured.items()},
+                rows=[dict(v, build=k[1], net=k[0], net_rate_bits=links.rates.get((k[0], k[2])))
+                      for k, v in results.items()],
+                errors=[dict(net=k[0], build=k[1], world_size=k[2], name=k[3], error=e) for k, e in errors.items()],
+                targets=lines,
+                launch_seconds=[dict(net=k[0], world_size=k[1], build=k[2], seconds=v) for k, v in durations.items()],
                 model={name: model.summary(shapes, args.world_sizes) for name, shapes in SHAPES.items()})
     (out / "results.json").write_text(json.dumps(data, indent=1, default=str))
     try:
