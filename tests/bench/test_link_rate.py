@@ -62,18 +62,30 @@ def test_measure_gflops_uses_the_median_per_shape():
 
 
 @pytest.mark.parametrize("gflops", [50.0, 114.0])
-def test_derive_rates(gflops):
+def test_derive_rates(gflops, monkeypatch):
+    monkeypatch.setattr(link_rate.os, "cpu_count", lambda: 8)  # W=2 and 4 ranks of 1 thread fit
     d2 = link_rate.derive(2, threads_per_rank=1, measured_gflops=gflops)
     d4 = link_rate.derive(4, threads_per_rank=1, measured_gflops=gflops)
     for d in (d2, d4):
         assert 0 < d.per_rank_inter_node_bits < d.per_rank_intra_node_bits
         assert 0 < d.inter_node_rate_bits < d.intra_node_rate_bits
-        assert d.factor == pytest.approx(gflops / link_rate.REFERENCE_GFLOPS)
+        assert d.share == 1.0 and d.factor == pytest.approx(gflops / link_rate.REFERENCE_GFLOPS)
         assert d.per_rank_inter_node_bits == pytest.approx(link_rate.REFERENCE_INTER_NODE_BITS * d.factor)
         assert any(f"{gflops:.1f} GFLOP/s" in line for line in d.lines())
     assert d4.inter_node_rate_bits == pytest.approx(2 * d2.inter_node_rate_bits, rel=1e-12)
     assert d4.intra_node_rate_bits == pytest.approx(2 * d2.intra_node_rate_bits, rel=1e-12)
     assert d4.per_rank_inter_node_bits == pytest.approx(d2.per_rank_inter_node_bits, rel=1e-12)
+
+
+def test_derive_scales_by_the_share_of_cpus_a_rank_gets(monkeypatch):
+    """4 ranks of 1 thread on 2 CPUs compute at half the rate measured alone: half the link."""
+    monkeypatch.setattr(link_rate.os, "cpu_count", lambda: 2)
+    d2 = link_rate.derive(2, threads_per_rank=1, measured_gflops=100.0)
+    d4 = link_rate.derive(4, threads_per_rank=1, measured_gflops=100.0)
+    assert (d2.share, d4.share) == (1.0, 0.5)
+    assert d4.per_rank_inter_node_bits == pytest.approx(d2.per_rank_inter_node_bits / 2, rel=1e-12)
+    assert d4.inter_node_rate_bits == pytest.approx(d2.inter_node_rate_bits, rel=1e-12)
+    assert any("0.5" in line for line in d4.lines())
 
 
 def test_derive_measures_when_not_given(monkeypatch):
