@@ -26,8 +26,10 @@ The measurements behind the tolerances are in docs/configurations.md.
 import contextlib
 import dataclasses
 import glob
+import math
 import os
 import socket
+import time
 import types
 from typing import Optional
 
@@ -111,12 +113,21 @@ class NSCounter:
 
     Attributes:
         count: all calls; by_kernel: calls per kernel name (NS_KERNELS).
+        problems: matrices orthogonalized, summed over calls: a call on ``G`` of shape
+            ``[*batch, rows, cols]`` solves ``prod(batch)`` problems (1 for a 2-D ``G``), so a
+            caller batching same-shape matrices into one call makes fewer calls, not fewer problems.
+        seconds: wall time spent inside the kernels, in seconds (``time.perf_counter`` around each
+            outermost call; on a device other than the CPU the device is synchronized before and
+            after, so that asynchronous launches are not timed as free).
     """
 
     def __init__(self):
         self.count = 0
         self.by_kernel = dict.fromkeys(NS_KERNELS, 0)
+        self.problems = 0
+        self.seconds = 0.0
         self._saved = {}
+        self._depth = 0  # a kernel calling the other through the module is timed once
 
     def install(self):
         from deepspeed.runtime.zero.muon import original_muon
@@ -126,10 +137,28 @@ class NSCounter:
             def counted(*args, _kernel=kernel, _name=name, **kwargs):
                 self.count += 1
                 self.by_kernel[_name] += 1
-                return _kernel(*args, **kwargs)
+                G = args[0] if args else kwargs["G"]
+                self.problems += math.prod(G.shape[:-2])
+                if self._depth:
+                    return _kernel(*args, **kwargs)
+                self._depth += 1
+                try:
+                    self._synchronize(G)
+                    start = time.perf_counter()
+                    out = _kernel(*args, **kwargs)
+                    self._synchronize(G)
+                    self.seconds += time.perf_counter() - start
+                finally:
+                    self._depth -= 1
+                return out
 
             setattr(original_muon, name, counted)
         return self
+
+    @staticmethod
+    def _synchronize(tensor):
+        if tensor.device.type != "cpu":
+            torch.accelerator.synchronize(tensor.device)
 
     def uninstall(self):
         from deepspeed.runtime.zero.muon import original_muon
