@@ -55,6 +55,8 @@ optimizer step (all its micro-steps), times in seconds, sizes in bytes:
   ``alloc_peak_step_bytes + retained_muon_bytes`` per rank. Max over ranks; None without
   ``memory_step`` (and the last two where the retained bytes are unknown, stock 0.19.7).
 - ``loss_last``: rank 0's loss on the last measured boundary micro-step.
+- ``boundary_settings``: ``overlap`` / ``batch_ns`` as the patch's boundary ran them, for those
+  it has (rank 0; None on stock or without Muon): a config key the build lacks is not applied.
 - ``muon_stats``: the patch's ``ExchangeStats`` on rank 0 after the measured steps (None on stock);
   ``bucket_bound_bytes``: the patch's ``peak_bucket_bytes()``, max over ranks (None on stock).
 """
@@ -470,6 +472,11 @@ def run_workload(cfg, ns, comm, peak):
         if step >= cfg["warmup"]:
             steps.append(rec)
     result = dict(steps=steps)
+    # what the patch's boundary actually ran with (a key it lacks is not applied)
+    result["boundary_settings"] = None if boundary is None else {
+        key: getattr(boundary, key)
+        for key in ("overlap", "batch_ns") if hasattr(boundary, key)
+    }
     if boundary is not None:
         result["muon_stats"] = dict(vars(boundary.stats))
         result["bucket_bound_bytes"] = boundary.peak_bucket_bytes() if hasattr(boundary, "peak_bucket_bytes") else None
@@ -588,6 +595,7 @@ def summarize(cfg, per_rank):
     row["boundary_peak_bytes"] = statistics.median(peaks) if peaks else None
     row["loss_last"] = per_rank[0]["steps"][-1]["loss"]
     row["muon_stats"] = per_rank[0].get("muon_stats")
+    row["boundary_settings"] = per_rank[0].get("boundary_settings")
     row["bucket_bound_bytes"] = max((r.get("bucket_bound_bytes") or 0) for r in per_rank) or None
     for key in MEMORY_FIELDS:
         values = [r.get(key) for r in per_rank]

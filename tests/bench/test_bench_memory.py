@@ -90,6 +90,7 @@ def test_memory_fields_patched(tmp_path):
     row = run_worker(sys.executable, tmp_path)
     check_memory_fields(row)
     assert row["optimizer"] == "muon" and row["ns_problems_per_step"] == len(TINY) and row["ns_seconds_per_step"] > 0
+    assert row["boundary_settings"]["overlap"] is True  # the patch's default
 
 
 @pytest.mark.skipif(not STOCK_PYTHON.exists(), reason=f"no stock DeepSpeed venv at {STOCK_PYTHON} "
