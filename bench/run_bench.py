@@ -745,8 +745,9 @@ def batch_ns_lines(results, net, build, w, names=(), errors=None):
     reason = "not measured: " + ("; ".join(failed) if failed else "no ns_seconds_per_step in both rows")
     if sp:
         reason = (f"NS {batched['ns_seconds_per_step'] * 1e3:.0f} ms vs {single['ns_seconds_per_step'] * 1e3:.0f} ms "
-                  f"per step, per-repeat ratios {sp.low:.2f}-{sp.high:.2f}; problems per step "
-                  f"{fmt(batched.get('ns_problems_per_step'), '.0f')} vs {fmt(single.get('ns_problems_per_step'), '.0f')}")
+                  f"per step, per-repeat ratios {sp.low:.2f}-{sp.high:.2f}; kernel calls per step "
+                  f"{fmt(batched.get('ns_kernel_calls_per_step'), '.0f')} vs "
+                  f"{fmt(single.get('ns_kernel_calls_per_step'), '.0f')}")
     out = [target_line(f"batched NS time per step / one-by-one {build} llama-gas4 W={w} <= {BATCH_NS_TARGET}",
                        sp and sp.median, sp is not None and sp.median <= BATCH_NS_TARGET, reason)]
     step = ratio_spread(batched, single, "step_time")

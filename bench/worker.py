@@ -10,19 +10,57 @@ Per optimizer step and rank it measures, at DeepSpeed's communication layer
 (``deepspeed.comm.comm.cdb``, the backend every ZeRO collective goes through), the elements and
 bytes each collective delivers to this rank, split into Muon traffic (issued from a function
 whose name contains ``muon`` or from a file under ``runtime/zero/muon/``) and the rest, and into
-non-boundary micro-steps and the boundary micro-step; Newton-Schulz calls (by wrapping upstream's
-kernels in ``original_muon``); wall time of each micro-step (forward, backward, ``step()``;
-ranks start each micro-step together); and the peak resident memory of the boundary micro-step
-above its start (``VmHWM`` reset through ``/proc/self/clear_refs`` on Linux; allocator peak on an
-accelerator with one).
+non-boundary micro-steps and the boundary micro-step; Newton-Schulz calls, matrices and seconds
+(by wrapping upstream's kernels in ``original_muon``); wall time of each micro-step (forward,
+backward, ``step()``; ranks start each micro-step together); and the peak resident memory of the
+boundary micro-step above its start (``VmHWM`` reset through ``/proc/self/clear_refs`` on Linux;
+allocator peak on an accelerator with one). After the measured steps, one more optimizer step,
+not timed, measures the boundary micro-step at the allocator (``torch.profiler`` memory events
+on the CPU, ``max_memory_allocated`` on an accelerator; see ``allocator_memory_step``).
 
 Received elements per collective, for a group of W ranks (the ring algorithms' counts):
 all-gather ``(W-1)/W`` of the output; reduce-scatter ``(W-1)`` times the output; all-reduce
 ``2(W-1)/W`` of the tensor; all-to-all everything but the rank's own chunk; broadcast the tensor on
 non-source ranks.
 
+Config keys (one dict per workload; ``run_bench.grid`` builds them): ``name``, ``workload`` (a
+key of ``WORKLOADS`` or ``llama``), ``stage``, ``gas``, ``dtype`` (``fp32``/``bf16``), ``offload``,
+``micro_batch``, ``steps`` (measured), ``warmup``; optional ``reduce_bucket_size``, ``optimizer``
+(``muon`` default, ``adamw``), ``overlap`` and ``batch_ns`` (set on the patch's
+``muon_boundary`` where it has that attribute; ``None`` leaves the default), ``memory_step``
+(default True), ``save_weights``.
+
 Writes one JSON line per finished workload to ``--out`` (rank 0) and prints ``START name`` /
-``DONE name`` so the driver can tell which workload a crash or hang hit.
+``DONE name`` so the driver can tell which workload a crash or hang hit. A row holds the config's
+keys (without ``save_weights``; ``optimizer`` always present) and, with "per step" meaning per
+optimizer step (all its micro-steps), times in seconds, sizes in bytes:
+
+- ``world_size``; ``muon_elements``, ``muon_matrices``: the model's Muon parameters.
+- ``ns_calls_per_step`` / ``ns_calls_micro_per_step``: matrices Newton-Schulz orthogonalized
+  (``NSCounter.count``: a batched kernel call on ``[b, m, n]`` counts b), summed over ranks,
+  mean over measured steps; all micro-steps / non-boundary ones only.
+- ``ns_kernel_calls_per_step``: Newton-Schulz kernel calls, summed over ranks, mean over steps
+  (fewer than ``ns_calls_per_step`` where an owner batches).
+- ``ns_seconds_per_step``: time inside the kernels, slowest rank, median over steps.
+- ``{muon,other}_{elements,bytes}_{boundary,micro}_{mean,max}``: traffic received per rank per
+  step (``micro``: summed over the non-boundary micro-steps), mean over steps, then mean / max
+  over ranks.
+- ``boundary_time`` (forward, backward and ``step()`` of the boundary micro-step),
+  ``boundary_step_time`` (its ``step()``), ``micro_time`` (one non-boundary micro-step; None at
+  gas 1), ``step_time`` (all micro-steps of a step): slowest rank per step, median over steps.
+- ``boundary_peak_bytes``: resident-set (or device allocator) peak of the boundary micro-step
+  above its start, slowest rank, median over steps (measured during the timed steps).
+- ``alloc_peak_bytes`` / ``alloc_peak_step_bytes``: allocator peak above the start of the extra
+  step's boundary micro-step / of its ``engine.step()``; ``retained_muon_bytes``: what the Muon
+  path keeps allocated across steps (``retained_muon_bytes``); ``alloc_boundary_bytes``:
+  ``alloc_peak_step_bytes + retained_muon_bytes`` per rank. Max over ranks; None without
+  ``memory_step`` (and the last two where the retained bytes are unknown, stock 0.19.7).
+- ``loss_last``: rank 0's loss on the last measured boundary micro-step.
+- ``boundary_settings``: ``overlap`` / ``batch_ns`` as the patch's boundary ran them, for those
+  it has (rank 0; None on stock or without Muon): a config key the build lacks is not applied.
+- ``muon_stats``: the patch's ``ExchangeStats`` on rank 0 after the measured steps (None on stock);
+  ``bucket_bound_bytes``: the patch's ``bucket_exchange_bytes()`` (its two exchange buffers for
+  its largest bucket), max over ranks (None on stock).
 """
 
 import argparse
@@ -46,7 +84,8 @@ from deepspeed.accelerator import get_accelerator
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from unit.runtime.zero.zero3_muon_helpers import NSCounter, gathered_weights  # noqa: E402
 
-# Workloads: dims of a chain of bias-free Linear layers (all Muon matrices), tanh between them.
+# Workloads: dims of a chain of bias-free Linear layers (all Muon matrices), tanh between them;
+# "llama" is LlamaShaped below.
 WORKLOADS = {
     "sq256": [256] * 5,  # four 256x256
     "rect256": [256, 384, 256, 384, 256],  # 384x256, 256x384, ...
@@ -55,6 +94,9 @@ WORKLOADS = {
     "seed64": [64, 64, 64],  # the seed table's two Linear(64, 64)
     "tiny": [20, 36, 20, 36],  # 36x20, 20x36, 36x20: sizes W=2..4 do not divide (tests)
 }
+LLAMA = dict(hidden=256, intermediate=688, layers=4)
+"""The ``llama`` workload's shapes: per layer q, k, v, o (hidden x hidden), gate and up
+(intermediate x hidden), down (hidden x intermediate), as in a small Llama without embeddings."""
 
 
 def _is_muon_caller() -> bool:
@@ -188,7 +230,47 @@ class PeakMemory:
             out["peak"] = None
 
 
+class LlamaShaped(torch.nn.Module):
+    """The Muon matrices of a small Llama's decoder layers (``LLAMA``), under a simple residual
+    forward that uses each of them: per layer, with ``n`` a weightless RMS norm,
+    ``x + o(silu(q(n(x))) * k(n(x)) + v(n(x)))`` then ``x + down(silu(gate(n(x))) * up(n(x)))``.
+    Not Llama's attention (no heads, no softmax, no rotary embedding): what matters for batched
+    Newton-Schulz is seven matrices per layer in three shapes. Input and output ``[batch, hidden]``."""
+
+    def __init__(self, hidden, intermediate, layers):
+        super().__init__()
+        linear = lambda a, b: torch.nn.Linear(a, b, bias=False)  # noqa: E731
+        self.layers = torch.nn.ModuleList(
+            torch.nn.ModuleDict(
+                dict(q=linear(hidden, hidden),
+                     k=linear(hidden, hidden),
+                     v=linear(hidden, hidden),
+                     o=linear(hidden, hidden),
+                     gate=linear(hidden, intermediate),
+                     up=linear(hidden, intermediate),
+                     down=linear(intermediate, hidden))) for _ in range(layers))
+
+    def forward(self, x):
+        norm = lambda t: torch.nn.functional.rms_norm(t, (t.shape[-1], ))  # noqa: E731
+        for m in self.layers:
+            h = norm(x)
+            x = x + m["o"](torch.nn.functional.silu(m["q"](h)) * m["k"](h) + m["v"](h))
+            h = norm(x)
+            x = x + m["down"](torch.nn.functional.silu(m["gate"](h)) * m["up"](h))
+        return x
+
+
+def io_dims(workload):
+    """``(input features, output features)`` of a workload's model."""
+    if workload == "llama":
+        return LLAMA["hidden"], LLAMA["hidden"]
+    return WORKLOADS[workload][0], WORKLOADS[workload][-1]
+
+
 def build_model(workload):
+    if workload == "llama":
+        torch.manual_seed(1234)
+        return LlamaShaped(**LLAMA)
     dims = WORKLOADS[workload]
 
     class Chain(torch.nn.Module):
@@ -209,6 +291,26 @@ def build_model(workload):
     return Chain()
 
 
+OPTIMIZERS = {
+    "muon": {
+        "type": "Muon",
+        "params": {
+            "muon_lr": 0.02,
+            "adam_lr": 3e-4,
+            "momentum": 0.95
+        }
+    },
+    "adamw": {
+        "type": "AdamW",
+        "params": {
+            "lr": 3e-4
+        }
+    },
+}
+"""ds_config ``optimizer`` sections by the config key ``optimizer`` (default ``muon``): AdamW is the
+baseline Muon is compared to, on the same model and ZeRO config."""
+
+
 def ds_config(cfg, world_size):
     zero = {"stage": cfg["stage"]}
     if cfg["stage"] == 3:
@@ -222,14 +324,7 @@ def ds_config(cfg, world_size):
         "gradient_accumulation_steps": cfg["gas"],
         "train_batch_size": cfg["micro_batch"] * cfg["gas"] * world_size,
         "gradient_clipping": 0.0,
-        "optimizer": {
-            "type": "Muon",
-            "params": {
-                "muon_lr": 0.02,
-                "adam_lr": 3e-4,
-                "momentum": 0.95
-            }
-        },
+        "optimizer": OPTIMIZERS[cfg.get("optimizer", "muon")],
         "zero_optimization": zero,
         "wall_clock_breakdown": False,
     }
@@ -244,10 +339,88 @@ def batch(cfg, step, micro, rank, world_size, dim, device, dtype):
     g = torch.Generator().manual_seed(10_000 + step)
     total = cfg["micro_batch"] * cfg["gas"] * world_size
     x = torch.randn(total, dim, generator=g)
-    y = torch.randn(total, WORKLOADS[cfg["workload"]][-1], generator=g)
+    y = torch.randn(total, io_dims(cfg["workload"])[1], generator=g)
     start = (micro * world_size + rank) * cfg["micro_batch"]
     sl = slice(start, start + cfg["micro_batch"])
     return x[sl].to(device, dtype), y[sl].to(device, dtype)
+
+
+def retained_muon_bytes(optimizer):
+    """Bytes the Muon path keeps allocated from one optimizer step to the next, by introspection:
+    the patch's ``muon_boundary.retained_bytes()`` (0 where the build has no such method, or
+    without Muon), else stock 0.19.8's all-gather cache (``_muon_allgather_buffer_bytes``, up to
+    256 MiB); ``None`` on a build with neither (stock 0.19.7)."""
+    if hasattr(optimizer, "muon_boundary"):
+        boundary = optimizer.muon_boundary
+        return int(boundary.retained_bytes()) if hasattr(boundary, "retained_bytes") else 0
+    cached = getattr(optimizer, "_muon_allgather_buffer_bytes", None)
+    return None if cached is None else int(cached)
+
+
+BOUNDARY_MARK = "zero3muon_bench::boundary_micro_step"
+STEP_MARK = "zero3muon_bench::engine_step"
+
+
+def profiled_peaks(prof, marks):
+    """Peak live bytes of the CPU allocator within each marked region of a ``torch.profiler``
+    run with ``profile_memory=True``, above the region's start.
+
+    The profiler records one ``[memory]`` event per allocation (positive size) and free (negative)
+    made by c10's CPU allocator while it profiles, with the block's address. Frees of blocks
+    allocated before profiling started are not recorded (c10's ``ProfiledCPUMemoryReporter`` does
+    not know their size; it logs "Memory block of unknown size was allocated before the profiling
+    started"). Its running ``total_allocated`` is process-wide and drifts across profiling runs
+    (a block allocated while profiling and freed outside keeps counting), so it is not used: the
+    live total is summed here from the events, and a free counts only for a block whose allocation
+    this run recorded. The result is the exact peak of the blocks allocated since the profiler
+    started, minus those freed; it can only overstate the true rise, by blocks allocated before
+    profiling started and freed inside the region before the peak.
+
+    The events come from ``prof.profiler.kineto_results.experimental_event_tree()`` (torch 2.13;
+    what ``torch.profiler._memory_profiler`` reads too): ``prof.events()`` attributes sizes to
+    operators without addresses, and the kineto events carry sizes without addresses.
+
+    Args:
+        prof: a finished ``torch.profiler.profile``.
+        marks: names of ``torch.profiler.record_function`` regions run once each.
+
+    Returns:
+        ``{mark: peak bytes (int, >= 0)}``.
+
+    Raises:
+        KeyError: a mark that does not occur in the profile.
+    """
+    from torch._C._profiler import _EventType
+    events, windows = [], {}
+    nodes = list(prof.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        if node.tag == _EventType.Allocation:
+            f = node.extra_fields
+            if f.device.type == "cpu":
+                events.append((node.start_time_ns, f.ptr, f.alloc_size))
+        elif node.name in marks:
+            windows[node.name] = (node.start_time_ns, node.end_time_ns)
+        nodes.extend(node.children)
+    events.sort(key=lambda e: e[0])
+    peaks = {}
+    for mark in marks:
+        t0, t1 = windows[mark]
+        known, live, peak = {}, 0, 0
+        for t, ptr, size in events:
+            if t > t1:
+                break
+            if size > 0:
+                known[ptr] = size
+                if t >= t0:
+                    live += size
+                    peak = max(peak, live)
+            else:
+                size = known.pop(ptr, None)
+                if size is not None and t >= t0:
+                    live -= size
+        peaks[mark] = peak
+    return peaks
 
 
 def run_workload(cfg, ns, comm, peak):
@@ -256,14 +429,25 @@ def run_workload(cfg, ns, comm, peak):
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=ds_config(cfg, world_size))
     boundary = getattr(engine.optimizer, "muon_boundary", None)
-    if boundary is not None and cfg.get("overlap") is not None:
-        boundary.overlap = cfg["overlap"]
+    for key in ("overlap", "batch_ns"):
+        if boundary is not None and cfg.get(key) is not None and hasattr(boundary, key):
+            setattr(boundary, key, cfg[key])
     device = engine.device
+    acc = get_accelerator()
     dtype = torch.bfloat16 if cfg.get("dtype") == "bf16" else torch.float32
-    dim = WORKLOADS[cfg["workload"]][0]
+    dim = io_dims(cfg["workload"])[0]
+
+    def forward_backward(step, micro):
+        x, y = batch(cfg, step, micro, rank, world_size, dim, device, dtype)
+        torch.distributed.barrier()
+        loss = torch.nn.functional.mse_loss(engine(x).float(), y.float())
+        engine.backward(loss)
+        return loss
+
     steps = []
     for step in range(cfg["warmup"] + cfg["steps"]):
         rec = dict(micro_times=[], micro_traffic=[], ns_micro=0)
+        ns_kernel_calls0, ns_seconds0 = ns.calls, ns.seconds
         for micro in range(cfg["gas"]):
             is_boundary = micro == cfg["gas"] - 1
             x, y = batch(cfg, step, micro, rank, world_size, dim, device, dtype)
@@ -276,7 +460,7 @@ def run_workload(cfg, ns, comm, peak):
                 engine.backward(loss)
                 t1 = time.perf_counter()
                 engine.step()
-                get_accelerator().synchronize()
+                acc.synchronize()
                 t2 = time.perf_counter()
             traffic = _diff(comm.snapshot(), c0)
             if is_boundary:
@@ -286,24 +470,92 @@ def run_workload(cfg, ns, comm, peak):
                 rec["micro_times"].append(t2 - t0)
                 rec["micro_traffic"].append(traffic)
                 rec["ns_micro"] += ns.count - ns0
+        rec.update(ns_kernel_calls=ns.calls - ns_kernel_calls0, ns_seconds=ns.seconds - ns_seconds0)
         if step >= cfg["warmup"]:
             steps.append(rec)
     result = dict(steps=steps)
+    # what the patch's boundary actually ran with (a key it lacks is not applied)
+    result["boundary_settings"] = None if boundary is None else {
+        key: getattr(boundary, key)
+        for key in ("overlap", "batch_ns") if hasattr(boundary, key)
+    }
     if boundary is not None:
         result["muon_stats"] = dict(vars(boundary.stats))
-        result["bucket_bound_bytes"] = boundary.peak_bucket_bytes() if hasattr(boundary, "peak_bucket_bytes") else None
+        result["bucket_bound_bytes"] = (boundary.bucket_exchange_bytes()
+                                        if hasattr(boundary, "bucket_exchange_bytes") else None)
     if cfg.get("save_weights"):
         result["weights"] = gathered_weights(engine)
     muon_params = [p for p in engine.module.parameters() if getattr(p, "use_muon", False)]
     result["muon_elements"] = sum(getattr(p, "ds_numel", p.numel()) for p in muon_params)
     result["muon_matrices"] = len(muon_params)
+    # After the timed steps (and after the weights and the patch's counters were read, so both
+    # describe the warm-up and measured steps only): one more optimizer step, its boundary
+    # micro-step measured at the allocator.
+    if cfg.get("memory_step", True):
+        result.update(allocator_memory_step(engine, cfg, forward_backward))
     engine.destroy()
     return result
 
 
+def allocator_memory_step(engine, cfg, forward_backward):
+    """One more optimizer step (every micro-step) whose boundary micro-step is measured at the
+    allocator, in bytes above the region's start: ``alloc_peak_bytes`` (forward, backward and
+    ``step()``) and ``alloc_peak_step_bytes`` (``engine.step()`` alone); then
+    ``retained_muon_bytes`` (see ``retained_muon_bytes``) and ``alloc_boundary_bytes``, the step's
+    peak plus what Muon keeps across steps (allocated before the step starts, so the step's peak
+    cannot see it); ``None`` where the retained bytes are unknown.
+
+    On the CPU the whole optimizer step runs under ``torch.profiler`` with ``profile_memory``, so
+    that blocks allocated on an earlier micro-step of the step and freed on the boundary one count
+    (``profiled_peaks``); on an accelerator with allocator statistics, ``max_memory_allocated``
+    after ``reset_peak_memory_stats``. Profiling slows the step: its times are not recorded."""
+    acc = get_accelerator()
+    step = cfg["warmup"] + cfg["steps"]
+    last = cfg["gas"] - 1
+    out = {}
+    if acc.device_name() == "cpu":
+        from torch.profiler import ProfilerActivity, profile, record_function
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
+            for micro in range(cfg["gas"]):
+                region = record_function(BOUNDARY_MARK) if micro == last else contextlib.nullcontext()
+                with region:
+                    forward_backward(step, micro)
+                    with record_function(STEP_MARK) if micro == last else contextlib.nullcontext():
+                        engine.step()
+        peaks = profiled_peaks(prof, (BOUNDARY_MARK, STEP_MARK))
+        out.update(alloc_peak_bytes=peaks[BOUNDARY_MARK], alloc_peak_step_bytes=peaks[STEP_MARK])
+    else:
+        for micro in range(cfg["gas"]):
+            if micro < last:
+                forward_backward(step, micro)
+                engine.step()
+                continue
+            acc.synchronize()
+            acc.reset_peak_memory_stats()
+            start = acc.memory_allocated()
+            forward_backward(step, micro)
+            acc.synchronize()
+            forward_peak = acc.max_memory_allocated() - start
+            acc.reset_peak_memory_stats()
+            step_start = acc.memory_allocated()
+            engine.step()
+            acc.synchronize()
+            out.update(alloc_peak_step_bytes=acc.max_memory_allocated() - step_start,
+                       alloc_peak_bytes=max(forward_peak, acc.max_memory_allocated() - start))
+    retained = retained_muon_bytes(engine.optimizer)
+    out["retained_muon_bytes"] = retained
+    out["alloc_boundary_bytes"] = None if retained is None else out["alloc_peak_step_bytes"] + retained
+    return out
+
+
+MEMORY_FIELDS = ("alloc_peak_bytes", "alloc_peak_step_bytes", "retained_muon_bytes", "alloc_boundary_bytes")
+
+
 def summarize(cfg, per_rank):
-    """Combine the ranks' records into one row: sums over ranks for NS calls, mean and max over
-    ranks for traffic, max over ranks then median over steps for times and memory."""
+    """Combine the ranks' records into one row (fields: the module docstring): sums over ranks for
+    NS matrices and kernel calls, mean and max over ranks for traffic, max over ranks then median over
+    steps for times (NS seconds included) and resident memory, max over ranks for the allocator
+    memory of the extra step."""
     world_size = len(per_rank)
     n_steps = len(per_rank[0]["steps"])
 
@@ -314,6 +566,7 @@ def summarize(cfg, per_rank):
 
     row = dict(cfg)
     row.pop("save_weights", None)
+    row["optimizer"] = cfg.get("optimizer", "muon")
     row["world_size"] = world_size
     row["muon_elements"] = per_rank[0]["muon_elements"]
     row["muon_matrices"] = per_rank[0]["muon_matrices"]
@@ -334,12 +587,22 @@ def summarize(cfg, per_rank):
     micro = [max(r["steps"][s]["micro_times"][m] for r in per_rank) for s in range(n_steps)
              for m in range(cfg["gas"] - 1)]
     row["micro_time"] = statistics.median(micro) if micro else None
+    row["step_time"] = statistics.median(
+        max(r["steps"][s]["boundary_time"] + sum(r["steps"][s]["micro_times"]) for r in per_rank)
+        for s in range(n_steps))
+    row["ns_seconds_per_step"] = statistics.median(
+        max(r["steps"][s]["ns_seconds"] for r in per_rank) for s in range(n_steps))
+    row["ns_kernel_calls_per_step"] = sum(r["steps"][s]["ns_kernel_calls"] for r in per_rank for s in range(n_steps)) / n_steps
     peaks = [max(r["steps"][s]["peak"] for r in per_rank) for s in range(n_steps) if per_rank[0]["steps"][s]["peak"]
              is not None]
     row["boundary_peak_bytes"] = statistics.median(peaks) if peaks else None
     row["loss_last"] = per_rank[0]["steps"][-1]["loss"]
     row["muon_stats"] = per_rank[0].get("muon_stats")
+    row["boundary_settings"] = per_rank[0].get("boundary_settings")
     row["bucket_bound_bytes"] = max((r.get("bucket_bound_bytes") or 0) for r in per_rank) or None
+    for key in MEMORY_FIELDS:
+        values = [r.get(key) for r in per_rank]
+        row[key] = None if None in values else max(values)
     return row
 
 

@@ -156,7 +156,7 @@ def test_boundary_target_missed_names_the_worst_workload_and_why():
 
 def test_memory_and_batched_ns_targets():
     w, mib = 4, 2**20
-    llama = dict(gas=4, ns_problems_per_step_per_repeat=None)
+    llama = dict(gas=4)
     results = {
         ("", "patched-0.19.8", w, "sq1024-gas4-fp32"): fake_row(
             "sq1024-gas4-fp32", "patched-0.19.8", w, [1.0], alloc_boundary_bytes=10 * mib,

@@ -29,6 +29,7 @@ import glob
 import math
 import os
 import socket
+import time
 import types
 from typing import Optional
 
@@ -116,29 +117,51 @@ class NSCounter:
             on k same-shape matrices counts k, as k calls of one would (an expert group of E experts
             counts E; a per-head projection its number of heads);
         by_kernel: the same per kernel name (NS_KERNELS);
-        calls: kernel calls.
+        calls: kernel calls;
+        seconds: wall time spent inside the kernels, in seconds (``time.perf_counter`` around each
+            outermost call; on a device other than the CPU the device is synchronized before and
+            after, so that asynchronous launches are not timed as free).
     """
 
     def __init__(self):
         self.count = 0
         self.calls = 0
         self.by_kernel = dict.fromkeys(NS_KERNELS, 0)
+        self.seconds = 0.0
         self._saved = {}
+        self._depth = 0  # a kernel calling the other through the module is timed once
 
     def install(self):
         from deepspeed.runtime.zero.muon import original_muon
         for name in NS_KERNELS:
             kernel = self._saved[name] = getattr(original_muon, name)
 
-            def counted(G, *args, _kernel=kernel, _name=name, **kwargs):
+            def counted(*args, _kernel=kernel, _name=name, **kwargs):
+                G = args[0] if args else kwargs["G"]
                 problems = math.prod(G.shape[:-2])
                 self.count += problems
                 self.by_kernel[_name] += problems
                 self.calls += 1
-                return _kernel(G, *args, **kwargs)
+                if self._depth:
+                    return _kernel(*args, **kwargs)
+                self._depth += 1
+                try:
+                    self._synchronize(G)
+                    start = time.perf_counter()
+                    out = _kernel(*args, **kwargs)
+                    self._synchronize(G)
+                    self.seconds += time.perf_counter() - start
+                finally:
+                    self._depth -= 1
+                return out
 
             setattr(original_muon, name, counted)
         return self
+
+    @staticmethod
+    def _synchronize(tensor):
+        if tensor.device.type != "cpu":
+            torch.accelerator.synchronize(tensor.device)
 
     def uninstall(self):
         from deepspeed.runtime.zero.muon import original_muon
