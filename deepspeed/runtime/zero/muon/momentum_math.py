@@ -58,96 +58,41 @@ def newton_schulz_problem(shape: Sequence[int], is_expert_group: bool, num_heads
                          f"{tuple(shape)}: {e}") from e
 
 
-class FlatMatrices:
-    """Where each matrix's partition lies in a sub-group's flat partition, for elementwise work.
-
-    Built once per sub-group. ``mask`` expands one flag per matrix to one per element on the
-    device, so the momentum step needs neither a host synchronization nor a loop over matrices.
-
-    Args:
-        slices: per matrix, ``(offset, numel)`` of its partition in the flat partition; in
-            increasing offset order, not overlapping (elements between them are padding).
-        device: where the flat partitions live.
-
-    Raises:
-        ValueError: for slices out of order or overlapping.
-    """
-
-    def __init__(self, slices: Sequence[Tuple[int, int]], device):
-        self.slices = [(int(o), int(n)) for o, n in slices]
-        self.start = self.slices[0][0] if self.slices else 0
-        # Runs of elements from ``start``: each matrix's own, and padding between them (index
-        # len(slices) below, whose flag is always 0: its momentum is left alone).
-        sizes, index, position = [], [], self.start
-        for j, (offset, numel) in enumerate(self.slices):
-            if offset < position:
-                raise ValueError(f"matrix partitions overlap or are out of order at {j}: {self.slices}")
-            if offset > position:
-                sizes.append(offset - position)
-                index.append(len(self.slices))
-            sizes.append(numel)
-            index.append(j)
-            position = offset + numel
-        self.numel = position - self.start
-        self._sizes = torch.tensor(sizes, dtype=torch.int64, device=device)
-        self._index = torch.tensor(index, dtype=torch.int64, device=device)
-
-    def views(self, flat: torch.Tensor) -> List[torch.Tensor]:
-        """Per matrix, its partition in ``flat`` (1-D views)."""
-        return [flat.narrow(0, offset, numel) for offset, numel in self.slices]
-
-    def span(self, flat: torch.Tensor) -> torch.Tensor:
-        """The part of ``flat`` the matrices cover (a view)."""
-        return flat.narrow(0, self.start, self.numel)
-
-    def mask(self, finite: torch.Tensor) -> torch.Tensor:
-        """Per element of ``span``, its matrix's flag.
-
-        Args:
-            finite: one flag per matrix (bool or int, on the device).
-
-        Returns:
-            torch.Tensor: bool, shape ``(numel,)``, False on padding between partitions.
-        """
-        flags = torch.cat([finite.to(torch.bool), finite.new_zeros(1, dtype=torch.bool)])
-        return flags.index_select(0, self._index).repeat_interleave(self._sizes, output_size=self.numel)
-
-
-def momentum_step_(grad_flat: torch.Tensor, momentum_flat: torch.Tensor, matrices: FlatMatrices, beta: float,
-                   nesterov: bool, finite: torch.Tensor) -> List[torch.Tensor]:
+def momentum_step_(grad_flat: torch.Tensor, momentum_flat: torch.Tensor, slices: Sequence[Tuple[int, int]],
+                   beta: float, nesterov: bool, finite: torch.Tensor) -> List[torch.Tensor]:
     """``muon_momentum_step_`` on this rank's partition of each matrix of a sub-group, in place,
-    in one elementwise pass over the flat partition and without reading ``finite`` on the host.
+    without reading ``finite`` on the host.
 
     The momentum of a matrix whose whole gradient is finite advances by ``lerp(grad, 1 - beta)``,
     bit for bit as upstream's; where it is not, ``lerp`` toward the momentum itself leaves it
-    exactly unchanged, which is what upstream's ``where(finite, lerp, momentum)`` gives.
+    exactly unchanged, which is what upstream's ``where(finite, lerp, momentum)`` gives. One
+    matrix at a time, so the temporary this needs is one partition, not the whole flat partition
+    (a mask and a blend over all of it would cost 5 bytes per element of the partition at once).
 
     Args:
         grad_flat: the sub-group's flat gradient partition (1-D, fp32), already unscaled (loss
             scale) and clipped. With Nesterov overwritten with the NS input.
         momentum_flat: the sub-group's momentum partition, same layout; advanced in place where
             the matrix is finite.
-        matrices: the matrices' places in the flat partitions.
+        slices: per matrix, ``(offset, numel)`` of its partition in the flat partitions.
         beta: the Muon momentum coefficient (the parameter group's ``momentum``).
         nesterov: the group's ``nesterov`` (DeepSpeed's Muon always uses the default, True).
         finite: per matrix, whether the WHOLE matrix's gradient is finite, agreed over ranks
-            (bool or int tensor of shape ``(len(matrices.slices),)`` on the partitions' device).
+            (bool or int tensor of shape ``(len(slices),)`` on the partitions' device).
 
     Returns:
         list of 1-D tensors, per matrix what this rank sends its owner: the NS input, from which
         the owner selects the gradient for a non-finite matrix (``muon_update`` returns the
         gradient for it). With Nesterov they are views of ``grad_flat``, which then holds the
-        blend for every matrix as upstream's in-place ``lerp_`` leaves it; without, views of a new
-        tensor holding the momentum of finite matrices and the gradient of the others.
+        blend for every matrix as upstream's in-place ``lerp_`` leaves it; without, new tensors
+        holding the momentum of a finite matrix and the gradient of another.
     """
-    mask = matrices.mask(finite)
-    grad, momentum = matrices.span(grad_flat), matrices.span(momentum_flat)
-    momentum.lerp_(torch.where(mask, grad, momentum), 1 - beta)
-    if nesterov:
-        sent = grad.lerp_(momentum, beta)
-    else:
-        sent = torch.where(mask, momentum, grad)
-    return [sent.narrow(0, offset - matrices.start, numel) for offset, numel in matrices.slices]
+    sent, finite = [], finite.to(torch.bool)
+    for j, (offset, numel) in enumerate(slices):
+        grad, momentum, flag = grad_flat.narrow(0, offset, numel), momentum_flat.narrow(0, offset, numel), finite[j]
+        momentum.lerp_(torch.where(flag, grad, momentum), 1 - beta)
+        sent.append(grad.lerp_(momentum, beta) if nesterov else torch.where(flag, momentum, grad))
+    return sent
 
 
 def all_finite_flags(partitions: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -223,6 +168,6 @@ def orthogonalize(matrices: Sequence[torch.Tensor], specs: Sequence, ns_steps: i
             results = original_muon.muon_orthogonalize(stack, ns_steps, ns_method, True, None, dtype).split(
                 [specs[k].ns_problem[0] for k in members])
         for k, result in zip(members, results):
-            matrix = matrices[k]
-            updates[k] = torch.where(finite[k], result.reshape(matrix.shape), matrix.to(dtype))
+            matrix, update = matrices[k], result.reshape(matrices[k].shape)
+            updates[k] = torch.where(finite[k], update, matrix.to(dtype), out=update)  # in place: no copy
     return updates

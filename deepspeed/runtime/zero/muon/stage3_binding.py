@@ -15,9 +15,9 @@ loss scale and the clip coefficient already divided out, which is what a PyTorch
 
 1. agrees over ranks, with one small all-reduce, which matrices have a finite gradient (the
    flags stay on the device: nothing in the update waits for the host);
-2. on each rank, advances the momentum partition and forms the NS-input partition in place, in
-   one elementwise pass over the flat partition (upstream ``muon_momentum_step_``'s math, via
-   ``momentum_math.momentum_step_``); the momentum never leaves its rank;
+2. on each rank, advances the momentum partition and forms the NS-input partition in place
+   (upstream ``muon_momentum_step_``'s math, via ``momentum_math.momentum_step_``); the momentum
+   never leaves its rank;
 3. per bucket (``bucket_pipeline.BucketPipeline``), sends the NS-input partitions to each
    matrix's owner rank (all-to-all), the owner runs Newton-Schulz once per matrix (upstream
    ``muon_orthogonalize``; matrices of the same shape in one batched call,
@@ -31,7 +31,7 @@ fp32 partition, as it already does for ZeRO partitions. The update is not rescal
 
 import hashlib
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -39,8 +39,8 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.bucket_pipeline import BucketPipeline
-from deepspeed.runtime.zero.muon.momentum_math import (FlatMatrices, all_finite_flags, momentum_step_,
-                                                       newton_schulz_problem, orthogonalize)
+from deepspeed.runtime.zero.muon.momentum_math import (all_finite_flags, momentum_step_, newton_schulz_problem,
+                                                       orthogonalize)
 from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeStats, OwnerExchange
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, OwnerPlan, plan_owners
 from deepspeed.utils import logger
@@ -52,10 +52,19 @@ MOMENTUM_KEY = "momentum_buffer"
 @dataclass
 class _SubGroup:
     """What the boundary update needs to know about one Muon sub-group, fixed at initialization."""
-    matrices: FlatMatrices  # where each parameter's partition lies in the sub-group's flat partition
+    offsets: List[int]  # offset of each parameter's partition in the sub-group's flat partition
     specs: List[MatrixSpec]  # shape, partition size and NS dispatch of each parameter
     plan: OwnerPlan
     pipeline: BucketPipeline  # holds the exchange (process group, rank, world size), layouts, buffers
+
+    @property
+    def slices(self) -> List[Tuple[int, int]]:
+        """``(offset, numel)`` of each parameter's partition in the flat partition."""
+        return [(offset, spec.partition_numel) for offset, spec in zip(self.offsets, self.specs)]
+
+    def partitions(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        """Per parameter, its partition in ``flat`` (1-D views)."""
+        return [flat.narrow(0, offset, numel) for offset, numel in self.slices]
 
     @property
     def exchange(self) -> OwnerExchange:
@@ -216,8 +225,7 @@ class Zero3MuonBoundary:
                          world_size=world_size) for bucket in plan.buckets
         ]
         exchange = OwnerExchange(group, rank, world_size, self.device, dist.all_to_all_single, self.stats)
-        matrices = FlatMatrices([(o, s.partition_numel) for o, s in zip(offsets, specs)], self.device)
-        return _SubGroup(matrices, specs, plan, BucketPipeline(exchange, plan.buckets, layouts))
+        return _SubGroup(offsets, specs, plan, BucketPipeline(exchange, plan.buckets, layouts))
 
     def _check_plans_agree(self):
         """One all-reduce per sub-group: MAX of ``[count, digest, -count, -digest]``, where ``count``
@@ -288,7 +296,7 @@ class Zero3MuonBoundary:
     def _finite_flags(self, sg: _SubGroup, grad_flat: torch.Tensor) -> torch.Tensor:
         """Per matrix, whether its whole gradient is finite: MIN over ranks of each partition's
         flag (int32, shape ``(matrices,)``, on the device; never read on the host)."""
-        flags = all_finite_flags(sg.matrices.views(grad_flat)).to(self.device)
+        flags = all_finite_flags(sg.partitions(grad_flat)).to(self.device)
         if sg.exchange.world_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=sg.exchange.group)
         return flags.to(grad_flat.device).bool()
@@ -311,7 +319,7 @@ class Zero3MuonBoundary:
         grad_flat = self.optimizer.fp32_partitioned_groups_flat[sub_group_id].grad
         momentum_flat = self._momentum(sub_group_id, grad_flat)
         finite = self._finite_flags(sg, grad_flat)
-        to_owner = momentum_step_(grad_flat, momentum_flat, sg.matrices, settings.momentum, settings.nesterov, finite)
+        to_owner = momentum_step_(grad_flat, momentum_flat, sg.slices, settings.momentum, settings.nesterov, finite)
         update_dtype = original_muon.ns_compute_dtype(settings.ns_method)  # sent back without loss
         owner_finite = finite.to(self.device)
 
@@ -320,7 +328,7 @@ class Zero3MuonBoundary:
             return orthogonalize(matrices, [sg.specs[j] for j in indices], settings.ns_steps, settings.ns_method,
                                  update_dtype, [owner_finite[j] for j in indices], self.batch_ns)
 
-        sg.pipeline.run(to_owner, sg.matrices.views(grad_flat), owner_update, grad_flat.dtype, update_dtype,
+        sg.pipeline.run(to_owner, sg.partitions(grad_flat), owner_update, grad_flat.dtype, update_dtype,
                         self.overlap)
         if sub_group_id == min(self.sub_groups):
             self.stats.optimizer_steps += 1

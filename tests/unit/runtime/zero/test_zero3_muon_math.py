@@ -29,7 +29,7 @@ import torch
 
 import deepspeed
 from deepspeed.runtime.zero.muon import original_muon
-from deepspeed.runtime.zero.muon.momentum_math import (FlatMatrices, all_finite_flags, batches, momentum_step_,
+from deepspeed.runtime.zero.muon.momentum_math import (all_finite_flags, batches, momentum_step_,
                                                        newton_schulz_problem, orthogonalize)
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec
 from unit.runtime.zero.zero3_muon_helpers import NSCounter, reference_muon_update
@@ -125,7 +125,7 @@ def _partitioned_update(grad, momentum, world_size, beta, nesterov=True, **kwarg
     grads, momenta = _partitions(grad, world_size), _partitions(momentum, world_size)
     finite = torch.stack([all_finite_flags([g])[0] for g in grads]).min().view(1)  # the MIN all-reduce
     to_owner = [
-        momentum_step_(g, m, FlatMatrices([(0, g.numel())], "cpu"), beta, nesterov, finite)[0]
+        momentum_step_(g, m, [(0, g.numel())], beta, nesterov, finite)[0]
         for g, m in zip(grads, momenta)
     ]
     x = _reassemble(to_owner, grad.shape)
@@ -160,14 +160,12 @@ def test_non_finite_matrix_keeps_momentum(bad, nesterov, world_size):
 
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_momentum_step_on_a_flat_partition_of_several_matrices(nesterov):
-    """The binding's flat partition, one elementwise pass whatever the flags (given as a device
-    tensor, never read on the host): each matrix's momentum and what goes to its owner are what
-    upstream's ``muon_momentum_step_`` gives for that matrix alone, bit for bit, finite or not
-    (a non-finite matrix's momentum unchanged); the momentum of padding between partitions is
-    left alone."""
+    """The binding's flat partition, with the flags given as a device tensor (never read on the
+    host): each matrix's momentum and what goes to its owner are what upstream's
+    ``muon_momentum_step_`` gives for that matrix alone, bit for bit, finite or not (a non-finite
+    matrix's momentum unchanged); padding between partitions is left alone."""
     gen = torch.Generator().manual_seed(11)
     slices = [(0, 5), (5, 7), (14, 3)]  # elements 12-13 and 17: padding
-    matrices = FlatMatrices(slices, "cpu")
     grad, momentum = torch.randn(18, generator=gen), torch.randn(18, generator=gen)
     for finite in ([True, True, True], [True, False, True], [False, True, False]):
         g, m = grad.clone(), momentum.clone()
@@ -175,7 +173,7 @@ def test_momentum_step_on_a_flat_partition_of_several_matrices(nesterov):
             if not f:
                 g[offset + 1] = float("nan")
         g_before = g.clone()
-        to_owner = momentum_step_(g, m, matrices, 0.9, nesterov, torch.tensor(finite))
+        to_owner = momentum_step_(g, m, slices, 0.9, nesterov, torch.tensor(finite))
         for (offset, numel), f, sent in zip(slices, finite, to_owner):
             g1, m1 = g_before[offset:offset + numel].clone(), momentum[offset:offset + numel].clone()
             x = original_muon.muon_momentum_step_(g1, m1, 0.9, nesterov, torch.tensor(f))
@@ -184,12 +182,8 @@ def test_momentum_step_on_a_flat_partition_of_several_matrices(nesterov):
             if nesterov:
                 assert sent.data_ptr() == g[offset:offset + numel].data_ptr(), "a view, not a copy"
         for pad in (12, 13, 17):
-            assert _same(m[pad], momentum[pad]), "the momentum of padding must be left alone"
+            assert _same(g[pad], g_before[pad]) and _same(m[pad], momentum[pad]), "padding must be left alone"
 
-
-def test_flat_matrices_refuses_overlapping_partitions():
-    with pytest.raises(ValueError, match="overlap"):
-        FlatMatrices([(0, 5), (4, 3)], "cpu")
 
 
 # An owner's matrices in one bucket: same-shape groups (2-D both ways round, conv filters, an expert
