@@ -110,12 +110,13 @@ def all_finite_flags(partitions: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.isfinite(p).all() for p in partitions]).to(torch.int32)
 
 
-CPU_BATCH_MAX_ELEMENTS = 128 * 128
+CPU_BATCH_MAX_ELEMENTS = 96 * 96
 """Largest Newton-Schulz problem (rows x cols) that ``orthogonalize`` batches on the CPU by
-default. Measured with one thread per rank (torch 2.13, fp32): a batch of 8 problems of 96x96 takes
-0.84x the time of 8 calls and of 128x128 0.52x, but 192x192 1.16x and 256x256 1.11x, where one
-matrix already keeps the cores busy and the batched matmul is the slower kernel. On an accelerator
-a batch saves kernel launches and fills the device, so every size is batched there."""
+default. Measured with one thread (a benchmark rank's share of this 2-core host; torch 2.13, fp32,
+``bench/ns_batch.py``): 8 problems in one call take 0.62x the time of 8 calls at 64x64 and 0.84x
+at 96x96, but 0.93x to 1.20x at 128x128 (noisy), 1.13x at 256x256 and 1.25x at 1024x1024: once one
+matrix keeps the core busy, the batched matmul is the slower kernel here. On an accelerator a batch
+saves kernel launches and fills the device, so every size is batched there."""
 
 
 def batches(rows: int, cols: int, device: torch.device) -> bool:

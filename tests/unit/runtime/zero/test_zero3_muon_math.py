@@ -251,9 +251,9 @@ def test_batched_orthogonalize_equals_one_by_one(ns_method, monkeypatch):
 
 def test_default_batching_by_device_and_size():
     """By default the CPU batches problems up to CPU_BATCH_MAX_ELEMENTS only; an accelerator all."""
-    assert batches(128, 128, torch.device("cpu")) and not batches(129, 128, torch.device("cpu"))
+    assert batches(96, 96, torch.device("cpu")) and not batches(97, 96, torch.device("cpu"))
     assert batches(4096, 4096, torch.device("cuda", 0))
-    small, large = (16, 24), (136, 128)
+    small, large = (16, 24), (100, 96)
     matrices = [torch.randn(s) for s in (small, small, large, large)]
     specs = _specs([(s, {}) for s in (small, small, large, large)])
     with NSCounter() as counter:
