@@ -71,6 +71,7 @@ BATCH_NS_TARGET = 0.8  # batched NS time per step <= 0.8x one matrix at a time (
 SAME_RESULTS_TOLERANCE = 1e-5  # relative loss difference, batched vs one-by-one NS
 MUON_ADAMW = ("sq1024-gas4-fp32", "llama-gas4-fp32", "sq1024-gas1-fp32")  # Muon workloads with an AdamW twin
 BATCH_NS_PAIR = ("llama-gas4-fp32-ns-batched", "llama-gas4-fp32-ns-onebyone")  # patched only: batch_ns True / False
+SMALL_BATCH_NS_PAIR = ("llama64-gas4-fp32-ns-batched", "llama64-gas4-fp32-ns-onebyone")  # the same, 64-wide
 # Fields kept per repeat (seconds, then bytes); the row's value is their median.
 TIMING_KEYS = ("boundary_time", "boundary_step_time", "step_time", "micro_time", "ns_seconds_per_step")
 MEMORY_KEYS = ("boundary_peak_bytes", "alloc_boundary_bytes", "alloc_peak_bytes", "alloc_peak_step_bytes",
@@ -94,13 +95,18 @@ def workload_config(name, workload, gas, steps, warmup, dtype="fp32", offload=Fa
 def llama_and_adamw(steps, warmup):
     """The Llama-shaped workload at gas 4 on every build (patched: the default batching of
     Newton-Schulz, ``momentum_math.batches``), on patched builds also with every same-shape
-    problem batched and with one matrix at a time (the batched-NS target's pair), and the AdamW
+    problem batched and with one matrix at a time (the batched-NS target's pair; the same for the
+    64-wide ``llama64``, whose problems the CPU batches by default), and the AdamW
     twins of sq1024 and llama at gas 4 on every build (the Muon / AdamW step-time ratio)."""
     return [
         workload_config("llama-gas4-fp32", "llama", 4, steps, warmup, optimizer="muon"),
         workload_config(BATCH_NS_PAIR[0], "llama", 4, steps, warmup, optimizer="muon", only="patched",
                         patched={"batch_ns": True}),
         workload_config(BATCH_NS_PAIR[1], "llama", 4, steps, warmup, optimizer="muon", only="patched",
+                        patched={"batch_ns": False}),
+        workload_config(SMALL_BATCH_NS_PAIR[0], "llama64", 4, steps, warmup, optimizer="muon", only="patched",
+                        patched={"batch_ns": True}),
+        workload_config(SMALL_BATCH_NS_PAIR[1], "llama64", 4, steps, warmup, optimizer="muon", only="patched",
                         patched={"batch_ns": False}),
         workload_config("sq1024-gas4-fp32-adamw", "sq1024", 4, steps, warmup, optimizer="adamw"),
         workload_config("llama-gas4-fp32-adamw", "llama", 4, steps, warmup, optimizer="adamw"),
@@ -753,6 +759,10 @@ def batch_ns_lines(results, net, build, w, names=(), errors=None):
     step = ratio_spread(batched, single, "step_time")
     if step:
         out.append(f"  info optimizer step time batched / one-by-one {build} llama-gas4 W={w}: {step.format('.2f')}")
+    small = ratio_spread(*(results.get((net, build, w, n)) for n in SMALL_BATCH_NS_PAIR), "ns_seconds_per_step")
+    if small:
+        out.append(f"  info batched NS time per step / one-by-one {build} llama64-gas4 W={w} (64-wide, batched by "
+                   f"default on the CPU): {small.format('.2f')}")
     diff = None
     if batched and single and batched.get("loss_last") is not None and single.get("loss_last") is not None:
         diff = abs(batched["loss_last"] - single["loss_last"]) / max(abs(single["loss_last"]), 1e-30)

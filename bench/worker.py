@@ -24,7 +24,7 @@ all-gather ``(W-1)/W`` of the output; reduce-scatter ``(W-1)`` times the output;
 non-source ranks.
 
 Config keys (one dict per workload; ``run_bench.grid`` builds them): ``name``, ``workload`` (a
-key of ``WORKLOADS`` or ``llama``), ``stage``, ``gas``, ``dtype`` (``fp32``/``bf16``), ``offload``,
+key of ``WORKLOADS`` or ``LLAMAS``), ``stage``, ``gas``, ``dtype`` (``fp32``/``bf16``), ``offload``,
 ``micro_batch``, ``steps`` (measured), ``warmup``; optional ``reduce_bucket_size``, ``optimizer``
 (``muon`` default, ``adamw``), ``overlap`` and ``batch_ns`` (set on the patch's
 ``muon_boundary`` where it has that attribute; ``None`` leaves the default), ``memory_step``
@@ -85,7 +85,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from unit.runtime.zero.zero3_muon_helpers import NSCounter, gathered_weights  # noqa: E402
 
 # Workloads: dims of a chain of bias-free Linear layers (all Muon matrices), tanh between them;
-# "llama" is LlamaShaped below.
+# "llama" and "llama64" are LlamaShaped below.
 WORKLOADS = {
     "sq256": [256] * 5,  # four 256x256
     "rect256": [256, 384, 256, 384, 256],  # 384x256, 256x384, ...
@@ -94,9 +94,11 @@ WORKLOADS = {
     "seed64": [64, 64, 64],  # the seed table's two Linear(64, 64)
     "tiny": [20, 36, 20, 36],  # 36x20, 20x36, 36x20: sizes W=2..4 do not divide (tests)
 }
-LLAMA = dict(hidden=256, intermediate=688, layers=4)
-"""The ``llama`` workload's shapes: per layer q, k, v, o (hidden x hidden), gate and up
-(intermediate x hidden), down (hidden x intermediate), as in a small Llama without embeddings."""
+LLAMAS = {"llama": dict(hidden=256, intermediate=688, layers=4), "llama64": dict(hidden=64, intermediate=172, layers=4)}
+"""The Llama-shaped workloads' shapes: per layer q, k, v, o (hidden x hidden), gate and up
+(intermediate x hidden), down (hidden x intermediate), as in a small Llama without embeddings;
+``llama64`` has problems small enough for the CPU to gain from batching them
+(``momentum_math.CPU_BATCH_MAX_ELEMENTS``)."""
 
 
 def _is_muon_caller() -> bool:
@@ -231,7 +233,7 @@ class PeakMemory:
 
 
 class LlamaShaped(torch.nn.Module):
-    """The Muon matrices of a small Llama's decoder layers (``LLAMA``), under a simple residual
+    """The Muon matrices of a small Llama's decoder layers (``LLAMAS``), under a simple residual
     forward that uses each of them: per layer, with ``n`` a weightless RMS norm,
     ``x + o(silu(q(n(x))) * k(n(x)) + v(n(x)))`` then ``x + down(silu(gate(n(x))) * up(n(x)))``.
     Not Llama's attention (no heads, no softmax, no rotary embedding): what matters for batched
@@ -262,15 +264,15 @@ class LlamaShaped(torch.nn.Module):
 
 def io_dims(workload):
     """``(input features, output features)`` of a workload's model."""
-    if workload == "llama":
-        return LLAMA["hidden"], LLAMA["hidden"]
+    if workload in LLAMAS:
+        return LLAMAS[workload]["hidden"], LLAMAS[workload]["hidden"]
     return WORKLOADS[workload][0], WORKLOADS[workload][-1]
 
 
 def build_model(workload):
-    if workload == "llama":
+    if workload in LLAMAS:
         torch.manual_seed(1234)
-        return LlamaShaped(**LLAMA)
+        return LlamaShaped(**LLAMAS[workload])
     dims = WORKLOADS[workload]
 
     class Chain(torch.nn.Module):
