@@ -111,11 +111,11 @@ def describe_rate(bits: float) -> str:
 
 
 def link_check(asked_bits: float, measured_bits: float, tolerance: float = 0.2) -> str:
-    """The benchmark's one-line check of the emulated link, e.g. ``"link: asked 40mbit, measured
+    """The benchmark's one-line check of the emulated link, e.g. ``"link: asked 40 Mbit/s, measured
     39.2 Mbit/s (-2.0%, within ±20%)"``; ends in ``MISSED`` when off by more than ``tolerance``
     (a fraction)."""
     off = measured_bits / asked_bits - 1
-    line = f"link: asked {format_rate(asked_bits)}, measured {describe_rate(measured_bits)} ({off:+.1%}, "
+    line = f"link: asked {describe_rate(asked_bits)}, measured {describe_rate(measured_bits)} ({off:+.1%}, "
     return line + (f"within ±{tolerance:.0%})" if abs(off) <= tolerance else f"outside ±{tolerance:.0%}) MISSED")
 
 

@@ -142,7 +142,8 @@ def test_parse_rate_rejects_naming_the_text(text):
 
 
 def test_link_check_says_missed_outside_tolerance():
-    assert netns.link_check(40e6, 39.2e6) == "link: asked 40mbit, measured 39.2 Mbit/s (-2.0%, within ±20%)"
+    assert netns.link_check(40e6, 39.2e6) == "link: asked 40 Mbit/s, measured 39.2 Mbit/s (-2.0%, within ±20%)"
+    assert netns.link_check(89628189.84613663, 90.5e6).startswith("link: asked 89.6 Mbit/s, measured 90.5 Mbit/s")
     assert netns.link_check(40e6, 20e6).endswith("MISSED")
     assert netns.link_check(40e6, 49e6, tolerance=0.2).endswith("MISSED")
 
