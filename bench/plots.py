@@ -161,8 +161,8 @@ def ratio_vs_w(results, path):
 
 def time_vs_rate(results, path):
     """Boundary micro-step time against the link rate (``net_rate_bits``) for every build, one
-    panel per W, a line per build and Muon workload: medians with min-max over repeats; the
-    runs without a limit drawn as dashed horizontal lines. Returns False without ``--net`` rows."""
+    panel per W, a line per build and Muon workload: medians with min-max over repeats (one point
+    per rate given to ``--net``). Returns False without ``--net`` rows."""
     rows = results["rows"]
     shaped = [r for r in rows if r.get("net") and r.get("net_rate_bits") and r.get("optimizer", "muon") == "muon"]
     if not shaped:

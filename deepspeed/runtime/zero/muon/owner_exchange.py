@@ -228,6 +228,12 @@ class OwnerExchange:
                                        group=self.group,
                                        async_op=async_op)
 
+    def _buffers(self, buffers, slot, send, recv, dtype):
+        """The send and receive buffers, each ``(role, numel)``: from ``buffers``' slot, or new."""
+        if buffers is None:
+            return [torch.empty(numel, dtype=dtype, device=self.device) for _, numel in (send, recv)]
+        return [buffers.take(slot, role, numel, dtype) for role, numel in (send, recv)]
+
     def send_to_owners(self, layout: BucketLayout, partitions: Sequence[torch.Tensor], dtype: torch.dtype,
                        async_op: bool = False, buffers: Optional["ExchangeBuffers"] = None, slot: int = 0):
         """Forward all-to-all of one bucket.
@@ -243,13 +249,8 @@ class OwnerExchange:
             ``(recv, handle)``: the forward receive buffer (read it with
             ``layout.owned_matrices`` after ``handle.wait()``; ``handle`` is None when done).
         """
-        send_numel, recv_numel = layout.send_numel, self.world_size * layout.owned_numel
-        if buffers is None:
-            send = torch.empty(send_numel, dtype=dtype, device=self.device)
-            recv = torch.empty(recv_numel, dtype=dtype, device=self.device)
-        else:
-            send = buffers.take(slot, OUTGOING, send_numel, dtype)
-            recv = buffers.take(slot, INCOMING, recv_numel, dtype)
+        send, recv = self._buffers(buffers, slot, (OUTGOING, layout.send_numel),
+                                   (INCOMING, self.world_size * layout.owned_numel), dtype)
         layout.pack(partitions, send)
         handle = self._all_to_all(recv, send, layout.recv_splits, layout.send_splits, async_op)
         return recv, handle
@@ -270,13 +271,8 @@ class OwnerExchange:
             ``(recv, handle)``: the back receive buffer, to pass to ``layout.unpack`` after
             ``handle.wait()``.
         """
-        send_numel, recv_numel = self.world_size * layout.owned_numel, layout.send_numel
-        if buffers is None:
-            send = torch.empty(send_numel, dtype=dtype, device=self.device)
-            recv = torch.empty(recv_numel, dtype=dtype, device=self.device)
-        else:
-            send = buffers.take(slot, INCOMING, send_numel, dtype)
-            recv = buffers.take(slot, OUTGOING, recv_numel, dtype)
+        send, recv = self._buffers(buffers, slot, (INCOMING, self.world_size * layout.owned_numel),
+                                   (OUTGOING, layout.send_numel), dtype)
         layout.write_results(results, send)
         handle = self._all_to_all(recv, send, layout.send_splits, layout.recv_splits, async_op)
         return recv, handle
