@@ -555,9 +555,9 @@ def report(results, errors, builds, args, configs, extra, out, elapsed, links, d
         print(f"Network: launches inside a namespace shaped to each of {', '.join(links.specs)} (one table per rate)")
     else:
         print("Network: none (no limit; gloo through shared memory on this machine)")
-    print("Boundary-time targets apply to the whole boundary micro-step (forward + backward + step(): what a "
-          "user waits for); the ratio of step() at the boundary alone follows each on the next line, as "
-          "information.\n")
+    print("Boundary-time targets are checked twice: on the whole boundary micro-step (forward + backward + "
+          "step(): what a user waits for) and on step() at the boundary alone (where Muon's update and its "
+          "traffic run on both builds; the micro-step also carries the parameter all-gathers, the same on both).\n")
     print("Per optimizer step and rank. NS: Newton-Schulz calls summed over ranks (micro: on non-boundary "
           "micro-steps). Muon recv: Muon elements received per rank (mean over ranks; micro-steps included), "
           "/bound: over 2P(W-1)/W^2. Times (ms): median [min-max] over repeats, slowest rank; boundary: the "
