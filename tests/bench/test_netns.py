@@ -69,8 +69,12 @@ def test_namespace_removed_after_exception():
     assert prefix[-1] not in netns.list_namespaces()
 
 
+# The holder restores Python's SIGINT handler: a process started in the background by a
+# non-interactive shell (as CI runs the suite) inherits SIGINT ignored, and shaped_namespace leaves
+# an ignored signal ignored.
 HOLDER = r"""
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, sys.argv[1])
 import netns
 with netns.shaped_namespace(40e6, sys.argv[2]) as prefix:
