@@ -406,7 +406,9 @@ def main(argv=None):
                                  ("demo", cmd_demo, "setup, then run examples/demo/run_demo.py (extra args go "
                                   "to it, e.g. --quick; output in out/demo/<base>/ unless --out)"),
                                  ("bench", cmd_bench, "stock and patched venvs of the default base (--all-bases: "
-                                  "every base), then bench/run_bench.py (extra args go to it)"),
+                                  "every base), then bench/run_bench.py (extra args go to it: --net RATE|auto, "
+                                  "--repeats, --world-sizes, --grid, --steps, --out; all of them: "
+                                  "python bench/run_bench.py --help under a venv's Python)"),
                                  ("export", cmd_export, "write the change as three pull requests (diff and "
                                   "description each) and the combined diff, against the release"),
                                  ("intree", cmd_intree, "setup, then run the exported tests inside a copy of "

@@ -326,7 +326,8 @@ def _rate_argument(text: str) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Run a command inside a network namespace whose loopback is "
-                                     "shaped to RATE (aggregate of all senders inside).")
+                                     "shaped to RATE (aggregate of all senders inside). Needs root and the "
+                                     "`ip` and `tc` commands (iproute2); the namespace is removed afterwards.")
     parser.add_argument("--rate", type=_rate_argument, required=True, help="tc-style rate, e.g. 40mbit, 2.5gbit")
     parser.add_argument("--measure", type=int, metavar="BYTES", default=None,
                         help="first measure TCP throughput inside with BYTES bytes and print it")
