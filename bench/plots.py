@@ -66,9 +66,7 @@ def traffic_vs_w(results, path):
            title="Muon traffic per rank and optimizer step")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def time_vs_gas(results, path):
@@ -97,9 +95,7 @@ def time_vs_gas(results, path):
     axes[0][0].set_ylabel("optimizer step time, s")
     for ax in axes[0]:
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
     return True
 
 
@@ -153,9 +149,7 @@ def ratio_vs_w(results, path):
         ax.set_xlim(-0.5, len(ws) - 0.5)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
     return True
 
 
@@ -184,10 +178,15 @@ def time_vs_rate(results, path):
                title=f"W={w}")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=6)
+    _save(fig, path)
+    return True
+
+
+def _save(fig, path):
+    """Lay out ``fig``, write it to ``path`` (PNG, 120 dpi) and free it."""
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return True
 
 
 def make_all(results, out):
