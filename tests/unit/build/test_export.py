@@ -640,11 +640,17 @@ def test_fake_universal_group_claims_its_coming_files(tmp_path):
         "from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun\n",
     }
     result, _, _ = _fake_export(tmp_path, extra=extra)
+    (tmp_path / "plain").mkdir()
     universal = result.pull_requests[3]
     assert universal.stem == "4-universal-checkpoint"
     assert set(extra) <= set(universal.sources)
     assert not [p for p in result.pull_requests[0].sources if "universal" in p]
     assert "(stacked on this one for its tests)" in " ".join(result.pull_requests[0].text_path.read_text().split())
+    # the engine's sentences come with 0008; the ZeRO-1/2 one only with 0009
+    text = " ".join(universal.text_path.read_text().split())
+    assert "bare world-size mismatch" in text and "names `ds_to_universal`" in text and "ZeRO-1/2: the universal" not in text
+    plain = _fake_export(tmp_path / "plain")[0].pull_requests[3].text_path.read_text()
+    assert "bare world-size mismatch" not in plain and "names `ds_to_universal`" not in plain
 
 
 def test_fake_undeclared_or_stale_test_dependency_stops_the_export(tmp_path):
