@@ -1,9 +1,15 @@
 """The change as upstream pull requests, for DeepSpeed maintainers (``python3 dev.py export``).
 
-The change is three independent pull requests plus, on some bases, a backport (``GROUPS``); each
-file of the repository that could go upstream (``deepspeed/``, ``tests/``, ``patches/<base>/``)
-belongs to exactly one of them by the patterns below, or is never exported (``NEVER_EXPORTED``).
-A file matching none, or more than one, stops the export with an ``ExportError`` naming it.
+The change is four pull requests plus, on some bases, a backport (``GROUPS``); each file of the
+repository that could go upstream (``deepspeed/``, ``tests/``, ``patches/<base>/``) belongs to
+exactly one of them by the patterns below, or is never exported (``NEVER_EXPORTED``). A file
+matching none, or more than one, stops the export with an ``ExportError`` naming it.
+
+Every pull request's code and patches apply alone to the pristine release. Pull requests 1 to 3
+are independent of each other; the universal-checkpoint one (4) is stacked on the muon one (1)
+for its tests only: they import the muon tests' helpers (``tests/unit/runtime/zero/zero3_muon_helpers.py``).
+A group declares that in ``tests_need``, and the export checks the declaration against the
+``unit.`` imports of the group's tests (``imported_groups``): an undeclared or stale one stops it.
 
 For each pull request the export takes the pristine release (the pinned sdist, verified and
 unpacked as ``pip install .`` does, committed to a throw-away git index), adds that pull request's
@@ -68,13 +74,27 @@ class Group:
 
     ``patterns`` are fnmatch patterns on repository paths (``patches/*/0001-*.patch`` matches
     that patch of every base); ``notes`` has one hand-written line per upstream file the group's
-    patches modify (new files describe themselves by their docstring)."""
+    patches modify (new files describe themselves by their docstring); ``tests_need``: keys of
+    the groups whose test files this group's tests import (its code and patches still apply alone;
+    the tests run with those groups applied too); ``texts_if``: {template name: ((pattern, text), ...)},
+    the name's value is the texts whose pattern matches one of the group's files on the base (a
+    sentence about a patch present on one base only, or still to come), else empty."""
 
-    def __init__(self, key, number, title, patterns, notes, template=None, pull_request=True, why=""):
+    def __init__(self, key, number, title, patterns, notes, template=None, pull_request=True, why="",
+                 tests_need=(), texts_if=None):
         self.key, self.number, self.title = key, number, title
         self.patterns, self.notes, self.template = tuple(patterns), dict(notes), template
         self.pull_request = pull_request
         self.why = why  # a backport: why it is in the combined diff and in no pull request
+        self.tests_need = tuple(tests_need)
+        self.texts_if = dict(texts_if or {})
+
+    def optional_texts(self, sources):
+        """{template name: text} of ``texts_if`` for the group's files ``sources``."""
+        return {
+            name: "".join(text for pattern, text in pairs if any(fnmatch.fnmatchcase(p, pattern) for p in sources))
+            for name, pairs in self.texts_if.items()
+        }
 
     @property
     def stem(self):
@@ -90,7 +110,12 @@ class Group:
 MUON = Group(
     "muon", 1, "ZeRO-3 Muon: momentum and Newton-Schulz once per step at the accumulation boundary",
     patterns=(
-        "deepspeed/runtime/zero/muon/*",
+        # named one by one: universal_*.py belongs to UNIVERSAL, __main__.py is never exported
+        "deepspeed/runtime/zero/muon/bucket_pipeline.py",
+        "deepspeed/runtime/zero/muon/momentum_math.py",
+        "deepspeed/runtime/zero/muon/owner_exchange.py",
+        "deepspeed/runtime/zero/muon/owner_plan.py",
+        "deepspeed/runtime/zero/muon/stage3_binding.py",
         "patches/*/0001-*.patch",
         "patches/*/0004-*.patch",
         "tests/unit/runtime/zero/test_zero3_muon_*.py",
@@ -162,6 +187,56 @@ LOSS_SCALE = Group(
     template="pr_loss_scale.md",
 )
 
+UNIVERSAL = Group(
+    "universal-checkpoint", 4, "Universal checkpoints with Muon state: convert and resume at any data-parallel world size",
+    patterns=(
+        "deepspeed/runtime/zero/muon/universal_*.py",
+        "patches/*/0006-*.patch",
+        "patches/*/0007-*.patch",
+        "patches/*/0008-*.patch",
+        "patches/*/0009-*.patch",
+        "tests/unit/checkpoint/test_universal_checkpoint_muon*.py",
+    ),
+    notes={
+        "deepspeed/checkpoint/ds_to_universal.py":
+        "the ZeRO-3 extractor keeps every optimizer state of a sub-group (`zero3_sub_group_states`: Muon's "
+        "`momentum_buffer`, Adam's `exp_avg`/`exp_avg_sq`, `step`) instead of reading `exp_avg` and `exp_avg_sq` "
+        "by name (a `KeyError` on a Muon checkpoint); the ZeRO-3 merge writes each of a parameter's states in "
+        "its logical shape (`merge_zero3_param_states`).",
+        STAGE3:
+        "the universal-checkpoint loader (`_load_universal_checkpoint`) restores, per sub-group, the fp32 "
+        "partition and each state the checkpoint holds for its parameters, the step where the state has one, "
+        "and each parameter group's settings from its own group (`restore_zero3_optimizer_state`); it used to "
+        "read `step` of sub-group 0 and `exp_avg`/`exp_avg_sq` of every parameter, and apply group 0's settings "
+        "to every group; missing state is refused naming the parameter. `load_hp_checkpoint_state` refuses a "
+        "state whose element count or shape does not fit its parameter, naming the parameter's folder "
+        "(`check_loaded_state`).",
+        "deepspeed/runtime/engine.py":
+        "a regular checkpoint loaded at another data-parallel world size fails with a message naming "
+        "`ds_to_universal` and `\"checkpoint\": {\"load_universal\": true}` (it was a bare world-size mismatch).",
+        "deepspeed/runtime/zero/stage_1_and_2.py":
+        "the ZeRO-1/2 universal-checkpoint loader restores Muon's optimizer state (`momentum_buffer`) as it "
+        "restores Adam's moments.",
+        "deepspeed/checkpoint/universal_checkpoint.py":
+        "loading a parameter's universal state restores Muon's `momentum_buffer` as it restores Adam's moments.",
+    },
+    template="pr_universal.md",
+    tests_need=("muon", ),
+    texts_if={
+        "engine_problem": (("patches/*/0008-*.patch",
+                            "\n- A regular checkpoint loaded at another data-parallel world size is refused with a "
+                            "bare world-size mismatch that does not say a universal checkpoint is the way to load "
+                            "it there."),),
+        "engine_fix": (("patches/*/0008-*.patch",
+                        "\n- A regular (not universal) checkpoint loaded at another data-parallel world size fails "
+                        "with a message that names `ds_to_universal` and `\"checkpoint\": {\"load_universal\": true}`, "
+                        "the way to load it there."),),
+        "zero12_fix": (("patches/*/0009-*.patch",
+                        "\n- ZeRO-1/2: the universal loader restores Muon's `momentum_buffer` per parameter as it "
+                        "restores Adam's moments, so a ZeRO-1/2 Muon run resumes at another world size too."),),
+    },
+)
+
 ALLGATHER_BACKPORT = Group(
     "allgather-wait-backport", 9, "ZeRO-3: wait on every handle of a coalesced parameter all-gather (backport)",
     patterns=(
@@ -180,7 +255,7 @@ ALLGATHER_BACKPORT = Group(
     "0.19.7 build gathers parameters correctly on gloo; it is not proposed upstream.",
 )
 
-GROUPS = (MUON, GRAD_WINDOW, LOSS_SCALE, ALLGATHER_BACKPORT)
+GROUPS = (MUON, GRAD_WINDOW, LOSS_SCALE, UNIVERSAL, ALLGATHER_BACKPORT)
 
 
 class ExportError(zb.BuildError):
@@ -272,9 +347,49 @@ def assign(base, repo_root=zb.REPO_ROOT, groups=GROUPS, never=NEVER_EXPORTED, st
             problems.append(f"pull request {g.stem!r} has no test under tests/")
         if not any(p.startswith(("deepspeed/", "patches/")) for p in files):
             problems.append(f"pull request {g.stem!r} changes nothing in DeepSpeed (no new module, no patch)")
+    for g in groups:
+        if not g.pull_request or not owners[g.key]:
+            continue
+        needed = imported_groups(g, owners, repo_root)
+        if set(needed) != set(g.tests_need):
+            problems.append(f"the tests of pull request {g.stem!r} import files of {sorted(needed) or 'no other group'} "
+                            f"but its tests_need says {sorted(g.tests_need) or 'none'}: "
+                            + (", ".join(f"{path} imports {dep}" for key in sorted(needed) for path, dep in needed[key])
+                               or "no import of another group's test file"))
     if problems:
         raise ExportError(f"export of base {base}: " + "; ".join(problems))
     return result
+
+
+def _unit_imports(path):
+    """Repository paths (``tests/unit/...py``) of the modules that the test file ``path`` imports
+    as ``unit.<...>`` (DeepSpeed's tests import each other that way, from ``tests/``)."""
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return []
+    modules = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules.append(node.module)
+        elif isinstance(node, ast.Import):
+            modules += [a.name for a in node.names]
+    return ["tests/" + m.replace(".", "/") + ".py" for m in modules if m.startswith("unit.")]
+
+
+def imported_groups(group, owners, repo_root):
+    """{other group key: [(test file of ``group``, imported file of that group)]}: the other groups
+    whose test files ``group``'s tests import. ``owners``: ``assign``'s {group key: paths}."""
+    owner_of = {path: key for key, paths in owners.items() for path in paths}
+    needed = {}
+    for path in owners.get(group.key, []):
+        if not path.startswith("tests/"):
+            continue
+        for dep in _unit_imports(Path(repo_root) / path):
+            key = owner_of.get(dep)
+            if key is not None and key != group.key:
+                needed.setdefault(key, []).append((path, dep))
+    return needed
 
 
 # --------------------------------------------------------------------------- diffs
@@ -424,13 +539,40 @@ def describe_files(piece, repo_root, groups_of, base):
     return "\n".join(lines)
 
 
-def diff_header(piece, base, cfg, sdist, sha256, backports=()):
+def _named(groups):
+    names = [f"{g.number} ({g.key})" for g in groups]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def relations(group, prs):
+    """How pull request ``group`` relates to the other pull requests ``prs`` (Pieces), in words:
+    which are independent of it, which it needs for its tests, which need it for theirs."""
+    others = [p.group for p in prs if p.group is not group]
+    needs = [g for g in others if g.key in group.tests_need]
+    needed_by = [g for g in others if group.key in g.tests_need]
+    independent = [g for g in others if g not in needs and g not in needed_by]
+    out = []
+    if independent:
+        verb = "is" if len(independent) == 1 else "are"
+        out.append(f"Pull request{'s' if len(independent) > 1 else ''} {_named(independent)} of this export "
+                   f"{verb} independent of this one.")
+    if needs:
+        out.append(f"Its code and patches apply alone and use nothing of the other pull requests, but its tests "
+                   f"import test helpers of pull request {_named(needs)}: it is stacked on that one for its tests, "
+                   f"which run with both applied.")
+    if needed_by:
+        out.append(f"Pull request {_named(needed_by)} applies without this one, but its tests import this one's "
+                   f"test helpers (stacked on this one for its tests).")
+    return " ".join(out)
+
+
+def diff_header(piece, base, cfg, sdist, sha256, backports=(), prs=()):
     """Lines before the first ``diff --git``: git apply and patch skip them."""
     summary = piece.diffstat.rstrip("\n").splitlines()[-1].strip()
     if piece.group:
         what = (f"Pull request {piece.group.number}, \"{piece.group.title}\" (zero3muon {cfg['version']}), "
                 f"for DeepSpeed {base}: {summary}.\n"
-                "It applies on its own; the other pull requests do not depend on it.")
+                f"It applies on its own. {relations(piece.group, prs)}").rstrip()
     else:
         extra = "".join(f" and the backport \"{bp.group.title}\"" for bp in backports)
         what = (f"All of the zero3muon {cfg['version']} change for DeepSpeed {base} in one diff: the pull requests "
@@ -463,13 +605,17 @@ def describe(piece, base, cfg, sdist, sha256, repo_root, everything):
         tests=", ".join(f"`{p}`" for p in piece.sources if Path(p).name.startswith("test_")) or "none",
     )
     if piece.group:
+        values["relations"] = relations(piece.group, prs)
+        values.update(piece.group.optional_texts(piece.sources))
         values["files"] = describe_files(piece, repo_root, lambda path: [piece.group], base)
         template = TEMPLATE_DIR / piece.group.template
     else:
         values["files"] = describe_files(piece, repo_root, lambda path: modifying[path], base)
         values["pull_requests"] = "\n".join(
             f"{pr.group.number}. **{pr.group.title}**: `{pr.stem}.diff`, described in `{pr.stem}.md` "
-            f"(patches {_patch_names(pr)})." for pr in prs)
+            f"(patches {_patch_names(pr)})." + "".join(
+                f" Its tests import test helpers of pull request {_named([g])}: stacked on that one for its tests."
+                for g in (other.group for other in prs) if g.key in pr.group.tests_need) for pr in prs)
         values["backports"] = "".join(
             f"\n\nAlso in this diff and in no pull request: **{bp.group.title}** (patch {_patch_names(bp)}, test "
             + ", ".join(f"`{p}`" for p in bp.sources if p.startswith("tests/")) +
@@ -508,7 +654,7 @@ def export(base=None, out_dir=None, repo_root=zb.REPO_ROOT, sdist=None, groups=G
     written = []
     for piece in [*prs, combined]:
         piece.diff_path, piece.text_path = out_dir / f"{piece.stem}.diff", out_dir / f"{piece.stem}.md"
-        piece.diff_path.write_bytes(diff_header(piece, base, cfg, sdist, sha256, backports).encode() + piece.diff)
+        piece.diff_path.write_bytes(diff_header(piece, base, cfg, sdist, sha256, backports, prs).encode() + piece.diff)
         piece.text_path.write_text(texts[piece.stem])
         written += [piece.diff_path, piece.text_path]
     for stale in _stale_outputs(out_dir, written):

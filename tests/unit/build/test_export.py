@@ -12,7 +12,8 @@ Two parts:
   checkout to run this part on it instead (e.g. a merge candidate).
 - On a small fake release and project built in tmp_path: the membership rules, and inputs that
   must stop the export (a file no pull request claims, a file two claim, a pull request whose
-  patch needs another's context, one without a test, a modified file without a note).
+  patch needs another's context, one without a test, a modified file without a note, tests
+  importing another pull request's test file undeclared in ``tests_need``, or a stale declaration).
 
 Unpacking a release writes ~3000 files, so the real part does it only where a whole tree matters
 (the export itself, the build's tree, the ``git apply`` targets). ``patch`` runs on a tree holding
@@ -151,7 +152,8 @@ def _repo_file(root, rel):
 
 def test_layout_and_membership(case):
     result = case.result
-    assert [p.stem for p in result.pull_requests] == ["1-muon", "2-grad-window", "3-loss-scale"]
+    assert [p.stem for p in result.pull_requests] == ["1-muon", "2-grad-window", "3-loss-scale",
+                                                     "4-universal-checkpoint"]
     assert sorted(p.name for p in result.out_dir.iterdir()) == sorted(
         f"{p.stem}.{ext}" for p in result.pieces for ext in ("diff", "md"))
     # every file that could go upstream is in exactly one pull request or backport, or never exported
@@ -179,6 +181,26 @@ def test_layout_and_membership(case):
                      for key, piece in by_key.items()}
     assert patch_numbers["muon"] in (["0001"], ["0001", "0004"])
     assert patch_numbers["grad-window"] == ["0002"] and patch_numbers["loss-scale"] == ["0003"]
+    # 0006 (ds_to_universal) and 0007 (stage3's universal loader) on every base; 0008/0009 where written
+    assert patch_numbers["universal-checkpoint"][:2] == ["0006", "0007"]
+    assert set(patch_numbers["universal-checkpoint"]) <= {"0006", "0007", "0008", "0009"}
+    universal = by_key["universal-checkpoint"].sources
+    assert "deepspeed/runtime/zero/muon/universal_checkpoint.py" in universal
+    assert [p for p in universal if p.startswith("tests/")] == sorted(
+        p.relative_to(REPO).as_posix() for p in (REPO / "tests/unit/checkpoint").glob("test_universal_checkpoint_muon*.py"))
+    assert not [p for p in by_key["muon"].sources if "universal" in p]
+    assert all(Path(p).name.startswith("universal_") for p in universal if p.startswith("deepspeed/"))
+    # the muon pull request's modules: every module of ours under muon/ but the wheel report and universal_*
+    muon_dir = REPO / "deepspeed/runtime/zero/muon"
+    assert sorted(p for p in by_key["muon"].sources if p.startswith("deepspeed/")) == sorted(
+        p.relative_to(REPO).as_posix() for p in muon_dir.glob("*.py")
+        if p.name != "__main__.py" and not p.name.startswith(("universal_", "_build_info")))
+    # stacking: the universal pull request's tests import the muon tests' helpers, no other does
+    assert {g.key: g.tests_need for g in ze.GROUPS if g.pull_request} == {
+        "muon": (), "grad-window": (), "loss-scale": (), "universal-checkpoint": ("muon", )}
+    owners = {p.group.key: p.sources for p in result.pull_requests}
+    assert "tests/unit/runtime/zero/zero3_muon_helpers.py" in {
+        dep for _, dep in ze.imported_groups(ze.UNIVERSAL, owners, REPO)["muon"]}
     backport_patches = [Path(p).name[:4] for b in result.backports for p in b.sources if p.startswith("patches/")]
     assert backport_patches == (["0005"] if any(p.name.startswith("0005-")
                                                 for p in zb.list_patches(case.base, REPO)) else [])
@@ -320,9 +342,25 @@ def test_descriptions_cover_every_file(case):
                 assert text.count(f"`{rel}`") >= 2, f"{piece.text_path.name}: {rel} not in its Testing section"
     muon = case.result.pull_requests[0]
     assert ("per_head_muon" in muon.text_path.read_text()) == (case.base != "0.19.7")
+    texts = {pr.group.key: " ".join(pr.text_path.read_text().split()) for pr in case.result.pull_requests}
+    heads = {pr.group.key: " ".join(pr.diff_path.read_text().split("diff --git ")[0].split())
+             for pr in case.result.pull_requests}
+    stacked = "tests import test helpers of pull request 1 (muon): it is stacked on that one for its tests"
+    needed = "Pull request 4 (universal-checkpoint) applies without this one, but its tests import this one's"
+    for key, text in [*texts.items(), *heads.items()]:
+        assert (stacked in text) == (key == "universal-checkpoint"), key
+        assert (needed in text) == (key == "muon"), key
+        assert "two other pull requests" not in text
+    assert "Pull requests 1 (muon), 3 (loss-scale) and 4 (universal-checkpoint) of this export are independent" \
+        in texts["grad-window"]
+    assert "Pull requests 1 (muon), 2 (grad-window) and 4 (universal-checkpoint) of this export are independent" \
+        in texts["loss-scale"]
+    assert "Pull requests 2 (grad-window) and 3 (loss-scale) of this export are independent" in texts["muon"]
+    assert "KeyError: 'exp_avg'" in texts["universal-checkpoint"] and "#8608" in texts["universal-checkpoint"]
     combined = case.result.combined.text_path.read_text()
     for pr in case.result.pull_requests:
         assert f"**{pr.group.title}**: `{pr.stem}.diff`" in combined
+    assert " ".join(combined.split()).count("Its tests import test helpers of pull request 1 (muon)") == 1
     for bp in case.result.backports:
         assert bp.group.title in combined and "0.19.8 already" in combined
 
@@ -401,7 +439,9 @@ UPSTREAM = {
     "deepspeed/runtime/zero/partition_parameters.py": "handle.wait()\n",
     "deepspeed/runtime/zero/muon/__init__.py": "",
     "deepspeed/runtime/zero/muon/original_muon.py": "def muon_update():\n    pass\n",
+    "deepspeed/checkpoint/ds_to_universal.py": "exp_avg = state['exp_avg']\n",
 }
+UNIVERSAL_TEST = "tests/unit/checkpoint/test_universal_checkpoint_muon.py"
 
 
 def _make_diff(rel, old, new, context=1):
@@ -449,6 +489,13 @@ def fake_project(tmp_path, extra=None, drop=()):
             "def muon_update():\n    return elementwise()\n"),
         f"{patches}/0005-zero3-allgather-coalesced-wait-every-handle.patch": _make_diff(
             "deepspeed/runtime/zero/partition_parameters.py", "handle.wait()\n", "for h in handles:\n    h.wait()\n"),
+        f"{patches}/0006-checkpoint-universal-zero3-every-optimizer-state.patch": _make_diff(
+            "deepspeed/checkpoint/ds_to_universal.py", UPSTREAM["deepspeed/checkpoint/ds_to_universal.py"],
+            "states = every_state()\n"),
+        f"{patches}/0007-zero3-universal-load-optimizer-state-per-sub-group.patch": _stage3_patch((24, "per sub-group")),
+        "deepspeed/runtime/zero/muon/universal_checkpoint.py": _doc_module("Universal checkpoints with Muon state."),
+        UNIVERSAL_TEST: _doc_module("Convert, then resume at another world size.") +
+        "from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun\n",
         "tests/conftest.py": "",
         "tests/unit/common.py": _doc_module("Local stand-in of DeepSpeed's unit.common."),
         "tests/unit/build/test_export.py": "",
@@ -486,6 +533,10 @@ def test_fake_membership_and_independent_pull_requests(tmp_path):
                           "tests/unit/runtime/zero/test_zero3_grad_partition_window.py"],
         "3-loss-scale": [f"patches/{FAKE_BASE}/0003-zero3-unscale-by-backward-loss-scale.patch",
                          "tests/unit/runtime/zero/test_zero3_backward_loss_scale.py"],
+        "4-universal-checkpoint": ["deepspeed/runtime/zero/muon/universal_checkpoint.py",
+                                   f"patches/{FAKE_BASE}/0006-checkpoint-universal-zero3-every-optimizer-state.patch",
+                                   f"patches/{FAKE_BASE}/0007-zero3-universal-load-optimizer-state-per-sub-group.patch",
+                                   UNIVERSAL_TEST],
     }
     [backport] = result.backports
     assert backport.paths == ["deepspeed/runtime/zero/partition_parameters.py",
@@ -497,7 +548,7 @@ def test_fake_membership_and_independent_pull_requests(tmp_path):
                   "deepspeed/runtime/zero/muon/__main__.py"):
         assert all(never not in piece.paths for piece in result.pieces)
     # each pull request applies alone to the pristine release and changes only its own lines
-    for pr, line in zip(result.pull_requests, ("muon wiring", "first use", "backward scale")):
+    for pr, line in zip(result.pull_requests, ("muon wiring", "first use", "backward scale", "per sub-group")):
         (tmp_path / pr.stem).mkdir()
         tree = zb.unpack_sdist(sdist, tmp_path / pr.stem)
         res = _run(["git", "apply", pr.diff_path], tree)
@@ -505,6 +556,8 @@ def test_fake_membership_and_independent_pull_requests(tmp_path):
         stage3 = (tree / "deepspeed/runtime/zero/stage3.py").read_text().splitlines()
         assert [x for x in stage3 if not x.startswith("line ")] == [line]
         assert (tree / "tests/unit/common.py").exists() is False
+        universal = (tree / "deepspeed/checkpoint/ds_to_universal.py").read_text()
+        assert (universal == "states = every_state()\n") == (pr.stem == "4-universal-checkpoint")
     text = result.combined.text_path.read_text()
     assert backport.group.title in text and "not proposed upstream" in text
     assert "partition_parameters.py" not in "".join(p.text_path.read_text() for p in result.pull_requests)
@@ -515,7 +568,7 @@ def test_fake_release_without_backport_or_optional_patch(tmp_path):
     drop = (f"patches/{FAKE_BASE}/0004-muon-update-split.patch",
             f"patches/{FAKE_BASE}/0005-zero3-allgather-coalesced-wait-every-handle.patch")
     result, _, _ = _fake_export(tmp_path, drop=drop)
-    assert result.backports == [] and len(result.pull_requests) == 3
+    assert result.backports == [] and len(result.pull_requests) == 4
     assert "backport" not in result.combined.text_path.read_text().lower()
     assert not [p for p in result.combined.paths if "allgather" in p or "partition_parameters" in p]
 
@@ -523,8 +576,12 @@ def test_fake_release_without_backport_or_optional_patch(tmp_path):
 @pytest.mark.parametrize("extra, message", [
     ({"tests/unit/runtime/zero/test_something_else.py": ""}, "no pull request claims these files: "
      "tests/unit/runtime/zero/test_something_else.py"),
-    ({f"patches/{FAKE_BASE}/0006-more.patch": ""},
-     f"no pull request claims these files: patches/{FAKE_BASE}/0006-more.patch"),
+    ({f"patches/{FAKE_BASE}/0010-more.patch": ""},
+     f"no pull request claims these files: patches/{FAKE_BASE}/0010-more.patch"),
+    ({"tests/unit/checkpoint/test_universal_checkpoint.py": ""}, "no pull request claims these files: "
+     "tests/unit/checkpoint/test_universal_checkpoint.py"),
+    ({"deepspeed/runtime/zero/muon/new_module.py": ""}, "no pull request claims these files: "
+     "deepspeed/runtime/zero/muon/new_module.py"),
     ({"deepspeed/runtime/zero/stage3_helper.py": ""}, "no pull request claims these files: "
      "deepspeed/runtime/zero/stage3_helper.py"),
 ])
@@ -536,7 +593,7 @@ def test_fake_unclaimed_file_stops_the_export(tmp_path, extra, message):
 
 
 def test_fake_overlapping_rules_stop_the_export(tmp_path):
-    greedy = ze.Group("greedy", 4, ze.LOSS_SCALE.title, ("tests/unit/runtime/zero/test_zero3_*.py", ), {},
+    greedy = ze.Group("greedy", 5, ze.LOSS_SCALE.title, ("tests/unit/runtime/zero/test_zero3_*.py", ), {},
                       template=ze.LOSS_SCALE.template)
     with pytest.raises(ze.ExportError, match="claimed more than once") as err:
         _fake_export(tmp_path, groups=(*ze.GROUPS, greedy))
@@ -566,5 +623,46 @@ def test_fake_modified_file_without_a_note_stops_the_export(tmp_path):
 
 
 def test_fake_new_file_clashing_with_upstream_stops_the_export(tmp_path):
+    # a group claiming a new file of ours at the path of an upstream file (MUON names its modules one by one)
+    original = "deepspeed/runtime/zero/muon/original_muon.py"
+    muon = ze.Group("muon", 1, ze.MUON.title, (*ze.MUON.patterns, original), ze.MUON.notes, template=ze.MUON.template)
     with pytest.raises(zb.BuildError, match="already exist in the upstream"):
-        _fake_export(tmp_path, extra={"deepspeed/runtime/zero/muon/original_muon.py": "# ours\n"})
+        _fake_export(tmp_path, extra={original: "# ours\n"}, groups=(muon, *ze.GROUPS[1:]))
+
+
+def test_fake_universal_group_claims_its_coming_files(tmp_path):
+    # ZeRO-1/2 module and patches 0008/0009 and more test files: the universal pull request's, not muon's
+    patches = f"patches/{FAKE_BASE}"
+    extra = {
+        "deepspeed/runtime/zero/muon/universal_zero12.py": _doc_module("ZeRO-1/2 universal loading of Muon state."),
+        f"{patches}/0008-engine-resize-names-universal-checkpoint.patch": _stage3_patch((28, "names load_universal")),
+        UNIVERSAL_TEST.replace(".py", "_zero12.py"): _doc_module("ZeRO-1/2.") +
+        "from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun\n",
+    }
+    result, _, _ = _fake_export(tmp_path, extra=extra)
+    (tmp_path / "plain").mkdir()
+    universal = result.pull_requests[3]
+    assert universal.stem == "4-universal-checkpoint"
+    assert set(extra) <= set(universal.sources)
+    assert not [p for p in result.pull_requests[0].sources if "universal" in p]
+    assert "(stacked on this one for its tests)" in " ".join(result.pull_requests[0].text_path.read_text().split())
+    # the engine's sentences come with 0008; the ZeRO-1/2 one only with 0009
+    text = " ".join(universal.text_path.read_text().split())
+    assert "bare world-size mismatch" in text and "names `ds_to_universal`" in text and "ZeRO-1/2: the universal" not in text
+    plain = _fake_export(tmp_path / "plain")[0].pull_requests[3].text_path.read_text()
+    assert "bare world-size mismatch" not in plain and "names `ds_to_universal`" not in plain
+
+
+def test_fake_undeclared_or_stale_test_dependency_stops_the_export(tmp_path):
+    # a grad-window test importing the muon helpers: its group does not declare that
+    window = "tests/unit/runtime/zero/test_zero3_grad_partition_window.py"
+    (tmp_path / "undeclared").mkdir()
+    (tmp_path / "stale").mkdir()
+    with pytest.raises(ze.ExportError, match="pull request '2-grad-window' import files of \\['muon'\\] but its "
+                       "tests_need says none") as err:
+        _fake_export(tmp_path / "undeclared", extra={window: "from unit.runtime.zero.zero3_muon_helpers import X\n"})
+    assert f"{window} imports tests/unit/runtime/zero/zero3_muon_helpers.py" in str(err.value)
+    # the universal test no longer importing them: the declaration is stale
+    with pytest.raises(ze.ExportError, match="'4-universal-checkpoint' import files of no other group but its "
+                       "tests_need says \\['muon'\\]"):
+        _fake_export(tmp_path / "stale", extra={UNIVERSAL_TEST: _doc_module("Standalone.")})
