@@ -23,8 +23,11 @@ micro-batches of every rank make up a step), ``--gradient_accumulation_steps 4
 Besides the Trainer's own output (``--output_dir``: ``model.safetensors`` full fp32 weights,
 gathered from the ZeRO-3 partitions on save), rank 0 writes ``zero3muon_run.json``: which
 optimizer and ZeRO stage DeepSpeed really ran (checked at the start of training: the run stops
-if the Trainer did not hand the optimizer to DeepSpeed), the loss of every optimizer step, and
-the patched build's Muon counters per rank.
+if the Trainer did not hand the optimizer to DeepSpeed), the loss and learning rate of every
+optimizer step, a checksum of each step's global batch, the norms of the optimizer's state
+(Muon momentum, Adam moments) when training starts and after every step, and the patched
+build's Muon counters per rank. The last three show what a resumed run
+(``--resume_from_checkpoint``, README.md) picked up: the samples, the state, the schedule.
 """
 import dataclasses
 import importlib.util
@@ -62,6 +65,8 @@ RESULT_FILE = "zero3muon_run.json"
 # Counters the patched build keeps on `engine.optimizer.muon_boundary.stats` (cumulative, per rank).
 BOUNDARY_FIELDS = ("optimizer_steps", "ns_calls", "elements_sent", "elements_received", "bytes_sent",
                    "bytes_received")
+# Per-parameter optimizer states whose norms the run report follows: Muon's momentum, Adam's moments.
+STATE_NORM_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 
 
 @dataclasses.dataclass
@@ -186,9 +191,13 @@ class RunRecorder(TrainerCallback):
         self.facts = None
         self.losses = {}  # optimizer step -> mean token loss over the global batch (as the Trainer logs it)
         self.grad_norms = {}
+        self.learning_rates = {}  # optimizer step -> learning rate of the Muon group (as the Trainer logs it)
+        self.state_norms = {}  # optimizer step -> {state: global norm}, from the step training starts at
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.facts = engine_facts(self.trainer)
+        # After --resume_from_checkpoint has loaded the checkpoint: the state the run starts from.
+        self.state_norms[state.global_step] = optimizer_state_norms(self.trainer)
         if args.process_index == 0:
             f = self.facts
             print(f"[hf_trainer] DeepSpeed {f['deepspeed']}: ZeRO-{f['zero_stage']} {f['engine_optimizer']} over "
@@ -197,24 +206,70 @@ class RunRecorder(TrainerCallback):
                   f"{f['gradient_accumulation_steps']} x micro-batch {f['train_micro_batch_size_per_gpu']} "
                   f"x {args.world_size} ranks", flush=True)
 
+    def on_step_end(self, args, state, control, **kwargs):
+        self.state_norms[state.global_step] = optimizer_state_norms(self.trainer)
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses[state.global_step] = float(logs["loss"])
             if "grad_norm" in logs:
                 self.grad_norms[state.global_step] = float(logs["grad_norm"])
+            if "learning_rate" in logs:
+                self.learning_rates[state.global_step] = float(logs["learning_rate"])
 
 
 class CountingTrainer(Trainer):
-    """``Trainer`` that also records the ``num_items_in_batch`` of each optimizer step (for the run report)."""
+    """``Trainer`` that also records, per optimizer step, ``num_items_in_batch`` and a checksum of the
+    step's global batch (for the run report)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.num_items_per_step = []
+        self.batch_checksums = []
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         self.num_items_per_step.append(None if num_items is None else float(num_items))
+        self.batch_checksums.append(global_batch_checksum(batch_samples))
         return batch_samples, num_items
+
+
+def global_batch_checksum(batch_samples):
+    """A checksum of the windows in one optimizer step's global batch, the same for any split. Collective.
+
+    ``sum over windows and positions j of input_ids[j] * (j + 1)``, summed over the step's
+    micro-batches (``input_ids``: int64 ``[micro, seq_len]``) and all ranks, in float64 (exact:
+    far below 2**53). It does not depend on how the global batch is cut into ranks and
+    micro-batches, so two runs that train a step on the same windows give the same number, and
+    a resumed run shows whether the Trainer skipped exactly the windows already trained.
+    """
+    local = torch.zeros((), dtype=torch.float64)
+    for micro_batch in batch_samples:
+        ids = micro_batch["input_ids"].to("cpu", torch.float64)
+        local += (ids * torch.arange(1, ids.shape[-1] + 1, dtype=torch.float64)).sum()
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(local)
+    return float(local)
+
+
+def optimizer_state_norms(trainer):
+    """``{state: global L2 norm}`` of the optimizer's per-parameter states (``STATE_NORM_KEYS``). Collective.
+
+    Under ZeRO-3 each rank holds a 1/W partition of every state (fp32 flat tensors, zero
+    padding): the squares are summed over the local partitions in float64 and all-reduced, so
+    the norm is that of the whole state, independent of W. A state the optimizer does not hold
+    (before its first step, or ``exp_avg`` without an Adam group) is 0.0.
+    """
+    inner = trainer.model_wrapped.optimizer.optimizer
+    squares = torch.zeros(len(STATE_NORM_KEYS), dtype=torch.float64)
+    for per_param in inner.state.values():
+        for i, key in enumerate(STATE_NORM_KEYS):
+            value = per_param.get(key)
+            if torch.is_tensor(value) and value.dim() > 0:
+                squares[i] += value.detach().to("cpu", torch.float64).pow(2).sum()
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(squares)
+    return dict(zip(STATE_NORM_KEYS, squares.sqrt().tolist()))
 
 
 def boundary_stats(trainer):
@@ -287,7 +342,8 @@ def main(argv=None):
     recorder = RunRecorder(trainer)
     trainer.add_callback(recorder)
     t_ready = time.perf_counter()
-    train_output = trainer.train()
+    # TrainingArguments only carries --resume_from_checkpoint; the script hands it to train(), as HF's examples do.
+    train_output = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     t_trained = time.perf_counter()
 
     per_rank = boundary_stats(trainer)
@@ -305,7 +361,13 @@ def main(argv=None):
             "losses": [recorder.losses[s] for s in sorted(recorder.losses)],
             "loss_steps": sorted(recorder.losses),
             "grad_norms": [recorder.grad_norms[s] for s in sorted(recorder.grad_norms)],
+            "learning_rates": [recorder.learning_rates[s] for s in sorted(recorder.learning_rates)],
             "num_items_in_batch": trainer.num_items_per_step,
+            "batch_checksums": trainer.batch_checksums,
+            # {optimizer step: {state: norm}}: the first key is the step training started at (0, or the
+            # resumed checkpoint's), measured after the checkpoint was loaded
+            "optimizer_state_norms": {str(k): v for k, v in sorted(recorder.state_norms.items())},
+            "resumed_from": args.resume_from_checkpoint,
             "boundary_stats": per_rank,
             "train_loss": train_output.training_loss,
             "seconds_setup": t_ready - T_START,

@@ -60,11 +60,9 @@ STEPS = 6
 GLOBAL_BATCH = 16
 SEQ_LEN = 64
 COMMON = [
-    "--deepspeed", str(EXAMPLE / "ds_config.json"),
     "--max_steps", str(STEPS),
     "--learning_rate", "3e-3",
     "--logging_steps", "1",
-    "--save_strategy", "no",
     "--report_to", "none",
     "--disable_tqdm", "true",
     "--seq_len", str(SEQ_LEN),
@@ -73,18 +71,22 @@ COMMON = [
 ]
 
 
-def launch(launcher, out, gas, micro, pin_fp32_ns):
-    """Run ``train.py`` on 2 ranks; ``pin_fp32_ns``: through ``ns_fp32_launch.py``. Returns its
-    ``zero3muon_run.json`` plus ``output`` (stdout and stderr) and ``seconds_wall``."""
-    args = [*COMMON, "--output_dir", str(out), "--gradient_accumulation_steps", str(gas),
-            "--per_device_train_batch_size", str(micro)]
+def launch(launcher, out, gas, micro, pin_fp32_ns, nproc=2, ds_config="ds_config.json",
+           extra=("--save_strategy", "no")):
+    """Run ``train.py`` on ``nproc`` ranks (``accelerate``: the yaml's 2) with ``--deepspeed
+    EXAMPLE/ds_config`` and ``COMMON`` plus ``extra`` arguments; ``pin_fp32_ns``: through
+    ``ns_fp32_launch.py``. Returns its ``zero3muon_run.json`` plus ``output`` (stdout and stderr)
+    and ``seconds_wall``; fails the test if the launch does."""
+    args = [*COMMON, "--deepspeed", str(EXAMPLE / ds_config), *extra, "--output_dir", str(out),
+            "--gradient_accumulation_steps", str(gas), "--per_device_train_batch_size", str(micro)]
     script = [str(EXAMPLE / "train.py")]
     if pin_fp32_ns:
         script = [str(NS_FP32_LAUNCH), *script]
     if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                str(free_port()), *script, *args]
     else:
+        assert nproc == 2, "accelerate_config.yaml launches 2 processes"
         cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
                str(EXAMPLE / "accelerate_config.yaml"), "--main_process_port", str(free_port()), *script, *args]
     env = dict(os.environ, DS_ACCELERATOR="cpu", TORCHDYNAMO_DISABLE="1", PYTHONSAFEPATH="1", OMP_NUM_THREADS="1")
