@@ -93,6 +93,7 @@ MUON = Group(
         "deepspeed/runtime/zero/muon/*",
         "patches/*/0001-*.patch",
         "patches/*/0004-*.patch",
+        "patches/*/*-engine-resize-names-universal-checkpoint.patch",
         "tests/unit/runtime/zero/test_zero3_muon_*.py",
         "tests/unit/runtime/zero/zero3_muon_*.py",
     ),
@@ -125,6 +126,11 @@ MUON = Group(
             "0.19.7": " Also adds 0.19.8's `ns_compute_dtype` (the dtype each NS method computes in).",
             "0.19.8": " `_per_head_orthogonalize` takes its shape check from `muon_ns_problem`.",
         },
+        "deepspeed/runtime/engine.py":
+        "loading a regular ZeRO checkpoint at another data-parallel world size raises "
+        "`universal_checkpoint.resize_error`: upstream's error with both world sizes, plus the `ds_to_universal` "
+        "command for this checkpoint and `\"checkpoint\": {\"load_universal\": true}`; under ZeRO-3 also on the "
+        "ranks the saving run did not have (they failed on an empty file list in the state-dict loader).",
     },
     template="pr_muon.md",
 )

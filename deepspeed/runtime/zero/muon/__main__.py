@@ -32,6 +32,9 @@ PATCH_MARKERS = (
     ("0004", "runtime/zero/muon/original_muon.py", "def muon_momentum_step_", None),  # muon_update split
     # 0.19.8's fix, backported: the coalesced parameter all-gather waits on every handle
     ("0005", "runtime/zero/partition_parameters.py", "for handle in launch_handles:", ("0.19.7", )),
+    # a regular checkpoint at another world size: the error names the universal checkpoint
+    ("0007", "runtime/engine.py", "import raise_if_saved_at_another_world_size", ("0.19.8", )),
+    ("0008", "runtime/engine.py", "import raise_if_saved_at_another_world_size", ("0.19.7", )),
 )
 MODE = "owner-centric at the accumulation boundary"
 
