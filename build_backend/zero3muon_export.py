@@ -212,8 +212,10 @@ UNIVERSAL = Group(
         "state whose element count or shape does not fit its parameter, naming the parameter's folder "
         "(`check_loaded_state`).",
         "deepspeed/runtime/engine.py":
-        "a regular checkpoint loaded at another data-parallel world size fails with a message naming "
-        "`ds_to_universal` and `\"checkpoint\": {\"load_universal\": true}` (it was a bare world-size mismatch).",
+        "loading a regular ZeRO checkpoint at another data-parallel world size raises "
+        "`universal_checkpoint.resize_error`: upstream's error with both world sizes, plus the `ds_to_universal` "
+        "command for this checkpoint and `\"checkpoint\": {\"load_universal\": true}`; under ZeRO-3 also on the "
+        "ranks the saving run did not have (they failed on an empty file list in the state-dict loader).",
         "deepspeed/runtime/zero/stage_1_and_2.py":
         "the ZeRO-1/2 universal-checkpoint loader restores Muon's optimizer state (`momentum_buffer`) as it "
         "restores Adam's moments.",

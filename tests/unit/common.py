@@ -34,6 +34,7 @@ unit/runtime/zero/test_zero3_muon_gas.py`` (LOCAL_SIZE: the CPU accelerator's de
 which DeepSpeed's DistributedTest compares with the world size).
 """
 
+import glob
 import inspect
 import multiprocessing
 import multiprocessing.connection
@@ -103,6 +104,7 @@ class _RankPool:
         with socket.socket() as sock:  # because DeepSpeed looks for it before it uses init_method
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
+        self.port = port
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
@@ -175,6 +177,10 @@ class _RankPool:
         for conn in self.conns:
             conn.close()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
+        # DeepSpeed's CPU shared-memory allreduce leaves one buffer file per rank (about 70 MB)
+        # in /dev/shm, named after the process group's master port; the processes are gone now.
+        for leftover in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{self.port}_*"):
+            os.remove(leftover)
 
 
 _POOLS = {}

@@ -32,6 +32,11 @@ PATCH_MARKERS = (
     ("0004", "runtime/zero/muon/original_muon.py", "def muon_momentum_step_", None),  # muon_update split
     # 0.19.8's fix, backported: the coalesced parameter all-gather waits on every handle
     ("0005", "runtime/zero/partition_parameters.py", "for handle in launch_handles:", ("0.19.7", )),
+    # universal checkpoints: every ZeRO-3 optimizer state converted, loaded per sub-group
+    ("0006", "checkpoint/ds_to_universal.py", "zero3_sub_group_states", None),
+    ("0007", "runtime/zero/stage3.py", "restore_zero3_optimizer_state", None),
+    # a regular checkpoint at another world size: the error names the universal checkpoint
+    ("0008", "runtime/engine.py", "import raise_if_saved_at_another_world_size", None),
 )
 MODE = "owner-centric at the accumulation boundary"
 
