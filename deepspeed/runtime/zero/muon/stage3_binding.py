@@ -261,8 +261,12 @@ class Zero3MuonBoundary:
                     f"{len(self.sub_groups)} sub-group(s), {buckets} bucket(s) of at most "
                     f"{self.optimizer.reduce_bucket_size} elements; owner NS cost max/mean {imbalance:.3f}")
 
-    def _momentum(self, sub_group_id, like: torch.Tensor) -> torch.Tensor:
-        """The sub-group's fp32 momentum partition (created zero if missing, upcast if not fp32)."""
+    def momentum_partition(self, sub_group_id, like: torch.Tensor) -> torch.Tensor:
+        """The sub-group's fp32 momentum partition (1-D, ``fp16_partitioned_groups_flat_numel``
+        elements, on ``like``'s device): created zero if missing, upcast if not fp32 (a checkpoint of
+        stock 0.19.8 keeps it in bf16). The same tensor is kept in the optimizer state under
+        ``MOMENTUM_KEY`` (and with ``save_muon_momentum_buffer_in_memory`` in the optimizer's
+        in-memory table), so checkpoints save it."""
         opt = self.optimizer
         fp32_partition = opt.fp32_partitioned_groups_flat[sub_group_id]
         numel = opt.fp16_partitioned_groups_flat_numel[sub_group_id]
@@ -317,7 +321,7 @@ class Zero3MuonBoundary:
             return
         settings = _MuonSettings.of(self._param_group(sub_group_id))
         grad_flat = self.optimizer.fp32_partitioned_groups_flat[sub_group_id].grad
-        momentum_flat = self._momentum(sub_group_id, grad_flat)
+        momentum_flat = self.momentum_partition(sub_group_id, grad_flat)
         finite = self._finite_flags(sg, grad_flat)
         to_owner = momentum_step_(grad_flat, momentum_flat, sg.slices, settings.momentum, settings.nesterov, finite)
         update_dtype = original_muon.ns_compute_dtype(settings.ns_method)  # sent back without loss

@@ -615,8 +615,13 @@ class Zero3MuonRun:
             ``deepspeed.zero.Init``. overlap: ``Zero3MuonBoundary.overlap`` (next bucket's
             exchange in flight while the owner orthogonalizes this one).
         overflow_steps: steps whose first micro-batch is scaled by OVERFLOW_FACTOR.
-        restart_after: after that many steps, ``save_checkpoint``, a fresh engine,
-            ``load_checkpoint``, go on (needs ``train(checkpoint_dir=...)``).
+        restart_after: after that many steps, ``save_checkpoint`` (tag ``restart``), a fresh
+            engine, ``load_checkpoint``, go on (needs ``train(checkpoint_dir=...)``); equal to
+            ``steps``: save at the end and stop.
+        universal: checkpoints go through ``ds_to_universal`` (tag ``restart_universal``,
+            converted on rank 0) and load with ``"checkpoint": {"load_universal": true}``.
+        resume_from: start at this step from the checkpoint a run with ``restart_after`` equal
+            to it saved in ``checkpoint_dir`` (at any world size when ``universal``).
         momentum_to_bf16: before that ``load_checkpoint``, store the checkpoint's Muon momentum in
             bf16, as stock 0.19.8 writes it under bf16 training.
     """
@@ -641,6 +646,8 @@ class Zero3MuonRun:
     overflow_steps: tuple = ()
     restart_after: Optional[int] = None
     momentum_to_bf16: bool = False
+    universal: bool = False
+    resume_from: Optional[int] = None
 
     def with_(self, **changes) -> "Zero3MuonRun":
         return dataclasses.replace(self, **changes)
@@ -703,6 +710,18 @@ class Zero3MuonRun:
         with fp32_newton_schulz():
             return self._train(checkpoint_dir, nvme_dir, record)
 
+    def _save(self, engine, checkpoint_dir, rank):
+        """``save_checkpoint`` (tag ``restart``); stock 0.19.8's bf16 momentum if asked; the
+        universal conversion if asked (on rank 0). Collective."""
+        import torch.distributed as dist
+        engine.save_checkpoint(checkpoint_dir, tag="restart")
+        dist.barrier()
+        if self.momentum_to_bf16:
+            _momentum_to_bf16(checkpoint_dir, "restart", rank)
+        dist.barrier()
+        if self.universal:
+            convert_to_universal(checkpoint_dir, "restart")
+
     def _train(self, checkpoint_dir, nvme_dir, record):
         import torch.distributed as dist
         from torch._dynamo.utils import counters
@@ -712,19 +731,25 @@ class Zero3MuonRun:
         input_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.dtype]
         micro = self.samples // (world_size * self.gas)
         ns_per_step, ns_off_boundary, norms, loss_scales = [], 0, [], []
+        load_config = dict(config, checkpoint={"load_universal": True}) if self.universal else config
+        load_tag = "restart_universal" if self.universal else "restart"
+        loaded_state = None
         with NSCounter() as counter:
-            engine = self.build_engine(config)
+            engine = self.build_engine(config if self.resume_from is None else load_config)
+            if self.resume_from is not None:
+                engine.load_checkpoint(checkpoint_dir, tag=load_tag)
+                loaded_state = gathered_optimizer_state(engine)
             recorder = Recorder(engine) if record else None
-            for step in range(self.steps):
+            for step in range(self.resume_from or 0, self.steps + 1):
                 if step == self.restart_after:
-                    engine.save_checkpoint(checkpoint_dir, tag="restart")
-                    dist.barrier()
-                    if self.momentum_to_bf16:
-                        _momentum_to_bf16(checkpoint_dir, "restart", rank)
-                    dist.barrier()
+                    self._save(engine, checkpoint_dir, rank)
+                    if step == self.steps:
+                        break
                     engine.destroy()
-                    engine = self.build_engine(config)
-                    engine.load_checkpoint(checkpoint_dir, tag="restart")
+                    engine = self.build_engine(load_config)
+                    engine.load_checkpoint(checkpoint_dir, tag=load_tag)
+                if step == self.steps:
+                    break
                 x, y = step_batch(self.model, step, self.target_scale, self.samples)
                 if recorder is not None:
                     recorder.begin_step()
@@ -754,6 +779,8 @@ class Zero3MuonRun:
         dist.all_gather_object(per_rank, local)
         result = Zero3MuonResult(
             weights=gathered_weights(engine),
+            optimizer_state=gathered_optimizer_state(engine) if self.stage == 3 else None,
+            loaded_state=loaded_state,
             norms=norms,
             loss_scales=loss_scales,
             per_rank=[types.SimpleNamespace(**r) for r in per_rank],
@@ -782,6 +809,9 @@ class Zero3MuonResult:
             counters as a dict, or None without one), ``dynamo_graphs`` (graphs TorchDynamo
             compiled during the run: 0 when it is disabled).
         final_momentum_dtypes: dtypes of the Muon momentum buffers at the end (ZeRO-3).
+        optimizer_state: ZeRO-3: ``gathered_optimizer_state`` at the end.
+        loaded_state: with ``resume_from``, ``gathered_optimizer_state`` right after
+            ``load_checkpoint``.
         muon_num_heads: ``muon_num_heads`` by parameter name, as DeepSpeed tagged them.
         records / momentum_dtypes: with ``train(record=True)``, ``(Recorder.steps,
             Recorder.initial_master)`` and ``Recorder.momentum_dtypes``.
@@ -792,6 +822,8 @@ class Zero3MuonResult:
     per_rank: list
     final_momentum_dtypes: list
     muon_num_heads: dict
+    optimizer_state: Optional[dict] = None
+    loaded_state: Optional[dict] = None
     records: Optional[tuple] = None
     momentum_dtypes: Optional[list] = None
 
@@ -810,6 +842,43 @@ class Zero3MuonResult:
         boundary, none off the boundary."""
         assert self.ns_per_step() == [problems] * steps, self.ns_per_step()
         assert self.ns_off_boundary() == 0
+
+
+def convert_to_universal(checkpoint_dir, tag) -> str:
+    """``ds_to_universal`` of ``checkpoint_dir/tag`` into ``checkpoint_dir/<tag>_universal``, run
+    on rank 0 as upstream's tests do (one worker, no child processes); collective. Returns the
+    output folder."""
+    import torch.distributed as dist
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+    output = os.path.join(checkpoint_dir, f"{tag}_universal")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        ds_to_universal(
+            types.SimpleNamespace(input_folder=os.path.join(checkpoint_dir, tag), output_folder=output,
+                                  num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                  inject_missing_state=False))
+    dist.barrier()
+    return output
+
+
+def gathered_optimizer_state(engine) -> dict:
+    """A ZeRO-3 engine's per-parameter optimizer state, whole: ``{(name, key): ndarray}`` for
+    ``key`` "fp32" (the master weights) and each flat state of the parameter's sub-group
+    (``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``) in the parameter's shape, as fp32
+    (exact for fp32 and bf16 states), plus ``(name, "step")`` where the sub-group has a step. Collective."""
+    opt = engine.optimizer
+    state = {}
+    for sub_group_id, params in enumerate(opt.fp16_groups):
+        fp32 = opt.fp32_partitioned_groups_flat[sub_group_id]
+        flats = {"fp32": fp32, **opt.optimizer.state.get(fp32, {})}
+        for key, flat in sorted(flats.items()):
+            for param in params:
+                name = opt.param_names[param]
+                if key == "step":
+                    state[name, key] = flat.item() if torch.is_tensor(flat) else flat
+                else:
+                    state[name, key] = _full(opt, sub_group_id, flat, param)
+    return state
 
 
 def _momentum_to_bf16(checkpoint_dir, tag, rank):
