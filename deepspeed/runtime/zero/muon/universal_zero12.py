@@ -23,9 +23,10 @@ the stage keeps it so, but not where ZeRO-1/2 keeps Muon's momentum itself:
 - ``DeepSpeedZeroOptimizer`` with ``offload_optimizer`` and ``BF16_Optimizer`` (bf16 with
   ``data_types.grad_accum_dtype`` fp32 at stage 1) of DeepSpeed 0.19.8 keep it in the partition
   layout, and upstream's loader restores it as it is.
-- In DeepSpeed 0.19.7 those two paths never orthogonalize nor keep a momentum (Muon groups take
-  the plain gradient step), so a checkpoint's momentum has nowhere to go: loading refuses,
-  naming the stage and the config key (``unsupported_reason``).
+- In DeepSpeed 0.19.7, stage 1/2 with ``offload_optimizer`` never orthogonalizes nor keeps a
+  momentum (Muon groups take the plain gradient step), so a checkpoint's momentum has nowhere to
+  go: loading refuses, naming the stage and the config key (``unsupported_reason``). Its
+  BF16_Optimizer with Muon is refused at ``deepspeed.initialize`` already.
 
 In every case a Muon parameter whose folder has no ``momentum_buffer.pt`` is refused rather than
 restarted from zero, and the checkpoint's parameter groups must pair with the engine's one to
@@ -68,20 +69,17 @@ def unsupported_reason(zero_optimizer) -> Optional[str]:
         zero_optimizer: a ``DeepSpeedZeroOptimizer`` (stage 1/2) or a ``BF16_Optimizer``.
 
     Returns:
-        a sentence naming the stage and the config key, for the two 0.19.7 paths that keep no
-        Muon momentum (their Muon groups take the plain gradient as the update); None otherwise.
+        a sentence naming the stage and the config key for DeepSpeed 0.19.7's stage 1/2 with
+        ``offload_optimizer``, which keeps no Muon momentum (its Muon groups take the plain
+        gradient as the update; 0.19.7 refuses that only with ``reduce_scatter`` on); None
+        otherwise. (0.19.7 refuses Muon with its BF16_Optimizer at ``deepspeed.initialize``.)
     """
     base = zero_optimizer.optimizer
     if not _is_muon(base) or not _muon_group_indices(base):
         return None
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     if isinstance(zero_optimizer, BF16_Optimizer):
-        if not hasattr(zero_optimizer, "_prepare_muon_updates"):
-            return ("ZeRO stage 1 with bf16 and data_types.grad_accum_dtype fp32 runs DeepSpeed's BF16_Optimizer, "
-                    "which in this DeepSpeed version applies no Muon update and keeps no Muon momentum, so the "
-                    "checkpoint's momentum cannot be restored. Load it with data_types.grad_accum_dtype bf16, "
-                    "at ZeRO stage 2, or at ZeRO stage 3.")
-        return None
+        return None  # 0.19.8 keeps the momentum (partition layout); 0.19.7 refuses Muon at initialize
     if getattr(zero_optimizer, "cpu_offload", False) and not hasattr(zero_optimizer,
                                                                       "_apply_muon_updates_cpu_offload"):
         return (f"{_stage_name(zero_optimizer)} with zero_optimization.offload_optimizer applies no Muon update "
@@ -102,6 +100,17 @@ def _lp_groups(zero_optimizer):
     return zero_optimizer.bf16_groups if isinstance(zero_optimizer, BF16_Optimizer) else zero_optimizer.bit16_groups
 
 
+def _never_stepped(zero_optimizer, zero_folder) -> bool:
+    """Whether the checkpoint holds no optimizer state for any of this engine's parameters (saved
+    before the first optimizer step): every parameter folder has only ``fp32.pt`` (and ``step.pt``)."""
+    for group in _lp_groups(zero_optimizer):
+        for lp in group:
+            folder = os.path.join(zero_folder, zero_optimizer.param_names[lp])
+            if {os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.pt"))} - {"fp32.pt", "step.pt"}:
+                return False
+    return True
+
+
 def check_before_load(zero_optimizer, checkpoint_folder) -> None:
     """Refuse, before anything is loaded, a universal checkpoint whose Muon state cannot be restored.
 
@@ -113,7 +122,8 @@ def check_before_load(zero_optimizer, checkpoint_folder) -> None:
         ValueError: ``unsupported_reason``; the checkpoint has another number of parameter groups
             or a group with another ``use_muon`` than the engine (the loader pairs them by
             position); a Muon parameter's folder has no ``momentum_buffer.pt`` (its momentum
-            would restart at zero).
+            would restart at zero) although the checkpoint holds optimizer state (one saved
+            before the first step has none, and loads as a fresh start).
     """
     base = zero_optimizer.optimizer
     if not _is_muon(base):
@@ -130,6 +140,8 @@ def check_before_load(zero_optimizer, checkpoint_folder) -> None:
         raise ValueError(f"Cannot load the universal checkpoint {checkpoint_folder}: its parameter groups "
                          f"(use_muon per group: {theirs}) do not pair with this engine's ({ours}); build the "
                          "engine with the model_parameters groups the checkpoint was trained with.")
+    if _never_stepped(zero_optimizer, zero_folder):
+        return
     missing = []
     for i in _muon_group_indices(base):
         for lp in _lp_groups(zero_optimizer)[i]:
@@ -162,8 +174,9 @@ def restore_momentum(zero_optimizer, checkpoint_folder) -> None:
     partition's device), and the partition-layout views upstream's loader linked into the
     parameters' ``_hp_mapping.optim_fragment`` are dropped (they pointed at the replaced tensor;
     a fresh engine links none either, its momentum not being partition-shaped). A group with no
-    parameter here gets no momentum, as in a fresh engine. Elsewhere (partition layout) upstream's
-    loader already restored it; this only checks it is there.
+    parameter here, or a checkpoint saved before the first step, gets no momentum, as in a fresh
+    engine. Elsewhere (partition layout) upstream's loader already restored it; this only checks
+    that it is there.
 
     Raises:
         RuntimeError: a Muon group ended up without momentum where the stage expects one.
@@ -172,13 +185,17 @@ def restore_momentum(zero_optimizer, checkpoint_folder) -> None:
     if not _is_muon(base):
         return
     zero_folder = os.path.join(checkpoint_folder, "zero")
+    if _never_stepped(zero_optimizer, zero_folder):
+        return
     for i in _muon_group_indices(base):
         flat = base.param_groups[i]["params"][0]
         state = base.state[flat]
         if not _momentum_layout_is_whole_params(zero_optimizer):
-            if MOMENTUM_KEY not in state or state[MOMENTUM_KEY].shape != flat.shape:
-                raise RuntimeError(f"Muon group {i}: the universal loader restored no partition-shaped "
-                                   f"{MOMENTUM_KEY} (got {state.get(MOMENTUM_KEY, None)!r:.60}).")
+            got = state.get(MOMENTUM_KEY)
+            if got is None or got.shape != flat.shape:
+                raise RuntimeError(f"Muon parameter group {i}: the universal loader restored no {MOMENTUM_KEY} of "
+                                   f"the partition's shape {tuple(flat.shape)} (got "
+                                   f"{'none' if got is None else tuple(got.shape)}).")
             continue
         for lp in _lp_groups(zero_optimizer)[i]:
             mapping = getattr(lp, "_hp_mapping", None)
