@@ -137,7 +137,8 @@ def check_loaded_state(param: torch.nn.Parameter, folder: str, key: str, loaded:
     shape = tuple(param.ds_shape)
     whole = stored.get(PARAM) if isinstance(stored, dict) else stored
     stored_shape = tuple(whole.shape) if torch.is_tensor(whole) else (loaded.numel(), )
-    misshapen = torch.is_tensor(whole) and whole.numel() == loaded.numel() and whole.dim() > 1 and stored_shape != shape
+    whole_param = torch.is_tensor(whole) and whole.numel() == loaded.numel()
+    misshapen = whole_param and whole.dim() > 1 and stored_shape != shape
     if loaded.numel() != param.ds_numel or misshapen:
         raise ValueError(f"Universal checkpoint {folder}: '{key}' has shape {stored_shape}, but the parameter has "
                          f"shape {shape} ({param.ds_numel} elements). The checkpoint does not belong to this model "
@@ -216,11 +217,11 @@ def restore_zero3_optimizer_state(optimizer, zero_dir: str, optim_sd: dict) -> N
     checkpoint into a ZeRO-3 optimizer at its own world size.
 
     Every sub-group's flat fp32 partition and each state its parameters hold in the checkpoint
-    (``momentum_buffer`` of Muon sub-groups, written into the momentum partition the boundary
-    update uses; ``exp_avg``/``exp_avg_sq`` of Adam ones) are rebuilt from the parameters'
-    folders, partitioned for this rank by upstream's ``load_hp_checkpoint_state``; the step
-    count is set where the checkpoint has one; each optimizer parameter group gets the saved
-    settings of the group with the same index.
+    (``momentum_buffer`` of Muon sub-groups, ``exp_avg``/``exp_avg_sq`` of Adam ones; copied into
+    the state's tensor where it has one of that size, so that it keeps its dtype and device) are
+    rebuilt from the parameters' folders, partitioned for this rank by upstream's
+    ``load_hp_checkpoint_state``; the step count is set where the checkpoint has one; each
+    optimizer parameter group gets the saved settings of the group with the same index.
 
     Args:
         optimizer: ``DeepSpeedZeroOptimizer_Stage3``.
@@ -233,8 +234,7 @@ def restore_zero3_optimizer_state(optimizer, zero_dir: str, optim_sd: dict) -> N
     """
     saved = optim_sd[OPTIMIZER_STATE_DICT]
     never_stepped = not saved.get("state")
-    muon_sub_groups = getattr(optimizer, "sub_groups_using_muon", None) if getattr(optimizer, "use_muon", False) else None
-    boundary = getattr(optimizer, "muon_boundary", None)
+    muon_sub_groups = optimizer.sub_groups_using_muon if getattr(optimizer, "use_muon", False) else None
     for sub_group_id, params in enumerate(optimizer.fp16_groups):
         missing = [p for p in params if p not in optimizer.param_names]
         if missing:
@@ -254,10 +254,15 @@ def restore_zero3_optimizer_state(optimizer, zero_dir: str, optim_sd: dict) -> N
                 offset += part.numel()
             if key == FP32:
                 fp32_partition.data.copy_(flat)
-            elif key == MOMENTUM and boundary is not None:
-                boundary.momentum_partition(sub_group_id, fp32_partition).copy_(flat)
+                continue
+            state = optimizer.optimizer.state.setdefault(fp32_partition, {})
+            current = state.get(key)
+            if torch.is_tensor(current) and current.shape == flat.shape:
+                # In place: the Muon momentum may also be held elsewhere (the in-memory table of
+                # save_muon_momentum_buffer_in_memory) and keeps its dtype and device.
+                current.copy_(flat)
             else:
-                optimizer.optimizer.state.setdefault(fp32_partition, {})[key] = flat
+                state[key] = flat
         if step is not None:
             optimizer.optimizer.state.setdefault(fp32_partition, {})[STEP] = step
     _restore_param_groups(optimizer.optimizer.param_groups, saved[PARAM_GROUPS])

@@ -191,3 +191,44 @@ class TestZero3MuonUniversalRefusals(DistributedTest):
         engine = run.build_engine(config)
         engine.load_checkpoint(str(tmp_path), tag="restart_universal")
         engine.destroy()
+
+
+# The conversion's pieces on hand-made ZeRO-3 files (one process).
+
+
+def _optimizer_file(fp32, state):
+    return {"fp32_flat_groups": [fp32], "optimizer_state_dict": {"state": {0: state}, "param_groups": []}}
+
+
+def test_sub_group_states_upcast_the_momentum_and_keep_the_step():
+    from deepspeed.runtime.zero.muon.universal_checkpoint import zero3_sub_group_states
+    fp32 = torch.arange(6, dtype=torch.float32)
+    momentum = torch.linspace(-1, 1, 6).bfloat16()
+    muon = zero3_sub_group_states(_optimizer_file(fp32, {"momentum_buffer": momentum}), 0)
+    assert sorted(muon) == ["fp32", "momentum_buffer"]
+    assert muon["momentum_buffer"].dtype == torch.float32 and torch.equal(muon["momentum_buffer"], momentum.float())
+    adam = zero3_sub_group_states(_optimizer_file(fp32, {"exp_avg": fp32 * 2, "exp_avg_sq": fp32 * 3, "step": 7}), 0)
+    assert sorted(adam) == ["exp_avg", "exp_avg_sq", "fp32", "step"] and adam["step"] == 7
+    assert zero3_sub_group_states({"fp32_flat_groups": [fp32], "optimizer_state_dict": {"state": {}}}, 0) == {
+        "fp32": fp32
+    }
+    with pytest.raises(ValueError, match="'momentum_buffer' of ZeRO-3 sub-group 0"):
+        zero3_sub_group_states(_optimizer_file(fp32, {"momentum_buffer": torch.zeros(2, 3)}), 0)
+
+
+def test_merge_writes_the_logical_shape_without_padding(tmp_path):
+    from deepspeed.runtime.zero.muon.universal_checkpoint import merge_zero3_param_states
+    weight = torch.arange(15, dtype=torch.float32).reshape(3, 5)  # 15 elements on 2 ranks: 8 + 7 (1 padding)
+    fragments = tmp_path / "tmp" / "w" / "0"
+    fragments.mkdir(parents=True)
+    for rank, part in enumerate(weight.flatten().split(8)):
+        torch.save(part.clone(), fragments / f"fp32.{rank:02d}")
+        torch.save(part.clone() * -1, fragments / f"momentum_buffer.{rank:02d}")
+        torch.save(4, fragments / f"step.{rank:02d}")
+    written = merge_zero3_param_states(str(tmp_path / "tmp" / "w"), str(tmp_path / "zero" / "w"), [3, 5])
+    assert written == ["fp32", "momentum_buffer", "step"]
+    assert torch.equal(torch.load(tmp_path / "zero" / "w" / "fp32.pt")["param"], weight)
+    assert torch.equal(torch.load(tmp_path / "zero" / "w" / "momentum_buffer.pt")["param"], -weight)
+    assert torch.load(tmp_path / "zero" / "w" / "step.pt") == 4
+    with pytest.raises(ValueError, match=r"hold 15 elements, the parameter's shape \(4, 5\) 20"):
+        merge_zero3_param_states(str(tmp_path / "tmp" / "w"), str(tmp_path / "zero" / "w2"), [4, 5])
