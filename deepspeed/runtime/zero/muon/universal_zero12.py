@@ -1,0 +1,271 @@
+# Copyright (c) 2026 The zero3muon authors
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Loading a universal checkpoint of a Muon run at ZeRO stage 1 or 2 (``"checkpoint":
+{"load_universal": true}``), in particular one converted from ZeRO-3 (the format is described in
+``deepspeed.runtime.zero.muon.universal_checkpoint``).
+
+Upstream's universal loader (``load_hp_checkpoint_state_from_checkpoint_dir``) restores every
+optimizer state file of a parameter's folder as this rank's fragment of the fp32 partition, so
+each state ends up in the *partition layout*: a flat tensor shaped like the group's fp32
+partition. That is right for Adam's ``exp_avg`` / ``exp_avg_sq`` and for Muon's momentum where
+the stage keeps it so, but not where ZeRO-1/2 keeps Muon's momentum itself:
+
+- ``DeepSpeedZeroOptimizer`` without optimizer offload (both bases) orthogonalizes in
+  ``get_flat_partition`` and keeps, per Muon parameter group, ``state[fp32 partition]
+  ["momentum_buffer"]``: the *whole* momentum of every parameter that overlaps the rank's
+  partition (``params_in_partition[group]``), flattened and concatenated in that order, so a
+  matrix split between two ranks has its full momentum on both (both run the same update on the
+  all-reduced gradient). Upstream's loader puts a partition-sized tensor there instead, which
+  ``get_flat_partition`` then reads at the wrong offsets (or past its end). ``restore_momentum``
+  rebuilds the buffer from the checkpoint's per-parameter ``momentum_buffer.pt`` files.
+- ``DeepSpeedZeroOptimizer`` with ``offload_optimizer`` and ``BF16_Optimizer`` (bf16 with
+  ``data_types.grad_accum_dtype`` fp32 at stage 1) of DeepSpeed 0.19.8 keep it in the partition
+  layout, and upstream's loader restores it as it is.
+- In DeepSpeed 0.19.7, stage 1/2 with ``offload_optimizer`` never orthogonalizes nor keeps a
+  momentum (Muon groups take the plain gradient step), so a checkpoint's momentum has nowhere to
+  go: loading refuses, naming the stage and the config key (``unsupported_reason``). Its
+  BF16_Optimizer with Muon is refused at ``deepspeed.initialize`` already.
+
+In every case a Muon parameter whose folder has no ``momentum_buffer.pt`` is refused rather than
+restarted from zero, and the checkpoint's parameter groups must pair with the engine's one to
+one with the same ``use_muon`` (upstream pairs them by position and copies every setting over).
+
+Stage 1/2 also read what a ZeRO-3 conversion does not hold in their form
+(``model_states_files``, ``checkpoint_version``).
+"""
+
+import glob
+import os
+from typing import Dict, List, Optional
+
+import torch
+
+MOMENTUM_KEY = "momentum_buffer"
+"""Optimizer-state key of Muon's momentum, at every stage, and the file name stem in a universal checkpoint."""
+
+OPTIMIZER_STATE_FILE = "optimizer_state.pt"
+"""The universal checkpoint's global optimizer state, ``<checkpoint>/zero/optimizer_state.pt``."""
+
+
+def _is_muon(optimizer) -> bool:
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    return isinstance(optimizer, MuonWithAuxAdam)
+
+
+def _stage_name(zero_optimizer) -> str:
+    return "ZeRO stage 2" if getattr(zero_optimizer, "partition_gradients", False) else "ZeRO stage 1"
+
+
+def _muon_group_indices(base_optimizer) -> List[int]:
+    return [i for i, group in enumerate(base_optimizer.param_groups) if group.get("use_muon", False)]
+
+
+def unsupported_reason(zero_optimizer) -> Optional[str]:
+    """Why this optimizer cannot take a checkpoint's Muon momentum, or None if it can.
+
+    Args:
+        zero_optimizer: a ``DeepSpeedZeroOptimizer`` (stage 1/2) or a ``BF16_Optimizer``.
+
+    Returns:
+        a sentence naming the stage and the config key for DeepSpeed 0.19.7's stage 1/2 with
+        ``offload_optimizer``, which keeps no Muon momentum (its Muon groups take the plain
+        gradient as the update; 0.19.7 refuses that only with ``reduce_scatter`` on); None
+        otherwise. (0.19.7 refuses Muon with its BF16_Optimizer at ``deepspeed.initialize``.)
+    """
+    base = zero_optimizer.optimizer
+    if not _is_muon(base) or not _muon_group_indices(base):
+        return None
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    if isinstance(zero_optimizer, BF16_Optimizer):
+        return None  # 0.19.8 keeps the momentum (partition layout); 0.19.7 refuses Muon at initialize
+    if getattr(zero_optimizer, "cpu_offload", False) and not hasattr(zero_optimizer,
+                                                                      "_apply_muon_updates_cpu_offload"):
+        return (f"{_stage_name(zero_optimizer)} with zero_optimization.offload_optimizer applies no Muon update "
+                "and keeps no Muon momentum in this DeepSpeed version, so the checkpoint's momentum cannot be "
+                "restored. Load it without offload_optimizer, or at ZeRO stage 3.")
+    return None
+
+
+def _momentum_layout_is_whole_params(zero_optimizer) -> bool:
+    """True where the momentum is ``params_in_partition``'s whole parameters concatenated
+    (``DeepSpeedZeroOptimizer`` without offload); False for the partition layout."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    return not isinstance(zero_optimizer, BF16_Optimizer) and not getattr(zero_optimizer, "cpu_offload", False)
+
+
+def _lp_groups(zero_optimizer):
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    return zero_optimizer.bf16_groups if isinstance(zero_optimizer, BF16_Optimizer) else zero_optimizer.bit16_groups
+
+
+def _never_stepped(zero_optimizer, zero_folder) -> bool:
+    """Whether the checkpoint holds no optimizer state for any of this engine's parameters (saved
+    before the first optimizer step): every parameter folder has only ``fp32.pt`` (and ``step.pt``)."""
+    for group in _lp_groups(zero_optimizer):
+        for lp in group:
+            folder = os.path.join(zero_folder, zero_optimizer.param_names[lp])
+            if {os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.pt"))} - {"fp32.pt", "step.pt"}:
+                return False
+    return True
+
+
+def check_before_load(zero_optimizer, checkpoint_folder) -> None:
+    """Refuse, before anything is loaded, a universal checkpoint whose Muon state cannot be restored.
+
+    Args:
+        zero_optimizer: a ``DeepSpeedZeroOptimizer`` (stage 1/2) or a ``BF16_Optimizer``.
+        checkpoint_folder: the universal checkpoint (holding ``zero/``).
+
+    Raises:
+        ValueError: ``unsupported_reason``; the checkpoint has another number of parameter groups
+            or a group with another ``use_muon`` than the engine (the loader pairs them by
+            position); a Muon parameter's folder has no ``momentum_buffer.pt`` (its momentum
+            would restart at zero) although the checkpoint holds optimizer state (one saved
+            before the first step has none, and loads as a fresh start).
+    """
+    base = zero_optimizer.optimizer
+    if not _is_muon(base):
+        return
+    reason = unsupported_reason(zero_optimizer)
+    if reason is not None:
+        raise ValueError(f"Cannot load the universal checkpoint {checkpoint_folder}: {reason}")
+    zero_folder = os.path.join(checkpoint_folder, "zero")
+    saved = torch.load(os.path.join(zero_folder, OPTIMIZER_STATE_FILE), map_location="cpu", weights_only=False)
+    saved_groups = saved.get("param_groups", [])
+    ours = [bool(group.get("use_muon", False)) for group in base.param_groups]
+    theirs = [bool(group.get("use_muon", False)) for group in saved_groups]
+    if ours != theirs:
+        raise ValueError(f"Cannot load the universal checkpoint {checkpoint_folder}: its parameter groups "
+                         f"(use_muon per group: {theirs}) do not pair with this engine's ({ours}); build the "
+                         "engine with the model_parameters groups the checkpoint was trained with.")
+    if _never_stepped(zero_optimizer, zero_folder):
+        return
+    missing = []
+    for i in _muon_group_indices(base):
+        for lp in _lp_groups(zero_optimizer)[i]:
+            name = zero_optimizer.param_names[lp]
+            if not os.path.isfile(os.path.join(zero_folder, name, f"{MOMENTUM_KEY}.pt")):
+                missing.append(name)
+    if missing:
+        raise ValueError(f"Cannot load the universal checkpoint {checkpoint_folder}: the Muon parameters "
+                         f"{missing} have no {MOMENTUM_KEY}.pt, so their momentum would restart at zero. "
+                         "Convert the checkpoint with a ds_to_universal that writes Muon's momentum.")
+
+
+def _load_momentum(zero_folder, name, param) -> torch.Tensor:
+    """``<zero_folder>/<name>/momentum_buffer.pt`` as a flat fp32 tensor of ``param.numel()`` elements."""
+    path = os.path.join(zero_folder, name, f"{MOMENTUM_KEY}.pt")
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    tensor = saved["param"] if isinstance(saved, dict) else saved
+    if tensor.numel() != param.numel():
+        raise ValueError(f"{path} holds {tensor.numel()} elements ({tuple(tensor.shape)}), but parameter {name} "
+                         f"has {param.numel()} ({tuple(param.shape)}).")
+    return tensor.detach().reshape(-1).to(torch.float32)
+
+
+def restore_momentum(zero_optimizer, checkpoint_folder) -> None:
+    """After upstream's universal loader: put each Muon group's momentum in the layout the stage reads.
+
+    For ``DeepSpeedZeroOptimizer`` without offload, per Muon group with parameters in this rank's
+    partition, ``state[fp32 partition]["momentum_buffer"]`` becomes the fp32 concatenation of the
+    whole saved momentum of ``params_in_partition[group]`` (``sum(numel)`` elements, on the
+    partition's device), and the partition-layout views upstream's loader linked into the
+    parameters' ``_hp_mapping.optim_fragment`` are dropped (they pointed at the replaced tensor;
+    a fresh engine links none either, its momentum not being partition-shaped). A group with no
+    parameter here, or a checkpoint saved before the first step, gets no momentum, as in a fresh
+    engine. Elsewhere (partition layout) upstream's loader already restored it; this only checks
+    that it is there.
+
+    Raises:
+        RuntimeError: a Muon group ended up without momentum where the stage expects one.
+    """
+    base = zero_optimizer.optimizer
+    if not _is_muon(base):
+        return
+    zero_folder = os.path.join(checkpoint_folder, "zero")
+    if _never_stepped(zero_optimizer, zero_folder):
+        return
+    for i in _muon_group_indices(base):
+        flat = base.param_groups[i]["params"][0]
+        state = base.state[flat]
+        if not _momentum_layout_is_whole_params(zero_optimizer):
+            got = state.get(MOMENTUM_KEY)
+            if got is None or got.shape != flat.shape:
+                raise RuntimeError(f"Muon parameter group {i}: the universal loader restored no {MOMENTUM_KEY} of "
+                                   f"the partition's shape {tuple(flat.shape)} (got "
+                                   f"{'none' if got is None else tuple(got.shape)}).")
+            continue
+        for lp in _lp_groups(zero_optimizer)[i]:
+            mapping = getattr(lp, "_hp_mapping", None)
+            if mapping is not None and mapping.optim_fragment:
+                mapping.optim_fragment.pop(MOMENTUM_KEY, None)
+        params = zero_optimizer.params_in_partition[i]
+        if not params:
+            state.pop(MOMENTUM_KEY, None)
+            continue
+        pieces = [_load_momentum(zero_folder, zero_optimizer.param_names[p], p) for p in params]
+        state[MOMENTUM_KEY] = torch.cat(pieces).to(flat.device)
+
+
+def momentum_by_name(zero_optimizer) -> Dict[str, torch.Tensor]:
+    """This rank's Muon momentum per parameter name, as the stage will use it at the next step.
+
+    Whole-parameter layout: every parameter of ``params_in_partition`` of each Muon group, the
+    full tensor in the parameter's shape. Partition layout: this rank's fragment of each
+    parameter, flat (``_hp_mapping`` addresses). fp32 CPU copies; an empty dict before the
+    momentum exists.
+    """
+    base = zero_optimizer.optimizer
+    out = {}
+    for i in _muon_group_indices(base) if _is_muon(base) else []:
+        flat = base.param_groups[i]["params"][0]
+        momentum = base.state.get(flat, {}).get(MOMENTUM_KEY)
+        if momentum is None:
+            continue
+        if _momentum_layout_is_whole_params(zero_optimizer):
+            offset = 0
+            for p in zero_optimizer.params_in_partition[i]:
+                out[zero_optimizer.param_names[p]] = momentum.narrow(0, offset, p.numel()).view(p.shape).float().cpu()
+                offset += p.numel()
+        else:
+            for lp in _lp_groups(zero_optimizer)[i]:
+                mapping = getattr(lp, "_hp_mapping", None)
+                if mapping is not None:
+                    address = mapping.get_hp_fragment_address()
+                    out[zero_optimizer.param_names[lp]] = momentum.narrow(0, address.start,
+                                                                          address.numel).float().cpu()
+    return out
+
+
+def model_states_files(checkpoint_dir: str, mp_placeholder: str = "*") -> List[str]:
+    """The model-states files a stage-1/2 engine reads from a universal checkpoint converted from ZeRO-3.
+
+    The conversion copies the ZeRO-3 run's ``zero_pp_rank_<r>_mp_rank_<m>_model_states.pt``; a
+    stage-1/2 engine looks for ``mp_rank_<m>_model_states.pt`` and, finding none, fails with a
+    bare ``AssertionError`` (upstream ``SDLoaderBase.check_ckpt_list``). Universal loading takes
+    the weights from ``zero/`` and only metadata (``dp_world_size``, lr scheduler, step counters,
+    client state) from these files, which data-parallel rank 0's file holds like every other.
+
+    Returns:
+        rank 0's files, one per model-parallel rank, sorted; empty if the folder has none.
+    """
+    return sorted(glob.glob(os.path.join(checkpoint_dir, f"zero_pp_rank_0_mp_rank_{mp_placeholder}_model_states.pt")))
+
+
+def checkpoint_version(state: dict) -> Optional[str]:
+    """The DeepSpeed version a stage-1/2 loader checks in a universal ``optimizer_state.pt``.
+
+    A conversion of a stage-1/2 checkpoint carries ``ds_version``; one of a ZeRO-3 checkpoint
+    carries the ZeRO-3 optimizer's state, which has none (``zero_stage`` 3). The check guards
+    against stage-1 checkpoints older than 0.3.17, which a ZeRO-3 one cannot be, so for it this
+    returns the installed version. None for anything else without ``ds_version``.
+    """
+    from deepspeed.git_version_info import version
+    from deepspeed.checkpoint.constants import DS_VERSION, ZERO_STAGE
+    if state.get(DS_VERSION):
+        return state[DS_VERSION]
+    if int(state.get(ZERO_STAGE, 0)) == 3:
+        return version
+    return None
