@@ -215,12 +215,16 @@ UNIVERSAL = Group(
         "loading a regular ZeRO checkpoint at another data-parallel world size raises "
         "`universal_checkpoint.resize_error`: upstream's error with both world sizes, plus the `ds_to_universal` "
         "command for this checkpoint and `\"checkpoint\": {\"load_universal\": true}`; under ZeRO-3 also on the "
-        "ranks the saving run did not have (they failed on an empty file list in the state-dict loader).",
+        "ranks the saving run did not have (they failed on an empty file list in the state-dict loader). A "
+        "universal checkpoint converted from ZeRO-3 loads at ZeRO-1/2: the engine reads its per-rank model states "
+        "(`zero_pp_rank_*`) where there is no `mp_rank_*` file (`universal_zero12.model_states_files`).",
         "deepspeed/runtime/zero/stage_1_and_2.py":
-        "the ZeRO-1/2 universal-checkpoint loader restores Muon's optimizer state (`momentum_buffer`) as it "
-        "restores Adam's moments.",
-        "deepspeed/checkpoint/universal_checkpoint.py":
-        "loading a parameter's universal state restores Muon's `momentum_buffer` as it restores Adam's moments.",
+        "the ZeRO-1/2 universal-checkpoint loader checks the checkpoint's parameter groups and Muon momentum "
+        "before loading and afterwards rebuilds each Muon matrix's momentum in the layout ZeRO-1/2 keeps it "
+        "(`universal_zero12.check_before_load`, `restore_momentum`); it accepts the `optimizer_state.pt` of a "
+        "ZeRO-3 source, which has no `ds_version` (`universal_zero12.checkpoint_version`).",
+        "deepspeed/runtime/bf16_optimizer.py":
+        "the BF16 optimizer's universal-checkpoint loader runs the same checks and momentum restore as ZeRO-1/2.",
     },
     template="pr_universal.md",
     tests_need=("muon", ),

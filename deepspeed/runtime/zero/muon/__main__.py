@@ -37,6 +37,8 @@ PATCH_MARKERS = (
     ("0007", "runtime/zero/stage3.py", "restore_zero3_optimizer_state", None),
     # a regular checkpoint at another world size: the error names the universal checkpoint
     ("0008", "runtime/engine.py", "import raise_if_saved_at_another_world_size", None),
+    # ZeRO-1/2 universal loading restores Muon's momentum
+    ("0009", "runtime/zero/stage_1_and_2.py", "universal_zero12.restore_momentum", None),
 )
 MODE = "owner-centric at the accumulation boundary"
 
