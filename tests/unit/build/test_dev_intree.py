@@ -92,5 +92,5 @@ def test_intree_exports_the_tests_of_every_pull_request(tmp_path):
     import zero3muon_export as ze
     owners = ze.assign("0.19.8", REPO_ROOT, strict=False)
     tests = {p for files in owners.values() for p in files if p.startswith("tests/")}
-    assert tests and all(p.startswith("tests/unit/runtime/zero/") for p in tests)
+    assert tests and all(p.startswith(("tests/unit/runtime/zero/", "tests/unit/checkpoint/")) for p in tests)
     assert "tests/unit/common.py" not in tests and "tests/conftest.py" not in tests
