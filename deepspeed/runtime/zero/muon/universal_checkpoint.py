@@ -119,35 +119,90 @@ def merge_zero3_param_states(fragment_dir: str, output_dir: str, logical_shape: 
 # Loading (checkpoint.load_universal) into ZeRO-3 at any world size
 
 
-def check_loaded_state(param: torch.nn.Parameter, folder: str, key: str, loaded: torch.Tensor, stored) -> None:
-    """Refuse a universal-checkpoint state that does not fit its parameter.
+def check_state_fits(folder: str, key: str, shape: Sequence[int], loaded: torch.Tensor, stored) -> None:
+    """Refuse a universal-checkpoint state that does not fit its parameter, at any ZeRO stage.
 
     Args:
-        param: the ZeRO-3 parameter (``ds_numel``, ``ds_shape``) the state is loaded for.
         folder: the parameter's folder in the checkpoint (named in the error).
         key: the state's name (``fp32``, ``momentum_buffer``, ``exp_avg``, ...).
+        shape: the parameter's logical shape (ZeRO-3: ``ds_shape``).
         loaded: the state's elements for this rank's tensor-parallel shard, before ZeRO
-            partitions them (any shape; its element count must be ``ds_numel``).
+            partitions them (any shape; its element count must be ``prod(shape)``).
         stored: what the file holds (``{"param": tensor, ...}`` or a tensor). When that tensor
             is the whole ``loaded`` (no tensor-parallel or expert slicing) and has more than
-            one dimension, its shape must be ``ds_shape``: a transposed matrix has the right
+            one dimension, its shape must be ``shape``: a transposed matrix has the right
             element count and is still wrong.
 
     Raises:
         ValueError: naming the folder, the state and both shapes.
     """
-    shape = tuple(param.ds_shape)
+    shape = tuple(shape)
+    numel = math.prod(shape)
     whole = stored.get(PARAM) if isinstance(stored, dict) else stored
     stored_shape = tuple(whole.shape) if torch.is_tensor(whole) else (loaded.numel(), )
     whole_param = torch.is_tensor(whole) and whole.numel() == loaded.numel()
     misshapen = whole_param and whole.dim() > 1 and stored_shape != shape
-    if loaded.numel() != param.ds_numel or misshapen:
+    if loaded.numel() != numel or misshapen:
         raise ValueError(f"Universal checkpoint {folder}: '{key}' has shape {stored_shape}, but the parameter has "
-                         f"shape {shape} ({param.ds_numel} elements). The checkpoint does not belong to this model "
+                         f"shape {shape} ({numel} elements). The checkpoint does not belong to this model "
                          "(or this parameter's state was written wrong); refusing to load it.")
 
 
-def _state_files(folder: str) -> Dict[str, str]:
+def check_loaded_state(param: torch.nn.Parameter, folder: str, key: str, loaded: torch.Tensor, stored) -> None:
+    """``check_state_fits`` for a ZeRO-3 parameter (its ``ds_shape``); the stage-3 loader's check."""
+    check_state_fits(folder, key, param.ds_shape, loaded, stored)
+
+
+def check_muon_state(name: str, folder: str, states, is_muon: bool, never_stepped: bool) -> None:
+    """Refuse a parameter whose optimizer states do not belong to the optimizer that will run it.
+
+    Args:
+        name: the parameter's name (named in the error).
+        folder: its folder in the checkpoint.
+        states: the state names its folder holds (``fp32``, ``momentum_buffer``, ``exp_avg``, ...).
+        is_muon: the loading run optimizes it with Muon (``use_muon``).
+        never_stepped: the checkpoint was saved before the first optimizer step (no state at all).
+
+    Raises:
+        ValueError: a Muon parameter without ``momentum_buffer`` once the optimizer has stepped
+            (its momentum would restart at zero), or an Adam parameter with one (it would be
+            dropped).
+    """
+    states = set(states)
+    if is_muon and MOMENTUM not in states and not never_stepped:
+        held = sorted(states - {FP32, STEP})
+        raise ValueError(f"Universal checkpoint: Muon parameter '{name}' has no {MOMENTUM} in {folder} (it holds "
+                         f"{held or 'no optimizer state'}). Loading would restart its momentum from zero; "
+                         "refusing. Convert a checkpoint of the same Muon run with ds_to_universal, or set "
+                         "use_muon the way the checkpoint was trained.")
+    if not is_muon and MOMENTUM in states:
+        raise ValueError(f"Universal checkpoint: parameter '{name}' holds Muon's {MOMENTUM} in {folder}, but "
+                         "this run optimizes it with Adam (use_muon False). Set use_muon (and the optimizer) as "
+                         "the checkpoint was trained; refusing to drop its momentum.")
+
+
+def check_groups_pair(param_groups: List[dict], saved_groups: List[dict]) -> None:
+    """Refuse a checkpoint whose optimizer parameter groups do not pair with the run's by index.
+
+    Loaders pair groups by position (settings and, at ZeRO-1/2, the flat partitions), so the
+    number of groups and each group's ``use_muon`` must be the same.
+
+    Raises:
+        ValueError: a different number of groups, or a group whose ``use_muon`` differs.
+    """
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(f"Universal checkpoint: it has {len(saved_groups)} optimizer parameter groups, this run "
+                         f"{len(param_groups)}; build the engine with the parameter groups the checkpoint was "
+                         "trained with.")
+    for index, (group, saved) in enumerate(zip(param_groups, saved_groups)):
+        ours, theirs = bool(group.get("use_muon", False)), bool(saved.get("use_muon", False))
+        if ours != theirs:
+            raise ValueError(f"Universal checkpoint: optimizer parameter group {index} has use_muon={theirs} in "
+                             f"the checkpoint and use_muon={ours} in this run; build the engine with the parameter "
+                             "groups the checkpoint was trained with.")
+
+
+def state_files(folder: str) -> Dict[str, str]:
     """``{state name: path}`` of the ``*.pt`` files in a parameter's folder."""
     return {os.path.basename(p)[:-3]: p for p in glob.glob(os.path.join(folder, "*.pt"))}
 
@@ -158,25 +213,16 @@ def _sub_group_plan(folders: Dict[str, str], is_muon: bool, never_stepped: bool)
     Raises:
         ValueError: a parameter without a folder or ``fp32.pt``; a Muon matrix without
             ``momentum_buffer`` (once the optimizer has stepped) or an Adam parameter with one;
-            parameters of one sub-group with different states or steps.
+            parameters of one sub-group with different states or steps (``check_muon_state``).
     """
     per_param = {}
     for name, folder in folders.items():
-        files = _state_files(folder)
+        files = state_files(folder)
         if FP32 not in files:
             raise ValueError(f"Universal checkpoint: no fp32 weights for parameter '{name}' (expected {folder}/"
                              "fp32.pt). The checkpoint does not hold this model's parameters.")
         per_param[name] = files
-        states = sorted(set(files) - {FP32, STEP})
-        if is_muon and MOMENTUM not in files and not never_stepped:
-            raise ValueError(f"Universal checkpoint: Muon parameter '{name}' has no {MOMENTUM} in {folder} (it holds "
-                             f"{states or 'no optimizer state'}). Loading would restart its momentum from zero; "
-                             "refusing. Convert a checkpoint of the same Muon run with ds_to_universal, or set "
-                             "use_muon the way the checkpoint was trained.")
-        if not is_muon and MOMENTUM in files:
-            raise ValueError(f"Universal checkpoint: parameter '{name}' holds Muon's {MOMENTUM} in {folder}, but "
-                             "this run optimizes it with Adam (use_muon False). Set use_muon (and the optimizer) as "
-                             "the checkpoint was trained; refusing to drop its momentum.")
+        check_muon_state(name, folder, files, is_muon, never_stepped)
     keys = {name: tuple(sorted(set(files) - {FP32, STEP})) for name, files in per_param.items()}
     if len(set(keys.values())) > 1:
         raise ValueError(f"Universal checkpoint: parameters of one ZeRO-3 sub-group hold different optimizer states: "
@@ -200,15 +246,10 @@ def _restore_param_groups(param_groups: List[dict], saved_groups: List[dict]) ->
     """Set each parameter group's settings to the saved group's of the same index.
 
     Raises:
-        ValueError: a different number of groups, or a group whose ``use_muon`` differs.
+        ValueError: the groups do not pair (``check_groups_pair``).
     """
-    if len(saved_groups) != len(param_groups):
-        raise ValueError(f"Universal checkpoint: it has {len(saved_groups)} optimizer parameter groups, this run "
-                         f"{len(param_groups)}; the groups must be the same to restore their settings.")
-    for index, (group, saved) in enumerate(zip(param_groups, saved_groups)):
-        if "use_muon" in group and "use_muon" in saved and group["use_muon"] != saved["use_muon"]:
-            raise ValueError(f"Universal checkpoint: parameter group {index} has use_muon={saved['use_muon']} in the "
-                             f"checkpoint and use_muon={group['use_muon']} in this run.")
+    check_groups_pair(param_groups, saved_groups)
+    for group, saved in zip(param_groups, saved_groups):
         for key, value in saved.items():
             if key != "params":
                 group[key] = value

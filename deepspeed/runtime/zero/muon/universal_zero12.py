@@ -42,8 +42,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-MOMENTUM_KEY = "momentum_buffer"
-"""Optimizer-state key of Muon's momentum, at every stage, and the file name stem in a universal checkpoint."""
+from deepspeed.runtime.zero.muon.universal_checkpoint import (FP32, MOMENTUM as MOMENTUM_KEY, STEP, check_groups_pair,
+                                                              check_muon_state, check_state_fits, state_files)
 
 OPTIMIZER_STATE_FILE = "optimizer_state.pt"
 """The universal checkpoint's global optimizer state, ``<checkpoint>/zero/optimizer_state.pt``."""
@@ -106,7 +106,7 @@ def _never_stepped(zero_optimizer, zero_folder) -> bool:
     for group in _lp_groups(zero_optimizer):
         for lp in group:
             folder = os.path.join(zero_folder, zero_optimizer.param_names[lp])
-            if {os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.pt"))} - {"fp32.pt", "step.pt"}:
+            if set(state_files(folder)) - {FP32, STEP}:
                 return False
     return True
 
@@ -119,11 +119,11 @@ def check_before_load(zero_optimizer, checkpoint_folder) -> None:
         checkpoint_folder: the universal checkpoint (holding ``zero/``).
 
     Raises:
-        ValueError: ``unsupported_reason``; the checkpoint has another number of parameter groups
-            or a group with another ``use_muon`` than the engine (the loader pairs them by
-            position); a Muon parameter's folder has no ``momentum_buffer.pt`` (its momentum
-            would restart at zero) although the checkpoint holds optimizer state (one saved
-            before the first step has none, and loads as a fresh start).
+        ValueError: ``unsupported_reason``; the checkpoint's parameter groups do not pair with
+            the engine's (``check_groups_pair``: the loader pairs them by position); a Muon
+            parameter's folder has no ``momentum_buffer.pt`` although the checkpoint holds
+            optimizer state (one saved before the first step has none, and loads as a fresh
+            start), or an Adam parameter's has one (``check_muon_state``).
     """
     base = zero_optimizer.optimizer
     if not _is_muon(base):
@@ -133,35 +133,25 @@ def check_before_load(zero_optimizer, checkpoint_folder) -> None:
         raise ValueError(f"Cannot load the universal checkpoint {checkpoint_folder}: {reason}")
     zero_folder = os.path.join(checkpoint_folder, "zero")
     saved = torch.load(os.path.join(zero_folder, OPTIMIZER_STATE_FILE), map_location="cpu", weights_only=False)
-    saved_groups = saved.get("param_groups", [])
-    ours = [bool(group.get("use_muon", False)) for group in base.param_groups]
-    theirs = [bool(group.get("use_muon", False)) for group in saved_groups]
-    if ours != theirs:
-        raise ValueError(f"Cannot load the universal checkpoint {checkpoint_folder}: its parameter groups "
-                         f"(use_muon per group: {theirs}) do not pair with this engine's ({ours}); build the "
-                         "engine with the model_parameters groups the checkpoint was trained with.")
-    if _never_stepped(zero_optimizer, zero_folder):
-        return
-    missing = []
-    for i in _muon_group_indices(base):
-        for lp in _lp_groups(zero_optimizer)[i]:
+    check_groups_pair(base.param_groups, saved.get("param_groups", []))
+    never_stepped = _never_stepped(zero_optimizer, zero_folder)
+    for group, lp_group in zip(base.param_groups, _lp_groups(zero_optimizer)):
+        for lp in lp_group:
             name = zero_optimizer.param_names[lp]
-            if not os.path.isfile(os.path.join(zero_folder, name, f"{MOMENTUM_KEY}.pt")):
-                missing.append(name)
-    if missing:
-        raise ValueError(f"Cannot load the universal checkpoint {checkpoint_folder}: the Muon parameters "
-                         f"{missing} have no {MOMENTUM_KEY}.pt, so their momentum would restart at zero. "
-                         "Convert the checkpoint with a ds_to_universal that writes Muon's momentum.")
+            folder = os.path.join(zero_folder, name)
+            check_muon_state(name, folder, state_files(folder), bool(group.get("use_muon", False)), never_stepped)
 
 
 def _load_momentum(zero_folder, name, param) -> torch.Tensor:
-    """``<zero_folder>/<name>/momentum_buffer.pt`` as a flat fp32 tensor of ``param.numel()`` elements."""
-    path = os.path.join(zero_folder, name, f"{MOMENTUM_KEY}.pt")
-    saved = torch.load(path, map_location="cpu", weights_only=False)
+    """``<zero_folder>/<name>/momentum_buffer.pt`` as a flat fp32 tensor of ``param.numel()`` elements.
+
+    Raises:
+        ValueError: the saved momentum does not have the parameter's shape (``check_state_fits``).
+    """
+    folder = os.path.join(zero_folder, name)
+    saved = torch.load(os.path.join(folder, f"{MOMENTUM_KEY}.pt"), map_location="cpu", weights_only=False)
     tensor = saved["param"] if isinstance(saved, dict) else saved
-    if tensor.numel() != param.numel():
-        raise ValueError(f"{path} holds {tensor.numel()} elements ({tuple(tensor.shape)}), but parameter {name} "
-                         f"has {param.numel()} ({tuple(param.shape)}).")
+    check_state_fits(folder, MOMENTUM_KEY, param.shape, tensor, saved)
     return tensor.detach().reshape(-1).to(torch.float32)
 
 
