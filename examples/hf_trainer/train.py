@@ -389,3 +389,9 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    # Results are written and the process group is torn down. Skip the interpreter's teardown of
+    # C++ objects: a gloo rank still aborts there now and then under load ("terminate called without
+    # an active exception"), which would turn a finished run into a failed launch.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
