@@ -117,8 +117,8 @@ def _tag(param: torch.Tensor, use_muon: bool, reason: str) -> None:
 
 
 def _storage_key(param: torch.Tensor):
-    """Where a whole (not ZeRO-3 partitioned) tensor's data lives, or None."""
-    if hasattr(param, "ds_id") or param.numel() == 0:
+    """Where a whole (not ZeRO-3 partitioned, not meta) tensor's data lives, or None."""
+    if hasattr(param, "ds_id") or param.numel() == 0 or param.device.type == "meta":
         return None
     return (param.device, param.data_ptr(), tuple(param.shape), tuple(param.stride()))
 
@@ -235,11 +235,12 @@ def _listed(names: Tuple[str, ...], limit: int) -> str:
 def format_report(selection: MuonSelection, limit: int = LISTED_NAMES) -> Tuple[str, ...]:
     """The lines rank 0 logs at WARNING: the counts, the Muon names and the matrices on Adam with
     their reasons (each list cut after ``limit`` names), then, if Muon got no parameter, a warning."""
+    adam_matrices = tuple(f"{name} ({selection.reasons.get(name, UNKNOWN)})" for name in selection.adam_matrices)
     lines = [
         f"Muon optimizer: {len(selection.muon)} parameters ({selection.muon_numel:,} elements) on Muon, "
         f"{len(selection.adam)} parameters ({selection.adam_numel:,} elements) on the auxiliary Adam. "
         f"On Muon: {_listed(selection.muon, limit) or 'none'}. "
-        f"Matrices on Adam: {_listed(tuple(f'{n} ({selection.reasons.get(n, UNKNOWN)})' for n in selection.adam_matrices), limit) or 'none'}. "
+        f"Matrices on Adam: {_listed(adam_matrices, limit) or 'none'}. "
         "Set param.use_muon before deepspeed.initialize to override; engine.muon_selection holds the lists."
     ]
     if not selection.muon:

@@ -16,7 +16,8 @@
   Muon matrix.
 - Client optimizers: DeepSpeed's ``MuonWithAuxAdam`` built from groups with ``use_muon`` and
   untagged tensors trains as the config-named ``"type": "Muon"`` run does (same weights to the
-  fp32 floor; stock orthogonalizes nothing and is 0.64 away); a user flag contradicting its group
+  fp32 floor, 2.9e-7 measured; untagged, stock runs no Newton-Schulz and ends 5.2e-2 away after
+  3 steps), at ZeRO-2 and ZeRO-3; a user flag contradicting its group
   is an error naming the parameter; a Keller-Jordan-style Muon is refused at stages 1-3 with a
   message naming the class and the config, and runs at stage 0.
 """
