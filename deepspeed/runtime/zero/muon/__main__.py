@@ -39,6 +39,10 @@ PATCH_MARKERS = (
     ("0008", "runtime/engine.py", "import raise_if_saved_at_another_world_size", None),
     # ZeRO-1/2 universal loading restores Muon's momentum
     ("0009", "runtime/zero/stage_1_and_2.py", "universal_zero12.restore_momentum", None),
+    # Muon's parameter selection: embeddings and tied heads on Adam, user flags kept
+    ("0010", "__init__.py", "import select_muon_parameters", None),
+    # a client Muon optimizer: tagged from its groups or refused on flat partitions; the selection report
+    ("0011", "runtime/engine.py", "import resolve_optimizer_selection", None),
 )
 MODE = "owner-centric at the accumulation boundary"
 

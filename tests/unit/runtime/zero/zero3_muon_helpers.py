@@ -378,7 +378,8 @@ def build_model(name: str, seed: int = 0) -> torch.nn.Module:
 
 
 def is_muon_param(name: str, param: torch.Tensor) -> bool:
-    """DeepSpeed's rule (``set_optimizer_flags``): matrices, except embeddings and the LM head."""
+    """DeepSpeed's rule (``param_selection``) on the test models, which have no ``nn.Embedding``:
+    matrices, except names containing ``embed`` or ``lm_head``."""
     return param.ndim >= 2 and not any(key in name.lower() for key in ("embed", "lm_head"))
 
 

@@ -1,0 +1,330 @@
+# Copyright (c) 2026 The zero3muon authors
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Which parameters DeepSpeed's Muon optimizer orthogonalizes and which go to its auxiliary Adam.
+
+The rule (``select_muon_parameters``, which ``deepspeed.set_optimizer_flags`` calls when the
+config names ``"optimizer": {"type": "Muon"}``), per parameter of the model, first match wins:
+
+1. ``param.use_muon`` set by the user before ``deepspeed.initialize``: kept (True on a tensor that
+   is not a matrix is a ``ValueError``).
+2. Fewer than 2 dimensions as a layer (``ds_shape`` under ``deepspeed.zero.Init``, where the
+   tensor itself is a flat placeholder): Adam.
+3. Owned by an ``nn.Embedding`` or ``nn.EmbeddingBag`` (or a subclass), or the same tensor as such
+   a weight (an output head tied to the input embedding: the same ``Parameter`` object, which is
+   also what ties under ``zero.Init``, or, outside ZeRO-3, the same storage): Adam. Muon's author
+   advises AdamW for the input embedding and the output layer.
+4. The name contains ``embed`` or ``lm_head`` (case-insensitive; DeepSpeed's rule before this
+   change, kept so that no model it sent to Adam moves to Muon): Adam.
+5. Otherwise: Muon.
+
+A user's flag and DeepSpeed's are told apart by a record: whenever this module sets
+``use_muon`` it also sets ``param._muon_choice = (use_muon, reason)``. A ``use_muon`` without a
+record, or differing from it, or recorded as the user's, is the user's; one equal to DeepSpeed's
+recorded choice (left by an earlier ``initialize`` of the same model) is decided again, so a
+second ``initialize`` is not mistaken for user intent.
+
+At ``deepspeed.initialize`` (``resolve_optimizer_selection``, called by the engine where it
+configures the optimizer, before ZeRO replaces the parameter groups by flat partitions):
+
+- a client optimizer (``deepspeed.initialize(optimizer=...)``) that is DeepSpeed's
+  ``MuonWithAuxAdam`` has each tensor tagged from its group's ``use_muon``, which the ZeRO
+  optimizers read per tensor; an explicit user flag that contradicts its group is an error;
+- any other client Muon (a class name containing "Muon", or param groups carrying ``use_muon``)
+  is refused at ZeRO stage >= 1: it would run on flat partitions (1-D), where Newton-Schulz is
+  undefined; at stage 0 it sees whole tensors and is allowed;
+- with DeepSpeed's Muon, rank 0 logs the selection at WARNING (DeepSpeed's logger level by
+  default; INFO is not shown) and the engine keeps it as ``engine.muon_selection``.
+"""
+
+import dataclasses
+import math
+import types
+from typing import Iterable, Mapping, Optional, Tuple
+
+import torch
+
+CHOICE_ATTR = "_muon_choice"
+"""Parameter attribute recording ``(use_muon, reason)`` as this module set it."""
+
+USER = "set by the user"
+NOT_MATRIX = "not a matrix"
+EMBEDDING = "embedding"
+TIED = "tied to an embedding"
+NAME_RULE = "name rule"
+MATRIX = "matrix"
+PARAM_GROUP = "param group"
+UNKNOWN = "tagged before"
+
+NAME_KEYWORDS = ("embed", "lm_head")
+"""Name parts that send a parameter to Adam (DeepSpeed's original rule)."""
+
+LISTED_NAMES = 20
+"""Names the report lists before "... and N more"."""
+
+REFERENCE_CONFIG = '"optimizer": {"type": "Muon"}'
+
+
+@dataclasses.dataclass(frozen=True)
+class MuonSelection:
+    """What goes to Muon and what to the auxiliary Adam.
+
+    Attributes:
+        muon: names of the trained parameters Muon orthogonalizes, in ``named_parameters`` order.
+        adam: names of the trained parameters the auxiliary Adam optimizes.
+        muon_numel / adam_numel: their elements (layer sizes, also under ``zero.Init``).
+        adam_matrices: the names in ``adam`` whose layer is a matrix (>= 2 dimensions): the
+            ones a reader may have expected on Muon (embeddings, tied heads, user choices).
+        frozen: names of the model's parameters that are not trained (``requires_grad`` False,
+            or in no parameter group of the optimizer).
+        reasons: name -> why it went where it did (``set by the user``, ``not a matrix``,
+            ``embedding``, ``tied to an embedding``, ``name rule``, ``matrix``, ``param group``).
+    """
+    muon: Tuple[str, ...]
+    adam: Tuple[str, ...]
+    muon_numel: int
+    adam_numel: int
+    adam_matrices: Tuple[str, ...] = ()
+    frozen: Tuple[str, ...] = ()
+    reasons: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False, compare=False)
+
+
+def layer_shape(param: torch.Tensor) -> Tuple[int, ...]:
+    """The parameter's shape as a layer: ``ds_shape`` under ZeRO-3 (the tensor is a flat
+    placeholder there, ``torch.Size([0])`` on ranks not holding it), else ``param.shape``."""
+    ds_shape = getattr(param, "ds_shape", None)
+    return tuple(param.shape) if ds_shape is None else tuple(ds_shape)
+
+
+def layer_numel(param: torch.Tensor) -> int:
+    return math.prod(layer_shape(param))
+
+
+def user_flag(param: torch.Tensor) -> Optional[bool]:
+    """The user's ``use_muon`` on ``param``, or None when it has none (or only DeepSpeed's)."""
+    if not hasattr(param, "use_muon"):
+        return None
+    recorded = getattr(param, CHOICE_ATTR, None)
+    if recorded is not None and recorded[1] != USER and bool(param.use_muon) == recorded[0]:
+        return None
+    return bool(param.use_muon)
+
+
+def _tag(param: torch.Tensor, use_muon: bool, reason: str) -> None:
+    param.use_muon = use_muon
+    setattr(param, CHOICE_ATTR, (use_muon, reason))
+
+
+def _storage_key(param: torch.Tensor):
+    """Where a whole (not ZeRO-3 partitioned, not meta) tensor's data lives, or None."""
+    if hasattr(param, "ds_id") or param.numel() == 0 or param.device.type == "meta":
+        return None
+    return (param.device, param.data_ptr(), tuple(param.shape), tuple(param.stride()))
+
+
+def embedding_weights(model: torch.nn.Module):
+    """``(ids, storages)``: ``id()`` and storage keys of every parameter an ``nn.Embedding`` /
+    ``nn.EmbeddingBag`` (or subclass) of ``model`` owns directly."""
+    ids, storages = set(), set()
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+            for param in module.parameters(recurse=False):
+                ids.add(id(param))
+                key = _storage_key(param)
+                if key is not None:
+                    storages.add(key)
+    return ids, storages
+
+
+def rule(name: str, param: torch.Tensor, embeddings=None) -> Tuple[bool, str]:
+    """DeepSpeed's choice for one parameter, ignoring any flag: ``(use_muon, reason)``.
+
+    ``embeddings`` is ``embedding_weights(model)`` (computed once per model by the caller)."""
+    if len(layer_shape(param)) < 2:
+        return False, NOT_MATRIX
+    ids, storages = embeddings or (set(), set())
+    if id(param) in ids:
+        return False, EMBEDDING
+    key = _storage_key(param)
+    if key is not None and key in storages:
+        return False, TIED
+    if any(keyword in name.lower() for keyword in NAME_KEYWORDS):
+        return False, NAME_RULE
+    return True, MATRIX
+
+
+def select_muon_parameters(model: torch.nn.Module) -> MuonSelection:
+    """Tag every parameter of ``model`` with ``use_muon`` by the rule of the module docstring.
+
+    Returns:
+        the ``MuonSelection`` of the model's trainable parameters.
+
+    Raises:
+        ValueError: the user set ``use_muon = True`` on a parameter that is not a matrix as a
+            layer (Muon orthogonalizes matrices; such a tensor would fail at the first step).
+    """
+    embeddings = embedding_weights(model)
+    for name, param in model.named_parameters():
+        flag = user_flag(param)
+        if flag is None:
+            _tag(param, *rule(name, param, embeddings))
+            continue
+        if flag and len(layer_shape(param)) < 2:
+            raise ValueError(f"{name} has use_muon = True but is not a matrix (shape {layer_shape(param)}); Muon "
+                             "orthogonalizes parameters with at least 2 dimensions. Set use_muon = False on it "
+                             "or leave it unset.")
+        _tag(param, flag, USER)
+    return model_selection(model)
+
+
+def _reason(param) -> str:
+    recorded = getattr(param, CHOICE_ATTR, None)
+    return recorded[1] if recorded is not None and recorded[0] == bool(param.use_muon) else UNKNOWN
+
+
+def _build(entries: Iterable, frozen: Iterable[str]) -> MuonSelection:
+    """``entries``: ``(name, param, use_muon)`` of the trained parameters."""
+    muon, adam, adam_matrices, reasons = [], [], [], {}
+    muon_numel = adam_numel = 0
+    for name, param, use_muon in entries:
+        reasons[name] = _reason(param) if hasattr(param, "use_muon") else UNKNOWN
+        if use_muon:
+            muon.append(name)
+            muon_numel += layer_numel(param)
+        else:
+            adam.append(name)
+            adam_numel += layer_numel(param)
+            if len(layer_shape(param)) >= 2:
+                adam_matrices.append(name)
+    return MuonSelection(muon=tuple(muon), adam=tuple(adam), muon_numel=muon_numel, adam_numel=adam_numel,
+                         adam_matrices=tuple(adam_matrices), frozen=tuple(frozen),
+                         reasons=types.MappingProxyType(reasons))
+
+
+def model_selection(model: torch.nn.Module) -> MuonSelection:
+    """The selection the ``use_muon`` tags of ``model`` describe (untagged parameters count as Adam)."""
+    named = list(model.named_parameters())
+    return _build([(n, p, bool(getattr(p, "use_muon", False))) for n, p in named if p.requires_grad],
+                  [n for n, p in named if not p.requires_grad])
+
+
+def optimizer_selection(optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module]) -> MuonSelection:
+    """The selection an optimizer's parameter groups make (a group's ``use_muon`` decides), with
+    names from ``model`` (a parameter the model does not hold is named ``group<g>.param<i>``)."""
+    named = list(model.named_parameters()) if model is not None else []
+    position = {id(p): (0, i, n) for i, (n, p) in enumerate(named)}
+    entries, trained = [], set()
+    for g, group in enumerate(optimizer.param_groups):
+        for i, param in enumerate(group["params"]):
+            if not param.requires_grad or id(param) in trained:
+                continue
+            trained.add(id(param))
+            key = position.get(id(param), (1, len(entries), f"group{g}.param{i}"))
+            entries.append((key, param, bool(group.get("use_muon", False))))
+    # The model's order (Muon groups come sorted by size), then the parameters the model lacks.
+    entries = [(key[2], param, use_muon) for key, param, use_muon in sorted(entries, key=lambda e: e[0][:2])]
+    return _build(entries, [n for n, p in named if id(p) not in trained])
+
+
+def _listed(names: Tuple[str, ...], limit: int) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def format_report(selection: MuonSelection, limit: int = LISTED_NAMES) -> Tuple[str, ...]:
+    """The lines rank 0 logs at WARNING: the counts, the Muon names and the matrices on Adam with
+    their reasons (each list cut after ``limit`` names), then, if Muon got no parameter, a warning."""
+    adam_matrices = tuple(f"{name} ({selection.reasons.get(name, UNKNOWN)})" for name in selection.adam_matrices)
+    lines = [
+        f"Muon optimizer: {len(selection.muon)} parameters ({selection.muon_numel:,} elements) on Muon, "
+        f"{len(selection.adam)} parameters ({selection.adam_numel:,} elements) on the auxiliary Adam. "
+        f"On Muon: {_listed(selection.muon, limit) or 'none'}. "
+        f"Matrices on Adam: {_listed(adam_matrices, limit) or 'none'}. "
+        "Set param.use_muon before deepspeed.initialize to override; engine.muon_selection holds the lists."
+    ]
+    if not selection.muon:
+        lines.append(f"The Muon optimizer has no parameter on Muon: all {len(selection.adam)} trained parameters "
+                     "go to its auxiliary Adam, so this run trains with Adam alone.")
+    return tuple(lines)
+
+
+def _is_deepspeed_muon(optimizer) -> bool:
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    return isinstance(optimizer, MuonWithAuxAdam)
+
+
+def _looks_like_muon(optimizer) -> bool:
+    return "muon" in type(optimizer).__name__.lower() or any("use_muon" in g for g in optimizer.param_groups)
+
+
+def tag_client_groups(optimizer, model: Optional[torch.nn.Module]) -> None:
+    """Tag each tensor of DeepSpeed's ``MuonWithAuxAdam`` passed as a client optimizer with its
+    group's ``use_muon``: the ZeRO optimizers decide Muon per tensor, and an untagged tensor in a
+    ``use_muon=True`` group is otherwise stepped as plain SGD on its flat partition.
+
+    Raises:
+        ValueError: a parameter's explicit user flag contradicts its group's ``use_muon``, or a
+            ``use_muon=True`` group holds a parameter that is not a matrix (names the parameter).
+    """
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    for g, group in enumerate(optimizer.param_groups):
+        group_flag = bool(group.get("use_muon", False))
+        for i, param in enumerate(group["params"]):
+            name = names.get(id(param), f"param {i} of group {g}")
+            flag = user_flag(param)
+            if flag is not None and flag != group_flag:
+                raise ValueError(f"{name} has use_muon = {flag}, but the optimizer's parameter group {g} it is in has "
+                                 f"use_muon = {group_flag}. Put it in a group with use_muon = {flag}, or change "
+                                 "its flag.")
+            if group_flag and len(layer_shape(param)) < 2:
+                raise ValueError(f"{name} (shape {layer_shape(param)}) is in parameter group {g} with use_muon = "
+                                 "True, but Muon orthogonalizes matrices only; put it in a use_muon = False group.")
+            _tag(param, group_flag, PARAM_GROUP if flag is None else USER)
+
+
+def refuse_flat_partition_muon(optimizer, zero_stage: int) -> None:
+    """Refuse a client Muon that is not DeepSpeed's ``MuonWithAuxAdam`` at ZeRO stage >= 1.
+
+    Such an optimizer (e.g. Keller Jordan's ``MuonWithAuxAdam``) calls Newton-Schulz on
+    ``p.grad``, which under ZeRO is a 1-D flat partition: it fails at the first step (an
+    assertion ``G.ndim >= 2``) or, without the assertion, trains something other than Muon.
+
+    Raises:
+        ValueError: naming the class and the config to use instead.
+    """
+    if zero_stage < 1 or not _looks_like_muon(optimizer) or _is_deepspeed_muon(optimizer):
+        return
+    cls = type(optimizer)
+    raise ValueError(f"The client optimizer {cls.__module__}.{cls.__qualname__} looks like Muon (its name, or param "
+                     f"groups with use_muon), and ZeRO stage {zero_stage} hands an optimizer flat 1-D partitions "
+                     "of the parameters, on which Muon's Newton-Schulz cannot run. Use DeepSpeed's Muon instead: "
+                     f"{REFERENCE_CONFIG} in the config (parameters choose with param.use_muon), or pass "
+                     "deepspeed.runtime.zero.muon.muon_optimizer.MuonWithAuxAdam; or use ZeRO stage 0.")
+
+
+def resolve_optimizer_selection(optimizer, model: Optional[torch.nn.Module], client: bool, zero_stage: int,
+                                log=None) -> Optional[MuonSelection]:
+    """The engine's hook, on the basic optimizer before any ZeRO wrapper replaces its groups.
+
+    For a client optimizer: refuses a flat-partition-incompatible Muon (``refuse_flat_partition_muon``)
+    and tags DeepSpeed's ``MuonWithAuxAdam``'s tensors from their groups (``tag_client_groups``).
+    For DeepSpeed's Muon (config-named or client) logs ``format_report`` at WARNING on rank 0
+    (``log``: a ``logging.Logger``, default DeepSpeed's) and returns the selection; otherwise None.
+    """
+    if not _looks_like_muon(optimizer):
+        return None
+    if client:
+        refuse_flat_partition_muon(optimizer, zero_stage)
+    if not _is_deepspeed_muon(optimizer):
+        return None
+    if client:
+        tag_client_groups(optimizer, model)
+    selection = optimizer_selection(optimizer, model)
+    import deepspeed.comm as dist
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if log is None:
+            from deepspeed.utils import logger as log
+        for line in format_report(selection):
+            log.warning(line)
+    return selection
