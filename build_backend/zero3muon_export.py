@@ -243,6 +243,31 @@ UNIVERSAL = Group(
     },
 )
 
+SELECTION = Group(
+    "muon-selection", 5, "Muon: embeddings and tied heads on Adam, client Muon optimizers, the selection reported",
+    patterns=(
+        "deepspeed/runtime/zero/muon/param_selection.py",
+        "patches/*/0010-*.patch",
+        "patches/*/0011-*.patch",
+        "tests/unit/runtime/zero/test_muon_param_selection.py",
+    ),
+    notes={
+        "deepspeed/__init__.py":
+        "`set_optimizer_flags` tags each parameter's `use_muon` with `param_selection.select_muon_parameters`: "
+        "matrices go to Muon except those owned by an `nn.Embedding` (or the same tensor as one: tied output "
+        "heads) and names with `embed` / `lm_head` (the previous rule, kept); a `use_muon` the user set before "
+        "`deepspeed.initialize` is kept.",
+        "deepspeed/runtime/engine.py":
+        "`_configure_optimizer` calls `param_selection.resolve_optimizer_selection` before ZeRO wraps the "
+        "optimizer: a client `MuonWithAuxAdam` has its tensors tagged from its groups' `use_muon`; another "
+        "client Muon optimizer is refused at ZeRO stage >= 1 (it cannot run on flat partitions); with "
+        "DeepSpeed's Muon, rank 0 reports what went to Muon and to Adam at WARNING, kept as "
+        "`engine.muon_selection`.",
+    },
+    template="pr_selection.md",
+    tests_need=("muon", ),
+)
+
 ALLGATHER_BACKPORT = Group(
     "allgather-wait-backport", 9, "ZeRO-3: wait on every handle of a coalesced parameter all-gather (backport)",
     patterns=(
@@ -261,7 +286,7 @@ ALLGATHER_BACKPORT = Group(
     "0.19.7 build gathers parameters correctly on gloo; it is not proposed upstream.",
 )
 
-GROUPS = (MUON, GRAD_WINDOW, LOSS_SCALE, UNIVERSAL, ALLGATHER_BACKPORT)
+GROUPS = (MUON, GRAD_WINDOW, LOSS_SCALE, UNIVERSAL, SELECTION, ALLGATHER_BACKPORT)
 
 
 class ExportError(zb.BuildError):
@@ -567,8 +592,10 @@ def relations(group, prs):
                    f"import test helpers of pull request {_named(needs)}: it is stacked on that one for its tests, "
                    f"which run with both applied.")
     if needed_by:
-        out.append(f"Pull request {_named(needed_by)} applies without this one, but its tests import this one's "
-                   f"test helpers (stacked on this one for its tests).")
+        many = len(needed_by) > 1
+        out.append(f"Pull request{'s' if many else ''} {_named(needed_by)} appl{'y' if many else 'ies'} without this "
+                   f"one, but {'their' if many else 'its'} tests import this one's test helpers (stacked on this one "
+                   f"for {'their' if many else 'its'} tests).")
     return " ".join(out)
 
 

@@ -153,7 +153,7 @@ def _repo_file(root, rel):
 def test_layout_and_membership(case):
     result = case.result
     assert [p.stem for p in result.pull_requests] == ["1-muon", "2-grad-window", "3-loss-scale",
-                                                     "4-universal-checkpoint"]
+                                                     "4-universal-checkpoint", "5-muon-selection"]
     assert sorted(p.name for p in result.out_dir.iterdir()) == sorted(
         f"{p.stem}.{ext}" for p in result.pieces for ext in ("diff", "md"))
     # every file that could go upstream is in exactly one pull request or backport, or never exported
@@ -190,14 +190,21 @@ def test_layout_and_membership(case):
         p.relative_to(REPO).as_posix() for p in (REPO / "tests/unit/checkpoint").glob("test_universal_checkpoint_muon*.py"))
     assert not [p for p in by_key["muon"].sources if "universal" in p]
     assert all(Path(p).name.startswith("universal_") for p in universal if p.startswith("deepspeed/"))
-    # the muon pull request's modules: every module of ours under muon/ but the wheel report and universal_*
+    # the muon pull request's modules: every module of ours under muon/ but the wheel report and the
+    # other pull requests' (universal_*, param_selection)
     muon_dir = REPO / "deepspeed/runtime/zero/muon"
     assert sorted(p for p in by_key["muon"].sources if p.startswith("deepspeed/")) == sorted(
         p.relative_to(REPO).as_posix() for p in muon_dir.glob("*.py")
-        if p.name != "__main__.py" and not p.name.startswith(("universal_", "_build_info")))
-    # stacking: the universal pull request's tests import the muon tests' helpers, no other does
+        if p.name not in ("__main__.py", "param_selection.py") and not p.name.startswith(("universal_", "_build_info")))
+    assert sorted(by_key["muon-selection"].sources) == sorted([
+        "deepspeed/runtime/zero/muon/param_selection.py", *(f"patches/{case.base}/{p.name}"
+                                                            for p in zb.list_patches(case.base, REPO)
+                                                            if p.name[:4] in ("0010", "0011")),
+        "tests/unit/runtime/zero/test_muon_param_selection.py"])
+    # stacking: the universal and selection pull requests' tests import the muon tests' helpers, no other does
     assert {g.key: g.tests_need for g in ze.GROUPS if g.pull_request} == {
-        "muon": (), "grad-window": (), "loss-scale": (), "universal-checkpoint": ("muon", )}
+        "muon": (), "grad-window": (), "loss-scale": (), "universal-checkpoint": ("muon", ),
+        "muon-selection": ("muon", )}
     owners = {p.group.key: p.sources for p in result.pull_requests}
     assert "tests/unit/runtime/zero/zero3_muon_helpers.py" in {
         dep for _, dep in ze.imported_groups(ze.UNIVERSAL, owners, REPO)["muon"]}
@@ -346,21 +353,23 @@ def test_descriptions_cover_every_file(case):
     heads = {pr.group.key: " ".join(pr.diff_path.read_text().split("diff --git ")[0].split())
              for pr in case.result.pull_requests}
     stacked = "tests import test helpers of pull request 1 (muon): it is stacked on that one for its tests"
-    needed = "Pull request 4 (universal-checkpoint) applies without this one, but its tests import this one's"
+    needed = ("Pull requests 4 (universal-checkpoint) and 5 (muon-selection) apply without this one, but their tests "
+              "import this one's")
     for key, text in [*texts.items(), *heads.items()]:
-        assert (stacked in text) == (key == "universal-checkpoint"), key
+        assert (stacked in text) == (key in ("universal-checkpoint", "muon-selection")), key
         assert (needed in text) == (key == "muon"), key
         assert "two other pull requests" not in text
-    assert "Pull requests 1 (muon), 3 (loss-scale) and 4 (universal-checkpoint) of this export are independent" \
-        in texts["grad-window"]
-    assert "Pull requests 1 (muon), 2 (grad-window) and 4 (universal-checkpoint) of this export are independent" \
-        in texts["loss-scale"]
+    assert ("Pull requests 1 (muon), 3 (loss-scale), 4 (universal-checkpoint) and 5 (muon-selection) of this export "
+            "are independent") in texts["grad-window"]
+    assert ("Pull requests 1 (muon), 2 (grad-window), 4 (universal-checkpoint) and 5 (muon-selection) of this export "
+            "are independent") in texts["loss-scale"]
     assert "Pull requests 2 (grad-window) and 3 (loss-scale) of this export are independent" in texts["muon"]
     assert "KeyError: 'exp_avg'" in texts["universal-checkpoint"] and "#8608" in texts["universal-checkpoint"]
     combined = case.result.combined.text_path.read_text()
     for pr in case.result.pull_requests:
         assert f"**{pr.group.title}**: `{pr.stem}.diff`" in combined
-    assert " ".join(combined.split()).count("Its tests import test helpers of pull request 1 (muon)") == 1
+    stacked_groups = [g for g in ze.GROUPS if g.pull_request and g.tests_need]
+    assert " ".join(combined.split()).count("Its tests import test helpers of pull request 1 (muon)") == len(stacked_groups)
     for bp in case.result.backports:
         assert bp.group.title in combined and "0.19.8 already" in combined
 
@@ -576,8 +585,8 @@ def test_fake_release_without_backport_or_optional_patch(tmp_path):
 @pytest.mark.parametrize("extra, message", [
     ({"tests/unit/runtime/zero/test_something_else.py": ""}, "no pull request claims these files: "
      "tests/unit/runtime/zero/test_something_else.py"),
-    ({f"patches/{FAKE_BASE}/0010-more.patch": ""},
-     f"no pull request claims these files: patches/{FAKE_BASE}/0010-more.patch"),
+    ({f"patches/{FAKE_BASE}/0099-more.patch": ""},
+     f"no pull request claims these files: patches/{FAKE_BASE}/0099-more.patch"),
     ({"tests/unit/checkpoint/test_universal_checkpoint.py": ""}, "no pull request claims these files: "
      "tests/unit/checkpoint/test_universal_checkpoint.py"),
     ({"deepspeed/runtime/zero/muon/new_module.py": ""}, "no pull request claims these files: "
