@@ -39,6 +39,8 @@ PATCH_MARKERS = (
     ("0008", "runtime/engine.py", "import raise_if_saved_at_another_world_size", None),
     # ZeRO-1/2 universal loading restores Muon's momentum
     ("0009", "runtime/zero/stage_1_and_2.py", "universal_zero12.restore_momentum", None),
+    # ZeRO-1/2 Muon runs in step(), after the norm and the clip of the raw gradient
+    ("0012", "runtime/zero/stage_1_and_2.py", "Zero12MuonClipping", None),
 )
 MODE = "owner-centric at the accumulation boundary"
 
