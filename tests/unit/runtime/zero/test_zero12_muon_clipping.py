@@ -21,9 +21,9 @@ samples per step, ``clip_grad_norm_``, ``muon_update`` for the matrices and Adam
 fp32 runs match the reference to the fp32 floor (``FLOOR``, 2e-6, the floor of the ZeRO-3 tests:
 the runs differ only in the order of fp32 sums); ``get_global_grad_norm()`` equals the reference's
 raw norm to the same floor. bf16 runs (parameters and gradient reduction in bf16) cannot match an
-fp32 reference; their stages are compared with each other (``BF16_STAGE_FLOOR``). The
-BF16_Optimizer (bf16 with ``data_types.grad_accum_dtype`` fp32 at stage 1) is compared with the
-fp32 reference, which its fp32 gradient accumulation reaches to a bf16 floor. ZeRO-1/2 with
+fp32 reference; their stages, and on 0.19.8 the BF16_Optimizer (bf16 with
+``data_types.grad_accum_dtype`` fp32 at stage 1), are compared with bf16 stage 3
+(``BF16_STAGE_FLOOR``), their norms with the reference's (``BF16_NORM_FLOOR``). ZeRO-1/2 with
 ``offload_optimizer`` (its own Muon path) must match the reference too, and AdamW at stages 1/2
 (upstream's path, untouched) must still match its AdamW reference with a clip that bites.
 """
