@@ -237,7 +237,7 @@ class TestZero3MuonUniversalAtZero12(DistributedTest):
 
     @pytest.mark.world_size([2, 2])
     def test_cpu_offload(self, tmp_path):
-        """ZeRO-2 with offload_optimizer cpu (reduce_scatter off, which 0.19.7 needs for Muon with
+        """ZeRO-2 with offload_optimizer cpu (reduce_scatter off, which stock 0.19.7 needs for Muon with
         offload). On 0.19.8 it keeps the momentum in the partition layout: restored exactly, and
         the next steps continue the ZeRO-3 run; on 0.19.7 it keeps none, and loading is refused."""
         run = RUN.with_(stage=2, offload="cpu", zero=(("reduce_scatter", False), ))
