@@ -188,9 +188,6 @@ def weight_diffs(results, weights):
               f"after {first['steps']} steps")
         for pair, d in diffs.items():
             print(f"   {pair:<26} {d:.3e}")
-        if "zero2-gas4" in results and results["zero2-gas4"]["deepspeed"].startswith("0.19.7"):
-            print("   (0.19.7's ZeRO-2 Muon, left unchanged, does not match upstream muon_update, so zero2-gas4\n"
-                  "    differs here; on 0.19.8 all three agree. See docs/configurations.md, Notes on the bases.)")
     return diffs
 
 

@@ -43,6 +43,8 @@ PATCH_MARKERS = (
     ("0010", "__init__.py", "import select_muon_parameters", None),
     # a client Muon optimizer: tagged from its groups or refused on flat partitions; the selection report
     ("0011", "runtime/engine.py", "import resolve_optimizer_selection", None),
+    # ZeRO-1/2 Muon runs in step(), after the norm and the clip of the raw gradient
+    ("0012", "runtime/zero/stage_1_and_2.py", "Zero12MuonClipping", None),
 )
 MODE = "owner-centric at the accumulation boundary"
 

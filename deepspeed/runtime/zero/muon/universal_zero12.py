@@ -23,9 +23,9 @@ the stage keeps it so, but not where ZeRO-1/2 keeps Muon's momentum itself:
 - ``DeepSpeedZeroOptimizer`` with ``offload_optimizer`` and ``BF16_Optimizer`` (bf16 with
   ``data_types.grad_accum_dtype`` fp32 at stage 1) of DeepSpeed 0.19.8 keep it in the partition
   layout, and upstream's loader restores it as it is.
-- In DeepSpeed 0.19.7, stage 1/2 with ``offload_optimizer`` never orthogonalizes nor keeps a
-  momentum (Muon groups take the plain gradient step), so a checkpoint's momentum has nowhere to
-  go: loading refuses, naming the stage and the config key (``unsupported_reason``). Its
+- In DeepSpeed 0.19.7, stage 1/2 with ``offload_optimizer`` kept no momentum before patch 0012
+  (``zero12_clipping``, which now keeps it in the partition layout); restoring it there is not
+  tested, so loading refuses, naming the stage and the config key (``unsupported_reason``). Its
   BF16_Optimizer with Muon is refused at ``deepspeed.initialize`` already.
 
 In every case a Muon parameter whose folder has no ``momentum_buffer.pt`` is refused rather than
@@ -70,9 +70,7 @@ def unsupported_reason(zero_optimizer) -> Optional[str]:
 
     Returns:
         a sentence naming the stage and the config key for DeepSpeed 0.19.7's stage 1/2 with
-        ``offload_optimizer``, which keeps no Muon momentum (its Muon groups take the plain
-        gradient as the update; 0.19.7 refuses that only with ``reduce_scatter`` on); None
-        otherwise. (0.19.7 refuses Muon with its BF16_Optimizer at ``deepspeed.initialize``.)
+        ``offload_optimizer`` (restoring the momentum there is untested); None otherwise. (0.19.7 refuses Muon with its BF16_Optimizer at ``deepspeed.initialize``.)
     """
     base = zero_optimizer.optimizer
     if not _is_muon(base) or not _muon_group_indices(base):
@@ -82,9 +80,9 @@ def unsupported_reason(zero_optimizer) -> Optional[str]:
         return None  # 0.19.8 keeps the momentum (partition layout); 0.19.7 refuses Muon at initialize
     if getattr(zero_optimizer, "cpu_offload", False) and not hasattr(zero_optimizer,
                                                                       "_apply_muon_updates_cpu_offload"):
-        return (f"{_stage_name(zero_optimizer)} with zero_optimization.offload_optimizer applies no Muon update "
-                "and keeps no Muon momentum in this DeepSpeed version, so the checkpoint's momentum cannot be "
-                "restored. Load it without offload_optimizer, or at ZeRO stage 3.")
+        return (f"{_stage_name(zero_optimizer)} with zero_optimization.offload_optimizer cannot restore a "
+                "checkpoint's Muon momentum in this DeepSpeed version (0.19.7). Load it without "
+                "offload_optimizer, or at ZeRO stage 3.")
     return None
 
 
