@@ -2,7 +2,8 @@
 
 Trains a small Llama built from a ``LlamaConfig`` (random init from ``--seed``, nothing
 downloaded) on byte windows of the standard library's source with DeepSpeed ZeRO-``--stage``
-and the Muon optimizer, fp32, ``gradient_clipping: 0``. Each optimizer step consumes the same
+and the Muon optimizer, fp32, with DeepSpeed's default ``gradient_clipping`` (1.0) unless ``--clip``
+is given. Each optimizer step consumes the same
 ``--global-batch`` windows whatever ``--gas`` is; ``--gas`` only decides how each rank's share
 is cut into micro-batches (the engine divides each micro-batch loss by ``gas``).
 
@@ -65,6 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--adam-lr", type=float, default=3e-3)
     p.add_argument("--momentum", type=float, default=0.95)
     p.add_argument("--max-corpus-bytes", type=int, default=None)
+    p.add_argument("--clip", type=float, default=None,
+                   help="gradient_clipping (default: the key is left out, so DeepSpeed's default 1.0 applies)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -88,7 +91,8 @@ def newton_schulz_dtype(ns_method="gram"):
 
 
 def ds_config(args, micro_batch, patched=True):
-    """The DeepSpeed config dict: fp32, no clipping, Muon with explicit lr/momentum.
+    """The DeepSpeed config dict: fp32, Muon with explicit lr/momentum, ``gradient_clipping`` only
+    with ``--clip`` (else DeepSpeed's default, 1.0).
 
     ``patched``: the +zero3muon build takes ZeRO-3's defaults; stock DeepSpeed refuses Muon at
     stage 3 unless ``reduce_scatter`` is off ("Muon and reduce scatter cannot be used together").
@@ -100,10 +104,9 @@ def ds_config(args, micro_batch, patched=True):
         zero["stage3_param_persistence_threshold"] = 0
         if not patched:
             zero["reduce_scatter"] = False
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": args.gas,
-        "gradient_clipping": 0.0,
         "steps_per_print": 1 << 30,
         "optimizer": {
             "type": "Muon",
@@ -118,6 +121,9 @@ def ds_config(args, micro_batch, patched=True):
         },
         "zero_optimization": zero,
     }
+    if args.clip is not None:
+        config["gradient_clipping"] = args.clip
+    return config
 
 
 def main(argv=None):
@@ -160,6 +166,7 @@ def main(argv=None):
     t_ready = time.perf_counter()
 
     losses = torch.zeros(args.steps, dtype=torch.float64)
+    grad_norms = []  # get_global_grad_norm() after each optimizer step: the raw, pre-clip norm
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
@@ -174,6 +181,8 @@ def main(argv=None):
             engine.backward(loss)
             engine.step()
             losses[step] += loss.item() / args.gas
+        norm = engine.get_global_grad_norm()
+        grad_norms.append(float(norm) if norm is not None else None)
         if bar is not None:
             bar.set_postfix(rank0_loss=f"{losses[step]:.4f}", refresh=False)
             bar.update()
@@ -210,6 +219,8 @@ def main(argv=None):
             "steps": args.steps,
             "optimizer_steps": engine.global_steps,
             "losses": losses.tolist(),
+            "grad_norms": grad_norms,
+            "gradient_clipping": engine.gradient_clipping(),
             "ns_calls_total": int(ns_total.item()),  # summed over ranks, all steps
             "ns_calls_by_kernel": dict(counter.by_kernel),  # rank 0's
             # "gram" Newton-Schulz: the dtype it computed in, and the one upstream would pick on this CPU

@@ -4,7 +4,8 @@
 # DeepSpeed Team
 """The main job still runs: ``examples/demo/run_demo.py --quick`` end to end (2 ranks, 3 runs).
 
-Checks the demo's own verdict (ZeRO-3 gas=4 vs gas=1 within its stated tolerance) and what it
+Checks the demo's own verdicts (ZeRO-3 gas=4 vs gas=1 and vs ZeRO-2 gas=4, within its stated
+tolerance, with DeepSpeed's default gradient_clipping 1.0, which every run reports) and what it
 reports: the "gram" Newton-Schulz kernel computed in fp32 in every run, and the line saying so
 (the demo pins fp32 on CPUs whose oneDNN has fp16, where upstream would pick fp16; its tolerance
 assumes fp32); one Newton-Schulz call per Muon matrix per step at ZeRO-3; and, on the patched build,
@@ -31,7 +32,12 @@ def test_demo_quick(tmp_path):
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-5000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["failed"] == [] and summary["check"]["ok"]
+    assert summary["failed"] == []
+    assert [v["pair"] for v in summary["check"]] == ["zero3-gas4 vs zero3-gas1", "zero3-gas4 vs zero2-gas4"]
+    assert all(v["ok"] and v["enforced"] for v in summary["check"]), summary["check"]
+    for name, run in summary["runs"].items():
+        assert run["gradient_clipping"] == 1.0, name
+        assert len(run["grad_norms"]) == run["steps"] and all(n > 0 for n in run["grad_norms"]), name
     assert summary["ns_compute_dtype"] == "float32"
     assert 'Newton-Schulz ("gram" kernel) computed in float32 in every run' in proc.stdout
     for name, run in summary["runs"].items():
