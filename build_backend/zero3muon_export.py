@@ -76,17 +76,19 @@ class Group:
     that patch of every base); ``notes`` has one hand-written line per upstream file the group's
     patches modify (new files describe themselves by their docstring); ``tests_need``: keys of
     the groups whose test files this group's tests import (its code and patches still apply alone;
-    the tests run with those groups applied too); ``texts_if``: {template name: ((pattern, text), ...)},
+    the tests run with those groups applied too); ``code_needs``: keys of the groups whose modules
+    this group's code imports (it is stacked on them, tests and code); ``texts_if``: {template name: ((pattern, text), ...)},
     the name's value is the texts whose pattern matches one of the group's files on the base (a
     sentence about a patch present on one base only, or still to come), else empty."""
 
     def __init__(self, key, number, title, patterns, notes, template=None, pull_request=True, why="",
-                 tests_need=(), texts_if=None):
+                 tests_need=(), texts_if=None, code_needs=()):
         self.key, self.number, self.title = key, number, title
         self.patterns, self.notes, self.template = tuple(patterns), dict(notes), template
         self.pull_request = pull_request
         self.why = why  # a backport: why it is in the combined diff and in no pull request
         self.tests_need = tuple(tests_need)
+        self.code_needs = tuple(code_needs)
         self.texts_if = dict(texts_if or {})
 
     def optional_texts(self, sources):
@@ -268,6 +270,27 @@ SELECTION = Group(
     tests_need=("muon", ),
 )
 
+ZERO12_CLIPPING = Group(
+    "zero12-muon-clipping", 6, "ZeRO-1/2 Muon: clip the raw gradient before the momentum, as ZeRO-3 and PyTorch do",
+    patterns=(
+        "deepspeed/runtime/zero/muon/zero12_clipping.py",
+        "patches/*/0012-*.patch",
+        "tests/unit/runtime/zero/test_zero12_muon_clipping.py",
+    ),
+    notes={
+        "deepspeed/runtime/zero/stage_1_and_2.py":
+        "creates `Zero12MuonClipping` in `__init__` (`None` unless the optimizer is Muon); at the accumulation "
+        "boundary `get_flat_partition` hands each Muon group's accumulated gradients to it instead of running "
+        "`muon_update`, so the partition, the global norm and `get_global_grad_norm()` hold the raw gradient; "
+        "`step()` calls `step_group` right after `unscale_and_clip_grads`, which replaces the partition's Muon "
+        "slices by the update of the clipped gradient; upstream's Muon path there (the update in the reduction "
+        "and, with offload, before the norm, with its all-gather helpers and momentum staging) is deleted.",
+    },
+    template="pr_zero12_clipping.md",
+    tests_need=("muon", ),
+    code_needs=("muon", ),
+)
+
 ALLGATHER_BACKPORT = Group(
     "allgather-wait-backport", 9, "ZeRO-3: wait on every handle of a coalesced parameter all-gather (backport)",
     patterns=(
@@ -286,7 +309,7 @@ ALLGATHER_BACKPORT = Group(
     "0.19.7 build gathers parameters correctly on gloo; it is not proposed upstream.",
 )
 
-GROUPS = (MUON, GRAD_WINDOW, LOSS_SCALE, UNIVERSAL, SELECTION, ALLGATHER_BACKPORT)
+GROUPS = (MUON, GRAD_WINDOW, LOSS_SCALE, UNIVERSAL, SELECTION, ZERO12_CLIPPING, ALLGATHER_BACKPORT)
 
 
 class ExportError(zb.BuildError):
@@ -387,6 +410,13 @@ def assign(base, repo_root=zb.REPO_ROOT, groups=GROUPS, never=NEVER_EXPORTED, st
                             f"but its tests_need says {sorted(g.tests_need) or 'none'}: "
                             + (", ".join(f"{path} imports {dep}" for key in sorted(needed) for path, dep in needed[key])
                                or "no import of another group's test file"))
+        code_needed = code_imported_groups(g, owners, repo_root)
+        if set(code_needed) != set(g.code_needs):
+            problems.append(f"the modules of pull request {g.stem!r} import modules of "
+                            f"{sorted(code_needed) or 'no other group'} but its code_needs says "
+                            f"{sorted(g.code_needs) or 'none'}: "
+                            + (", ".join(f"{path} imports {dep}" for key in sorted(code_needed)
+                                         for path, dep in code_needed[key]) or "no import of another group's module"))
     if problems:
         raise ExportError(f"export of base {base}: " + "; ".join(problems))
     return result
@@ -406,6 +436,38 @@ def _unit_imports(path):
         elif isinstance(node, ast.Import):
             modules += [a.name for a in node.names]
     return ["tests/" + m.replace(".", "/") + ".py" for m in modules if m.startswith("unit.")]
+
+
+def _deepspeed_imports(path):
+    """Repository paths (``deepspeed/...py``) of the modules that the module ``path`` imports as
+    ``deepspeed.<...>`` (the module itself; a package's ``__init__.py`` is not resolved)."""
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return []
+    modules = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules.append(node.module)
+            modules += [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            modules += [a.name for a in node.names]
+    return [m.replace(".", "/") + ".py" for m in modules if m.startswith("deepspeed.")]
+
+
+def code_imported_groups(group, owners, repo_root):
+    """{other group key: [(module of ``group``, imported module of that group)]}: the other groups
+    whose new modules ``group``'s new modules import."""
+    owner_of = {path: key for key, paths in owners.items() for path in paths}
+    needed = {}
+    for path in owners.get(group.key, []):
+        if not (path.startswith("deepspeed/") and path.endswith(".py")):
+            continue
+        for dep in _deepspeed_imports(Path(repo_root) / path):
+            key = owner_of.get(dep)
+            if key is not None and key != group.key:
+                needed.setdefault(key, []).append((path, dep))
+    return needed
 
 
 def imported_groups(group, owners, repo_root):
@@ -580,14 +642,19 @@ def relations(group, prs):
     which are independent of it, which it needs for its tests, which need it for theirs."""
     others = [p.group for p in prs if p.group is not group]
     needs = [g for g in others if g.key in group.tests_need]
-    needed_by = [g for g in others if group.key in g.tests_need]
-    independent = [g for g in others if g not in needs and g not in needed_by]
+    code_needed_by = [g for g in others if group.key in g.code_needs]
+    needed_by = [g for g in others if group.key in g.tests_need and g not in code_needed_by]
+    independent = [g for g in others if g not in needs and g not in needed_by and g not in code_needed_by]
     out = []
     if independent:
         verb = "is" if len(independent) == 1 else "are"
         out.append(f"Pull request{'s' if len(independent) > 1 else ''} {_named(independent)} of this export "
                    f"{verb} independent of this one.")
-    if needs:
+    code_needs = [g for g in others if g.key in group.code_needs]
+    if code_needs:
+        out.append(f"Its code imports modules of pull request {_named(code_needs)} and its tests that one's test "
+                   f"helpers: it is stacked on that one and goes in after it.")
+    elif needs:
         out.append(f"Its code and patches apply alone and use nothing of the other pull requests, but its tests "
                    f"import test helpers of pull request {_named(needs)}: it is stacked on that one for its tests, "
                    f"which run with both applied.")
@@ -596,6 +663,10 @@ def relations(group, prs):
         out.append(f"Pull request{'s' if many else ''} {_named(needed_by)} appl{'y' if many else 'ies'} without this "
                    f"one, but {'their' if many else 'its'} tests import this one's test helpers (stacked on this one "
                    f"for {'their' if many else 'its'} tests).")
+    if code_needed_by:
+        many = len(code_needed_by) > 1
+        out.append(f"Pull request{'s' if many else ''} {_named(code_needed_by)} import{'' if many else 's'} this "
+                   f"one's modules (stacked on this one).")
     return " ".join(out)
 
 
@@ -647,7 +718,9 @@ def describe(piece, base, cfg, sdist, sha256, repo_root, everything):
         values["pull_requests"] = "\n".join(
             f"{pr.group.number}. **{pr.group.title}**: `{pr.stem}.diff`, described in `{pr.stem}.md` "
             f"(patches {_patch_names(pr)})." + "".join(
-                f" Its tests import test helpers of pull request {_named([g])}: stacked on that one for its tests."
+                (f" Its code imports modules of pull request {_named([g])}: stacked on that one."
+                 if g.key in pr.group.code_needs else
+                 f" Its tests import test helpers of pull request {_named([g])}: stacked on that one for its tests.")
                 for g in (other.group for other in prs) if g.key in pr.group.tests_need) for pr in prs)
         values["backports"] = "".join(
             f"\n\nAlso in this diff and in no pull request: **{bp.group.title}** (patch {_patch_names(bp)}, test "

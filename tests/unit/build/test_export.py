@@ -153,7 +153,8 @@ def _repo_file(root, rel):
 def test_layout_and_membership(case):
     result = case.result
     assert [p.stem for p in result.pull_requests] == ["1-muon", "2-grad-window", "3-loss-scale",
-                                                     "4-universal-checkpoint", "5-muon-selection"]
+                                                     "4-universal-checkpoint", "5-muon-selection",
+                                                     "6-zero12-muon-clipping"]
     assert sorted(p.name for p in result.out_dir.iterdir()) == sorted(
         f"{p.stem}.{ext}" for p in result.pieces for ext in ("diff", "md"))
     # every file that could go upstream is in exactly one pull request or backport, or never exported
@@ -195,16 +196,19 @@ def test_layout_and_membership(case):
     muon_dir = REPO / "deepspeed/runtime/zero/muon"
     assert sorted(p for p in by_key["muon"].sources if p.startswith("deepspeed/")) == sorted(
         p.relative_to(REPO).as_posix() for p in muon_dir.glob("*.py")
-        if p.name not in ("__main__.py", "param_selection.py") and not p.name.startswith(("universal_", "_build_info")))
+        if p.name not in ("__main__.py", "param_selection.py", "zero12_clipping.py")
+        and not p.name.startswith(("universal_", "_build_info")))
     assert sorted(by_key["muon-selection"].sources) == sorted([
         "deepspeed/runtime/zero/muon/param_selection.py", *(f"patches/{case.base}/{p.name}"
                                                             for p in zb.list_patches(case.base, REPO)
                                                             if p.name[:4] in ("0010", "0011")),
         "tests/unit/runtime/zero/test_muon_param_selection.py"])
     # stacking: the universal and selection pull requests' tests import the muon tests' helpers, no other does
+    assert {g.key: g.code_needs for g in ze.GROUPS if g.pull_request and g.code_needs} == {
+        "zero12-muon-clipping": ("muon", )}
     assert {g.key: g.tests_need for g in ze.GROUPS if g.pull_request} == {
         "muon": (), "grad-window": (), "loss-scale": (), "universal-checkpoint": ("muon", ),
-        "muon-selection": ("muon", )}
+        "muon-selection": ("muon", ), "zero12-muon-clipping": ("muon", )}
     owners = {p.group.key: p.sources for p in result.pull_requests}
     assert "tests/unit/runtime/zero/zero3_muon_helpers.py" in {
         dep for _, dep in ze.imported_groups(ze.UNIVERSAL, owners, REPO)["muon"]}
@@ -354,21 +358,24 @@ def test_descriptions_cover_every_file(case):
              for pr in case.result.pull_requests}
     stacked = "tests import test helpers of pull request 1 (muon): it is stacked on that one for its tests"
     needed = ("Pull requests 4 (universal-checkpoint) and 5 (muon-selection) apply without this one, but their tests "
-              "import this one's")
+              "import this one's test helpers")
+    code_stacked = "Its code imports modules of pull request 1 (muon) and its tests that one's test helpers"
+    assert "Pull request 6 (zero12-muon-clipping) imports this one's modules" in texts["muon"]
     for key, text in [*texts.items(), *heads.items()]:
         assert (stacked in text) == (key in ("universal-checkpoint", "muon-selection")), key
+        assert (code_stacked in text) == (key == "zero12-muon-clipping"), key
         assert (needed in text) == (key == "muon"), key
         assert "two other pull requests" not in text
-    assert ("Pull requests 1 (muon), 3 (loss-scale), 4 (universal-checkpoint) and 5 (muon-selection) of this export "
-            "are independent") in texts["grad-window"]
-    assert ("Pull requests 1 (muon), 2 (grad-window), 4 (universal-checkpoint) and 5 (muon-selection) of this export "
-            "are independent") in texts["loss-scale"]
+    assert ("Pull requests 1 (muon), 3 (loss-scale), 4 (universal-checkpoint), 5 (muon-selection) and "
+            "6 (zero12-muon-clipping) of this export are independent") in texts["grad-window"]
+    assert ("Pull requests 1 (muon), 2 (grad-window), 4 (universal-checkpoint), 5 (muon-selection) and "
+            "6 (zero12-muon-clipping) of this export are independent") in texts["loss-scale"]
     assert "Pull requests 2 (grad-window) and 3 (loss-scale) of this export are independent" in texts["muon"]
     assert "KeyError: 'exp_avg'" in texts["universal-checkpoint"] and "#8608" in texts["universal-checkpoint"]
     combined = case.result.combined.text_path.read_text()
     for pr in case.result.pull_requests:
         assert f"**{pr.group.title}**: `{pr.stem}.diff`" in combined
-    stacked_groups = [g for g in ze.GROUPS if g.pull_request and g.tests_need]
+    stacked_groups = [g for g in ze.GROUPS if g.pull_request and g.tests_need and not g.code_needs]
     assert " ".join(combined.split()).count("Its tests import test helpers of pull request 1 (muon)") == len(stacked_groups)
     for bp in case.result.backports:
         assert bp.group.title in combined and "0.19.8 already" in combined
