@@ -6,13 +6,15 @@
 - After the series, ``stage3.py`` holds no name of stock's superseded ZeRO-3 Muon path (0.19.7's
   per-micro-step update in the reduce path; 0.19.8's update before the norm, its all-gather helper
   with its buffer cache, the CPU-offload variant and the loss-scale bookkeeping), and the installed
-  ``stage3.py`` neither.
+  ``stage3.py`` neither. Likewise ``stage_1_and_2.py`` holds none of stock's ZeRO-1/2 Muon path that
+  patch 0012 supersedes (the installed one is checked once its build carries patch 0012).
 
 The pristine sdists are the ones the build verified and cached (``python3 dev.py test --base X``
 caches them), or ``DS_ZERO3MUON_SDIST`` naming a ``deepspeed-<base>.tar.gz``; a base whose sdist is
 in neither place is skipped with a message saying so. No network, no torch.
 """
 
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -26,6 +28,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 STAGE3 = "deepspeed/runtime/zero/stage3.py"
+STAGE12 = "deepspeed/runtime/zero/stage_1_and_2.py"
 
 
 def _load_backend():
@@ -49,6 +52,21 @@ SUPERSEDED = {
                "sub_groups_lacking_loss_scale", "muon_beta", "muon_ns_method"],
 }
 ALL_SUPERSEDED = sorted({name for names in SUPERSEDED.values() for name in names})
+
+# Names of stock's ZeRO-1/2 Muon path in stage_1_and_2.py that patch 0012 (``zero12_clipping``, Muon
+# in step() after the norm and the clip) supersedes, by base: the update while the gradient
+# partition is filled with its momentum buffer, staging and commit, 0.19.8's CPU-offload update
+# before the norm with its all-gather helpers and buffer cache, and its loss-scale bookkeeping.
+# ``_is_muon_group`` stays on 0.19.8 (``_use_compact_grad_partition_buffer`` still uses it).
+SUPERSEDED_STAGE12 = {
+    "0.19.7": ["muon_update", "_is_muon_group", "_muon_momentum_buffer", "_muon_staging_momentum",
+               "_commit_muon_momentum", "_muon_pending_momentum"],
+    "0.19.8": ["muon_update", "_muon_momentum_buffer", "_muon_staging_momentum", "_commit_muon_momentum",
+               "_muon_pending_momentum", "_muon_all_gather_partitions", "_muon_param_batches",
+               "_clear_muon_allgather_buffers", "_apply_muon_updates_cpu_offload", "_muon_update_lacks_loss_scale",
+               "groups_lacking_loss_scale", "_muon_allgather_buffers", "_muon_allgather_buffer_bytes",
+               "_muon_allgather_max_cached_bytes", "_muon_allgather_max_buffer_bytes"],
+}
 
 
 def _names_in(text, names):
@@ -116,6 +134,8 @@ def test_the_superseded_names_are_in_the_pristine_release(pristine):
     base, tree = pristine
     text = (tree / STAGE3).read_text()
     assert _names_in(text, SUPERSEDED[base]) == SUPERSEDED[base]
+    text = (tree / STAGE12).read_text()
+    assert _names_in(text, SUPERSEDED_STAGE12[base]) == SUPERSEDED_STAGE12[base]
 
 
 def test_each_patch_applies_alone_to_the_pristine_release(pristine):
@@ -134,6 +154,9 @@ def test_series_applies_in_order_and_leaves_no_superseded_name(pristine, tmp_pat
     text = (series / STAGE3).read_text()
     assert _names_in(text, ALL_SUPERSEDED) == []
     assert "Zero3MuonBoundary" in text
+    text = (series / STAGE12).read_text()
+    assert _names_in(text, SUPERSEDED_STAGE12[base]) == []
+    assert "Zero12MuonClipping" in text
 
 
 def test_installed_stage3_has_no_superseded_name():
@@ -143,3 +166,17 @@ def test_installed_stage3_has_no_superseded_name():
         pytest.skip("no installed deepspeed")
     stage3 = Path(spec.origin).parent / "runtime" / "zero" / "stage3.py"
     assert _names_in(stage3.read_text(), ALL_SUPERSEDED) == []
+
+
+def test_installed_stage_1_and_2_has_no_superseded_name():
+    """The stage_1_and_2.py of the DeepSpeed these tests run with, once its build carries patch 0012."""
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or spec.origin is None:
+        pytest.skip("no installed deepspeed")
+    text = (Path(spec.origin).parent / "runtime" / "zero" / "stage_1_and_2.py").read_text()
+    if "Zero12MuonClipping" not in text:
+        pytest.skip("the installed DeepSpeed was built without patch 0012 (rebuild it to check this)")
+    base = re.match(r"\d+\.\d+\.\d+", importlib.metadata.version("deepspeed")).group(0)
+    if base not in SUPERSEDED_STAGE12:
+        pytest.skip(f"no patches/ folder for the installed DeepSpeed {base}")
+    assert _names_in(text, SUPERSEDED_STAGE12[base]) == []

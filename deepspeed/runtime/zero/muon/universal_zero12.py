@@ -62,6 +62,16 @@ def _muon_group_indices(base_optimizer) -> List[int]:
     return [i for i, group in enumerate(base_optimizer.param_groups) if group.get("use_muon", False)]
 
 
+def _deepspeed_base_version() -> str:
+    """The installed DeepSpeed's release without local tags (``"0.19.8"`` for ``0.19.8+zero3muon``).
+
+    Patch 0012 gives both bases the same offload momentum (``zero12_clipping``, partition layout),
+    so the code of the optimizer no longer tells them apart; the release does."""
+    from packaging import version
+    from deepspeed.git_version_info import version as deepspeed_version
+    return version.parse(deepspeed_version).base_version
+
+
 def unsupported_reason(zero_optimizer) -> Optional[str]:
     """Why this optimizer cannot take a checkpoint's Muon momentum, or None if it can.
 
@@ -78,8 +88,7 @@ def unsupported_reason(zero_optimizer) -> Optional[str]:
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     if isinstance(zero_optimizer, BF16_Optimizer):
         return None  # 0.19.8 keeps the momentum (partition layout); 0.19.7 refuses Muon at initialize
-    if getattr(zero_optimizer, "cpu_offload", False) and not hasattr(zero_optimizer,
-                                                                      "_apply_muon_updates_cpu_offload"):
+    if getattr(zero_optimizer, "cpu_offload", False) and _deepspeed_base_version() == "0.19.7":
         return (f"{_stage_name(zero_optimizer)} with zero_optimization.offload_optimizer cannot restore a "
                 "checkpoint's Muon momentum in this DeepSpeed version (0.19.7). Load it without "
                 "offload_optimizer, or at ZeRO stage 3.")
