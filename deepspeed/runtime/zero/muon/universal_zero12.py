@@ -12,13 +12,13 @@ each state ends up in the *partition layout*: a flat tensor shaped like the grou
 partition. That is right for Adam's ``exp_avg`` / ``exp_avg_sq`` and for Muon's momentum where
 the stage keeps it so, but not where ZeRO-1/2 keeps Muon's momentum itself:
 
-- ``DeepSpeedZeroOptimizer`` without optimizer offload (both bases) orthogonalizes in
-  ``get_flat_partition`` and keeps, per Muon parameter group, ``state[fp32 partition]
+- ``DeepSpeedZeroOptimizer`` without optimizer offload (both bases; the update runs in
+  ``zero12_clipping``) keeps, per Muon parameter group, ``state[fp32 partition]
   ["momentum_buffer"]``: the *whole* momentum of every parameter that overlaps the rank's
   partition (``params_in_partition[group]``), flattened and concatenated in that order, so a
   matrix split between two ranks has its full momentum on both (both run the same update on the
   all-reduced gradient). Upstream's loader puts a partition-sized tensor there instead, which
-  ``get_flat_partition`` then reads at the wrong offsets (or past its end). ``restore_momentum``
+  the update would then read at the wrong offsets (or past its end). ``restore_momentum``
   rebuilds the buffer from the checkpoint's per-parameter ``momentum_buffer.pt`` files.
 - ``DeepSpeedZeroOptimizer`` with ``offload_optimizer`` and ``BF16_Optimizer`` (bf16 with
   ``data_types.grad_accum_dtype`` fp32 at stage 1) of DeepSpeed 0.19.8 keep it in the partition
