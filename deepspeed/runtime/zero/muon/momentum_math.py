@@ -25,11 +25,36 @@ gradient ``muon_update`` returns for it.
 give bit for bit what ``muon_update`` gives on the whole matrix, finite and non-finite.
 """
 
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from deepspeed.runtime.zero.muon import original_muon
+
+
+@dataclass(frozen=True)
+class MuonSettings:
+    """A Muon parameter group's settings, with upstream ``muon_update``'s defaults.
+
+    Attributes:
+        momentum: beta of the momentum (the group's ``momentum``; required).
+        nesterov: Nesterov blend of gradient and momentum (default True).
+        ns_method: Newton-Schulz kernel, "gram" or "standard" (default "gram").
+        ns_steps: Newton-Schulz iterations (default 5).
+    """
+    momentum: float
+    nesterov: bool
+    ns_method: str
+    ns_steps: int
+
+    @classmethod
+    def of(cls, param_group: dict) -> "MuonSettings":
+        """Raises: KeyError: the group has no ``momentum``."""
+        return cls(momentum=param_group["momentum"],
+                   nesterov=param_group.get("nesterov", True),
+                   ns_method=param_group.get("ns_method", "gram"),
+                   ns_steps=param_group.get("ns_steps", 5))
 
 
 def newton_schulz_problem(shape: Sequence[int], is_expert_group: bool, num_heads) -> Tuple[int, int, int]:

@@ -39,8 +39,8 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.bucket_pipeline import BucketPipeline
-from deepspeed.runtime.zero.muon.momentum_math import (all_finite_flags, momentum_step_, newton_schulz_problem,
-                                                       orthogonalize)
+from deepspeed.runtime.zero.muon.momentum_math import (MuonSettings, all_finite_flags, momentum_step_,
+                                                       newton_schulz_problem, orthogonalize)
 from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeStats, OwnerExchange
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, OwnerPlan, plan_owners
 from deepspeed.utils import logger
@@ -69,22 +69,6 @@ class _SubGroup:
     @property
     def exchange(self) -> OwnerExchange:
         return self.pipeline.exchange
-
-
-@dataclass(frozen=True)
-class _MuonSettings:
-    """A Muon parameter group's settings, with upstream ``muon_update``'s defaults."""
-    momentum: float
-    nesterov: bool
-    ns_method: str
-    ns_steps: int
-
-    @classmethod
-    def of(cls, param_group: dict) -> "_MuonSettings":
-        return cls(momentum=param_group["momentum"],
-                   nesterov=param_group.get("nesterov", True),
-                   ns_method=param_group.get("ns_method", "gram"),
-                   ns_steps=param_group.get("ns_steps", 5))
 
 
 def refuse_unsupported(optimizer) -> None:
@@ -194,7 +178,7 @@ class Zero3MuonBoundary:
 
     def _build_sub_group(self, i, params, loads) -> _SubGroup:
         opt = self.optimizer
-        ns_method = _MuonSettings.of(self._param_group(i)).ns_method
+        ns_method = MuonSettings.of(self._param_group(i)).ns_method
         group = opt._get_sub_group_process_group(i)
         rank, world_size = dist.get_rank(group=group), dist.get_world_size(group=group)
         # Every rank meets its sub-groups in the same order, so keying by the local group object
@@ -319,7 +303,7 @@ class Zero3MuonBoundary:
         sg = self.sub_groups.get(sub_group_id)
         if sg is None:
             return
-        settings = _MuonSettings.of(self._param_group(sub_group_id))
+        settings = MuonSettings.of(self._param_group(sub_group_id))
         grad_flat = self.optimizer.fp32_partitioned_groups_flat[sub_group_id].grad
         momentum_flat = self.momentum_partition(sub_group_id, grad_flat)
         finite = self._finite_flags(sg, grad_flat)

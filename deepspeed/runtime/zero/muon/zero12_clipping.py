@@ -42,7 +42,6 @@ momentum needs no staging. The optimizer (``MuonWithAuxAdam``) then applies weig
 Non-Muon optimizers never create this object: their stage-1/2 path is upstream's, unchanged.
 """
 
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -50,28 +49,12 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.muon import original_muon
-from deepspeed.runtime.zero.muon.momentum_math import (all_finite_flags, momentum_step_, newton_schulz_problem,
-                                                       orthogonalize)
+from deepspeed.runtime.zero.muon.momentum_math import (MuonSettings, all_finite_flags, momentum_step_,
+                                                       newton_schulz_problem, orthogonalize)
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec
 
 MOMENTUM_KEY = "momentum_buffer"
 """Optimizer-state key of the Muon momentum, as upstream stores it (checkpoints keep it)."""
-
-
-@dataclass(frozen=True)
-class _Settings:
-    """A Muon parameter group's settings, with upstream ``muon_update``'s defaults."""
-    momentum: float
-    nesterov: bool
-    ns_method: str
-    ns_steps: int
-
-    @classmethod
-    def of(cls, param_group: dict) -> "_Settings":
-        return cls(momentum=param_group["momentum"],
-                   nesterov=param_group.get("nesterov", True),
-                   ns_method=param_group.get("ns_method", "gram"),
-                   ns_steps=param_group.get("ns_steps", 5))
 
 
 def _spec(param, ns_method: str) -> MatrixSpec:
@@ -116,8 +99,8 @@ class Zero12MuonClipping:
             return None
         return cls(zero_optimizer)
 
-    def _settings(self, group_idx: int) -> _Settings:
-        return _Settings.of(self.zero_optimizer.optimizer.param_groups[group_idx])
+    def _settings(self, group_idx: int) -> MuonSettings:
+        return MuonSettings.of(self.zero_optimizer.optimizer.param_groups[group_idx])
 
     def is_muon_group(self, group_idx: int) -> bool:
         return bool(self.zero_optimizer.optimizer.param_groups[group_idx].get("use_muon", False))
