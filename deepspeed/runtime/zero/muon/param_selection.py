@@ -241,7 +241,9 @@ def format_report(selection: MuonSelection, limit: int = LISTED_NAMES) -> Tuple[
         f"{len(selection.adam)} parameters ({selection.adam_numel:,} elements) on the auxiliary Adam. "
         f"On Muon: {_listed(selection.muon, limit) or 'none'}. "
         f"Matrices on Adam: {_listed(adam_matrices, limit) or 'none'}. "
-        "Set param.use_muon before deepspeed.initialize to override; engine.muon_selection holds the lists."
+        + ("The optimizer's parameter groups decide (their use_muon); engine.muon_selection holds the lists."
+           if PARAM_GROUP in selection.reasons.values() else
+           "Set param.use_muon before deepspeed.initialize to override; engine.muon_selection holds the lists.")
     ]
     if not selection.muon:
         lines.append(f"The Muon optimizer has no parameter on Muon: all {len(selection.adam)} trained parameters "

@@ -164,6 +164,15 @@ def test_report_lists_are_cut_past_twenty_names_and_no_muon_warns():
     (line, ) = format_report(select_muon_parameters(deep))
     assert line.startswith("Muon optimizer: 25 parameters (400 elements) on Muon, 0 parameters (0 elements)")
     assert "19.weight, ... and 5 more." in line and "20.weight" not in line
+    assert "Set param.use_muon before deepspeed.initialize to override" in line
+
+    # chosen from a client optimizer's groups: the groups decide, and the report says so
+    import dataclasses
+    from deepspeed.runtime.zero.muon.param_selection import PARAM_GROUP
+    selection = select_muon_parameters(deep)
+    by_groups = dataclasses.replace(selection, reasons={name: PARAM_GROUP for name in selection.reasons})
+    (line, ) = format_report(by_groups)
+    assert "The optimizer's parameter groups decide (their use_muon)" in line and "to override" not in line
 
     lines = format_report(select_muon_parameters(torch.nn.Sequential(torch.nn.Embedding(8, 4),
                                                                      torch.nn.LayerNorm(4))))
