@@ -31,6 +31,10 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from deepspeed.runtime.zero.muon import original_muon
+from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec
+
+MOMENTUM_KEY = "momentum_buffer"
+"""Optimizer-state key of the Muon momentum, as upstream ``MuonWithAuxAdam`` stores it (checkpoints keep it)."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,30 @@ def newton_schulz_problem(shape: Sequence[int], is_expert_group: bool, num_heads
                              "Muon group.") from e
         raise ValueError(f"muon_num_heads={num_heads} (optimizer params: per_head_muon) on a parameter of shape "
                          f"{tuple(shape)}: {e}") from e
+
+
+def matrix_spec(param, shape: Sequence[int], partition_numel: int, ns_method: str) -> MatrixSpec:
+    """The Newton-Schulz description of one Muon parameter, for the owner plan and ``orthogonalize``.
+
+    Args:
+        param: the parameter (its ``is_expert_group`` and ``muon_num_heads`` tags are read).
+        shape: its full shape (ZeRO-3: ``ds_shape``).
+        partition_numel: elements of it that each rank holds (the whole ``numel`` where a rank
+            orthogonalizes the whole parameter).
+        ns_method: the parameter group's ``ns_method``.
+
+    Raises:
+        ValueError: see ``newton_schulz_problem``.
+    """
+    shape = tuple(shape)
+    is_expert_group = bool(getattr(param, "is_expert_group", False))
+    num_heads = getattr(param, "muon_num_heads", None)
+    return MatrixSpec(shape=shape,
+                      partition_numel=partition_numel,
+                      ns_method=ns_method,
+                      is_expert_group=is_expert_group,
+                      num_heads=num_heads,
+                      ns_problem=newton_schulz_problem(shape, is_expert_group, num_heads))
 
 
 def momentum_step_(grad_flat: torch.Tensor, momentum_flat: torch.Tensor, slices: Sequence[Tuple[int, int]],

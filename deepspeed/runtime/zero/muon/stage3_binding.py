@@ -39,14 +39,11 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.bucket_pipeline import BucketPipeline
-from deepspeed.runtime.zero.muon.momentum_math import (MuonSettings, all_finite_flags, momentum_step_,
-                                                       newton_schulz_problem, orthogonalize)
+from deepspeed.runtime.zero.muon.momentum_math import (MOMENTUM_KEY, MuonSettings, all_finite_flags, matrix_spec,
+                                                       momentum_step_, orthogonalize)
 from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeStats, OwnerExchange
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, OwnerPlan, plan_owners
 from deepspeed.utils import logger
-
-MOMENTUM_KEY = "momentum_buffer"
-"""Optimizer-state key of the Muon momentum, as upstream stores it (checkpoints keep it)."""
 
 
 @dataclass
@@ -187,17 +184,8 @@ class Zero3MuonBoundary:
         offsets, specs = [], []
         for param in params:
             _, offset, partition_numel = opt.grad_position[opt.get_param_id(param)]
-            shape = tuple(param.ds_shape)
-            is_expert_group = bool(getattr(param, "is_expert_group", False))
-            num_heads = getattr(param, "muon_num_heads", None)
             offsets.append(offset)
-            specs.append(
-                MatrixSpec(shape=shape,
-                           partition_numel=partition_numel,
-                           ns_method=ns_method,
-                           is_expert_group=is_expert_group,
-                           num_heads=num_heads,
-                           ns_problem=newton_schulz_problem(shape, is_expert_group, num_heads)))
+            specs.append(matrix_spec(param, param.ds_shape, partition_numel, ns_method))
         plan = plan_owners(specs, world_size, opt.reduce_bucket_size, initial_load=load)
         for r, cost in enumerate(plan.load()):
             load[r] += cost

@@ -49,26 +49,8 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.muon import original_muon
-from deepspeed.runtime.zero.muon.momentum_math import (MuonSettings, all_finite_flags, momentum_step_,
-                                                       newton_schulz_problem, orthogonalize)
-from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec
-
-MOMENTUM_KEY = "momentum_buffer"
-"""Optimizer-state key of the Muon momentum, as upstream stores it (checkpoints keep it)."""
-
-
-def _spec(param, ns_method: str) -> MatrixSpec:
-    """The Newton-Schulz description of a whole Muon parameter (``momentum_math.orthogonalize``)."""
-    shape = tuple(param.shape)
-    is_expert_group = bool(getattr(param, "is_expert_group", False))
-    num_heads = getattr(param, "muon_num_heads", None)
-    return MatrixSpec(shape=shape,
-                      partition_numel=param.numel(),
-                      ns_method=ns_method,
-                      is_expert_group=is_expert_group,
-                      num_heads=num_heads,
-                      ns_problem=newton_schulz_problem(shape, is_expert_group, num_heads))
-
+from deepspeed.runtime.zero.muon.momentum_math import (MOMENTUM_KEY, MuonSettings, all_finite_flags, matrix_spec,
+                                                       momentum_step_, orthogonalize)
 
 def _is_muon_optimizer(optimizer) -> bool:
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
@@ -182,7 +164,7 @@ class Zero12MuonClipping:
         slices = list(zip(offsets, numels))
         finite = all_finite_flags([grad_flat.narrow(0, o, n) for o, n in slices]).bool()
         ns_inputs = momentum_step_(grad_flat, momentum, slices, settings.momentum, settings.nesterov, finite)
-        specs = [_spec(p, settings.ns_method) for p in params]
+        specs = [matrix_spec(p, p.shape, p.numel(), settings.ns_method) for p in params]
         updates = orthogonalize([x.view(p.shape) for x, p in zip(ns_inputs, params)], specs, settings.ns_steps,
                                 settings.ns_method, original_muon.ns_compute_dtype(settings.ns_method),
                                 [finite[j] for j in range(len(params))])
@@ -245,7 +227,7 @@ class Zero12MuonClipping:
             if not needed:
                 continue
             matrices = [whole.narrow(0, offsets[j] - lo, params[j].numel()).view(params[j].shape) for j in needed]
-            updates = orthogonalize(matrices, [_spec(params[j], settings.ns_method) for j in needed],
+            updates = orthogonalize(matrices, [matrix_spec(params[j], params[j].shape, params[j].numel(), settings.ns_method) for j in needed],
                                     settings.ns_steps, settings.ns_method, update_dtype, [finite[j] for j in needed])
             self.ns_calls += len(needed)
             for j, update in zip(needed, updates):
