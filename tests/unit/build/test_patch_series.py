@@ -53,7 +53,7 @@ SUPERSEDED = {
 }
 ALL_SUPERSEDED = sorted({name for names in SUPERSEDED.values() for name in names})
 
-# Names of stock's ZeRO-1/2 Muon path in stage_1_and_2.py that patch 0012 (``zero12_clipping``, Muon
+# Names of stock's ZeRO-1/2 Muon path in stage_1_and_2.py that patch 0012 (``zero12_update``, Muon
 # in step() after the norm and the clip) supersedes, by base: the update while the gradient
 # partition is filled with its momentum buffer, staging and commit, 0.19.8's CPU-offload update
 # before the norm with its all-gather helpers and buffer cache, and its loss-scale bookkeeping.
@@ -153,10 +153,10 @@ def test_series_applies_in_order_and_leaves_no_superseded_name(pristine, tmp_pat
     zb.apply_patches(series, _patches(base))
     text = (series / STAGE3).read_text()
     assert _names_in(text, ALL_SUPERSEDED) == []
-    assert "Zero3MuonBoundary" in text
+    assert "Zero3MuonUpdate" in text
     text = (series / STAGE12).read_text()
     assert _names_in(text, SUPERSEDED_STAGE12[base]) == []
-    assert "Zero12MuonClipping" in text
+    assert "Zero12MuonUpdate" in text
 
 
 def test_installed_stage3_has_no_superseded_name():
@@ -174,7 +174,7 @@ def test_installed_stage_1_and_2_has_no_superseded_name():
     if spec is None or spec.origin is None:
         pytest.skip("no installed deepspeed")
     text = (Path(spec.origin).parent / "runtime" / "zero" / "stage_1_and_2.py").read_text()
-    if "Zero12MuonClipping" not in text:
+    if "Zero12MuonUpdate" not in text:
         pytest.skip("the installed DeepSpeed was built without patch 0012 (rebuild it to check this)")
     base = re.match(r"\d+\.\d+\.\d+", importlib.metadata.version("deepspeed")).group(0)
     if base not in SUPERSEDED_STAGE12:

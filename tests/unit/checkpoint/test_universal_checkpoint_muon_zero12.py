@@ -42,8 +42,8 @@ none before patch 0012)."""
 SAVE_AFTER = 3
 MORE = 2
 RUN = Zero3MuonRun(model="mixed", gas=2, groups="two_muon_groups", clip=0.0)
-ZERO12_MUON_IN_STEP = "Zero12MuonClipping" in inspect.getsource(stage_1_and_2)
-"""Patch 0012 (``zero12_clipping``) is installed: ZeRO-1/2 run Muon in ``step()`` and advance every
+ZERO12_MUON_IN_STEP = "Zero12MuonUpdate" in inspect.getsource(stage_1_and_2)
+"""Patch 0012 (``zero12_update``) is installed: ZeRO-1/2 run Muon in ``step()`` and advance every
 matrix's momentum, on 0.19.7 too."""
 
 SETTINGS = ("use_muon", "lr", "momentum", "weight_decay", "ns_method", "betas", "eps")

@@ -26,7 +26,7 @@ LOCAL_LABEL = "+zero3muon"
 # Something each patch adds, to check that the installed files are the patched ones:
 # (patch number, file under the deepspeed package, text the patch adds, bases it exists for or None for all).
 PATCH_MARKERS = (
-    ("0001", "runtime/zero/stage3.py", "Zero3MuonBoundary", None),  # the boundary update's call in step()
+    ("0001", "runtime/zero/stage3.py", "Zero3MuonUpdate", None),  # the boundary update's call in step()
     ("0002", "runtime/zero/stage3.py", "_complete_window_gradients", None),  # first use in a window, window sums
     ("0003", "runtime/zero/stage3.py", "backward_loss_scale", None),  # unscale by the step's backward loss scale
     ("0004", "runtime/zero/muon/original_muon.py", "def muon_momentum_step_", None),  # muon_update split
@@ -44,7 +44,7 @@ PATCH_MARKERS = (
     # a client Muon optimizer: tagged from its groups or refused on flat partitions; the selection report
     ("0011", "runtime/engine.py", "import resolve_optimizer_selection", None),
     # ZeRO-1/2 Muon runs in step(), after the norm and the clip of the raw gradient
-    ("0012", "runtime/zero/stage_1_and_2.py", "Zero12MuonClipping", None),
+    ("0012", "runtime/zero/stage_1_and_2.py", "Zero12MuonUpdate", None),
 )
 MODE = "owner-centric at the accumulation boundary"
 

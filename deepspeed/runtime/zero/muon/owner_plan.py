@@ -11,9 +11,10 @@ model needs, come from the caller (upstream ``original_muon.muon_ns_problem``, t
 orthogonalization itself takes its views from).
 
 Terms:
-- *partition*: under ZeRO-3 every rank holds ``partition_numel = ceil(ds_numel / W)`` elements of
-  each parameter's flattened gradient; rank ``r`` holds elements ``[r * partition_numel,
-  (r + 1) * partition_numel)``, zero-padded past ``ds_numel``.
+- *pieces*: ``pieces[r]`` is how many elements of a matrix's flattened gradient rank ``r`` holds,
+  in rank order. Under ZeRO-3 every rank holds ``ceil(ds_numel / W)`` elements of each parameter,
+  zero-padded past ``ds_numel``; under ZeRO-1/2 with optimizer offload each rank holds the slice
+  of the flat buffer its partition covers, so most matrices have one holder.
 - *owner rank*: the one rank that receives every partition of a matrix's Newton-Schulz (NS) input,
   runs NS once on the whole matrix, and sends each rank its partition of the result.
 - *bucket*: a run of consecutive matrices whose total ``ds_numel`` is at most the bucket size
@@ -26,7 +27,12 @@ anomalies"): each matrix, most expensive first, goes to the bin with the least N
 within a bucket keeps the ranks busy together, since every rank waits for the slowest owner of a
 bucket before its results come back. Then the heaviest bin goes to the rank with the least work
 over all buckets so far, the next heaviest to the next, so that the totals stay balanced too
-(a bucket holding one large matrix sends it to the least loaded rank).
+(a bucket holding one large matrix sends it to the least loaded rank). Where only some ranks
+hold a piece of a matrix (``holders``), it goes to the least loaded of them instead.
+
+The exchange buffers every rank reserves follow from the plan (``reserved_numel``), and
+``plan_within_budget`` picks the largest bucket size whose buffers fit a budget (the momentum
+partition: Muon then keeps no more than Adam's two moments).
 """
 
 from dataclasses import dataclass
@@ -42,7 +48,6 @@ class MatrixSpec:
 
     Attributes:
         shape: the full parameter shape (``param.ds_shape``), at least 2-D.
-        partition_numel: elements of this parameter each rank holds (``param.partition_numel()``).
         ns_method: ``"gram"`` or ``"standard"`` (the parameter group's ``ns_method``).
         is_expert_group: ``param.is_expert_group``; NS is batched over the leading dimensions.
         num_heads: ``param.muon_num_heads``; NS runs per attention head (rows split into heads).
@@ -55,7 +60,6 @@ class MatrixSpec:
         ValueError: ``ns_problem`` omitted for a tensor that is not 2-D or has ``num_heads``.
     """
     shape: Tuple[int, ...]
-    partition_numel: int
     ns_method: str = "gram"
     is_expert_group: bool = False
     num_heads: Optional[int] = None
@@ -127,10 +131,6 @@ class OwnerPlan:
         total = sum(load)
         return max(load) * self.world_size / total if total > 0 else 0.0
 
-    def owned_by(self, rank: int) -> List[int]:
-        """Indices of the matrices ``rank`` owns, in sub-group order."""
-        return [j for j, owner in enumerate(self.owners) if owner == rank]
-
     def signature(self) -> List[int]:
         """Integers that identify the plan: the owners, then each matrix's bucket number.
 
@@ -169,7 +169,8 @@ def plan_owners(specs: Sequence[MatrixSpec],
                 world_size: int,
                 bucket_numel: int,
                 ns_steps: int = NS_STEPS_DEFAULT,
-                initial_load: Optional[Sequence[float]] = None) -> OwnerPlan:
+                initial_load: Optional[Sequence[float]] = None,
+                holders: Optional[Sequence[Sequence[int]]] = None) -> OwnerPlan:
     """Assign an owner rank to every matrix of a sub-group; deterministic in its inputs.
 
     Args:
@@ -180,6 +181,9 @@ def plan_owners(specs: Sequence[MatrixSpec],
         initial_load: NS cost each rank already owns in earlier sub-groups of the same process
             group (length ``world_size``), so that several sub-groups balance together; zeros
             when omitted.
+        holders: per matrix, the ranks that hold a piece of it; its owner is one of them (the
+            least loaded), so a matrix one rank holds whole never travels. ``None``: every rank
+            holds a piece of every matrix (ZeRO-3).
 
     Returns:
         OwnerPlan: per bucket, the LPT bound ``max(bin) <= sum(bucket) / W + max(cost in bucket)``;
@@ -187,7 +191,8 @@ def plan_owners(specs: Sequence[MatrixSpec],
         ``max(bin) - min(bin)`` of any one bucket.
 
     Raises:
-        ValueError: for ``world_size < 1`` or an ``initial_load`` of the wrong length.
+        ValueError: for ``world_size < 1``, an ``initial_load`` of the wrong length, or a matrix
+            without holders.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}.")
@@ -197,6 +202,14 @@ def plan_owners(specs: Sequence[MatrixSpec],
     buckets = make_buckets([spec.numel for spec in specs], bucket_numel) if specs else ()
     owners = [0] * len(specs)
     total_load = list(initial_load) if initial_load is not None else [0.0] * world_size
+    if holders is not None:
+        if len(holders) != len(specs) or not all(holders):
+            raise ValueError("holders needs a non-empty list of ranks for every matrix.")
+        for bucket in buckets:
+            for j in sorted(bucket, key=lambda j: (-costs[j], j)):
+                owners[j] = min(holders[j], key=lambda r: (total_load[r], r))
+                total_load[owners[j]] += costs[j]
+        return OwnerPlan(world_size=world_size, owners=tuple(owners), buckets=buckets, costs=costs)
     for bucket in buckets:
         # LPT into W bins: balances the NS work of this bucket.
         bin_of, bin_load = {}, [0.0] * world_size
@@ -213,3 +226,89 @@ def plan_owners(specs: Sequence[MatrixSpec],
         for b, r in rank_of_bin.items():
             total_load[r] += bin_load[b]
     return OwnerPlan(world_size=world_size, owners=tuple(owners), buckets=buckets, costs=costs)
+
+
+def reserved_numel(plan: OwnerPlan, pieces: Sequence[Sequence[int]], slots: int) -> List[int]:
+    """Elements of exchange buffer each rank reserves for ``plan``, in the pipeline's layout.
+
+    A slot holds one bucket in flight: an outgoing buffer (the rank's pieces of the bucket's
+    matrices) and an incoming one (every piece of the matrices it owns there). Each is sized to
+    the largest bucket, and ``slots`` of them are kept.
+
+    Args:
+        plan: the owner plan.
+        pieces: per matrix, its piece size on every rank (length ``world_size`` each).
+        slots: buckets in flight at once (``pipeline.slots_for_depth``).
+
+    Returns:
+        list of length ``world_size``: reserved elements per rank.
+    """
+    most_out, most_in = [0] * plan.world_size, [0] * plan.world_size
+    for bucket in plan.buckets:
+        outgoing, incoming = [0] * plan.world_size, [0] * plan.world_size
+        for j in bucket:
+            for r, n in enumerate(pieces[j]):
+                outgoing[r] += n
+            incoming[plan.owners[j]] += sum(pieces[j])
+        most_out = [max(a, b) for a, b in zip(most_out, outgoing)]
+        most_in = [max(a, b) for a, b in zip(most_in, incoming)]
+    busy = min(slots, max(1, len(plan.buckets)))
+    return [busy * (a + b) for a, b in zip(most_out, most_in)]
+
+
+def plan_within_budget(specs: Sequence[MatrixSpec],
+                       pieces: Sequence[Sequence[int]],
+                       world_size: int,
+                       max_bucket_numel: int,
+                       slots: int,
+                       ns_steps: int = NS_STEPS_DEFAULT,
+                       initial_load: Optional[Sequence[float]] = None,
+                       holders: Optional[Sequence[Sequence[int]]] = None) -> OwnerPlan:
+    """``plan_owners`` with the largest bucket size whose exchange buffers fit every rank's budget.
+
+    The budget of rank ``r`` is the elements it holds (``sum(pieces[j][r])``, the size of its
+    momentum partition): then Muon's state and buffers together take no more memory than Adam's
+    two moments would. Bucket sizes tried: ``max_bucket_numel`` (``reduce_bucket_size``), then the
+    sizes of the first k matrices together, by bisection; where none fits (one matrix alone is
+    larger than the budget allows), every matrix gets a bucket of its own.
+
+    Args:
+        specs, world_size, ns_steps, initial_load, holders: as for ``plan_owners``.
+        pieces: per matrix, its piece size on every rank.
+        max_bucket_numel: the largest bucket size to use (elements of whole matrices).
+        slots: buckets in flight at once.
+
+    Returns:
+        OwnerPlan: deterministic in its inputs (every rank picks the same bucket size).
+
+    Raises:
+        ValueError: see ``plan_owners`` and ``make_buckets``.
+    """
+    budget = [sum(p[r] for p in pieces) for r in range(world_size)]
+
+    def plan(bucket_numel):
+        return plan_owners(specs, world_size, bucket_numel, ns_steps, initial_load, holders)
+
+    def fits(candidate):
+        return all(n <= b for n, b in zip(reserved_numel(candidate, pieces, slots), budget))
+
+    # Candidate sizes: the first k matrices' total for every k (each gives a different bucketing),
+    # at most max_bucket_numel; the buffers grow with the bucket size, so search by bisection.
+    candidates, total = [], 0
+    for spec in specs:
+        total += spec.numel
+        if total > max_bucket_numel:
+            break
+        candidates.append(total)
+    best = plan(1)  # every matrix alone: the least the pipeline can reserve
+    if max_bucket_numel > total and fits(plan(max_bucket_numel)):
+        return plan(max_bucket_numel)
+    lo, hi = 0, len(candidates) - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        candidate = plan(candidates[mid])
+        if fits(candidate):
+            best, lo = candidate, mid + 1
+        else:
+            hi = mid - 1
+    return best

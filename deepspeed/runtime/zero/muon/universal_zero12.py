@@ -13,7 +13,7 @@ partition. That is right for Adam's ``exp_avg`` / ``exp_avg_sq`` and for Muon's 
 the stage keeps it so, but not where ZeRO-1/2 keeps Muon's momentum itself:
 
 - ``DeepSpeedZeroOptimizer`` without optimizer offload (both bases; the update runs in
-  ``zero12_clipping``) keeps, per Muon parameter group, ``state[fp32 partition]
+  ``zero12_update``) keeps, per Muon parameter group, ``state[fp32 partition]
   ["momentum_buffer"]``: the *whole* momentum of every parameter that overlaps the rank's
   partition (``params_in_partition[group]``), flattened and concatenated in that order, so a
   matrix split between two ranks has its full momentum on both (both run the same update on the
@@ -24,7 +24,7 @@ the stage keeps it so, but not where ZeRO-1/2 keeps Muon's momentum itself:
   ``data_types.grad_accum_dtype`` fp32 at stage 1) of DeepSpeed 0.19.8 keep it in the partition
   layout, and upstream's loader restores it as it is.
 - In DeepSpeed 0.19.7, stage 1/2 with ``offload_optimizer`` kept no momentum before patch 0012
-  (``zero12_clipping``, which now keeps it in the partition layout); restoring it there is not
+  (``zero12_update``, which now keeps it in the partition layout); restoring it there is not
   tested, so loading refuses, naming the stage and the config key (``unsupported_reason``). Its
   BF16_Optimizer with Muon is refused at ``deepspeed.initialize`` already.
 
@@ -65,7 +65,7 @@ def _muon_group_indices(base_optimizer) -> List[int]:
 def _deepspeed_base_version() -> str:
     """The installed DeepSpeed's release without local tags (``"0.19.8"`` for ``0.19.8+zero3muon``).
 
-    Patch 0012 gives both bases the same offload momentum (``zero12_clipping``, partition layout),
+    Patch 0012 gives both bases the same offload momentum (``zero12_update``, partition layout),
     so the code of the optimizer no longer tells them apart; the release does."""
     from packaging import version
     from deepspeed.git_version_info import version as deepspeed_version

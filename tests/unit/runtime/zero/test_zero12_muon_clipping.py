@@ -5,7 +5,7 @@
 """Gradient clipping with Muon is the same at ZeRO stages 1, 2 and 3, and is PyTorch's:
 ``torch.nn.utils.clip_grad_norm_`` on the raw accumulated gradients, then Muon (upstream
 ``muon_update``) on the clipped gradient, the orthogonalized update applied as it is
-(``deepspeed.runtime.zero.muon.zero12_clipping``; upstream issues #8439, #7776).
+(``deepspeed.runtime.zero.muon.zero12_update``; upstream issues #8439, #7776).
 
 On W = 2 and 3 gloo ranks (``DS_ACCELERATOR=cpu``), gas 1 and 4, 3 optimizer steps of 24 samples
 each (``Zero3MuonRun``), against the single-process reference (``train_reference``: the same
@@ -78,7 +78,7 @@ def _check_reference(name, references):
     return weights, norms
 
 
-class TestZero12MuonClipping(DistributedTest):
+class TestZero12MuonUpdate(DistributedTest):
     reuse_dist_env = True
 
     @pytest.mark.core

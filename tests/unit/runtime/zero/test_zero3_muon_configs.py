@@ -84,7 +84,8 @@ NVME = DEFAULT.with_(offload="nvme")
 BUCKET_RUNS = {
     2: {
         "buckets": DEFAULT.with_(zero=(("reduce_bucket_size", BUCKET), )),
-        "buckets_serial": DEFAULT.with_(zero=(("reduce_bucket_size", BUCKET), ), overlap=False),
+        "buckets_serial": DEFAULT.with_(zero=(("reduce_bucket_size", BUCKET), ), pipeline_depth=1),
+        "buckets_depth3": DEFAULT.with_(zero=(("reduce_bucket_size", BUCKET), ), pipeline_depth=3),
     },
     3: {
         "buckets": default(3).with_(zero=(("reduce_bucket_size", BUCKET), ))

@@ -70,12 +70,12 @@ class TestZero3MuonErrors(DistributedTest):
 
     @pytest.mark.world_size(1)
     def test_nvme_offload_without_async_io_is_refused(self, tmp_path):
-        from deepspeed.runtime.zero.muon import stage3_binding
-        available = stage3_binding._async_io_available
-        stage3_binding._async_io_available = lambda: False
+        from deepspeed.runtime.zero.muon import zero3_update
+        available = zero3_update._async_io_available
+        zero3_update._async_io_available = lambda: False
         try:
             message = initialize_error(RUN.with_(offload="nvme"), nvme_dir=tmp_path)
         finally:
-            stage3_binding._async_io_available = available
+            zero3_update._async_io_available = available
         assert message is not None and "zero_optimization.offload_optimizer.device 'nvme'" in message
         assert "libaio" in message

@@ -9,9 +9,9 @@ followed by ``muon_orthogonalize`` (the whole matrix). Checked here, single proc
 
 - ``muon_update`` is exactly that composition (bit-identical), for every dispatch branch,
   dtypes, finite and non-finite gradients, Nesterov on and off;
-- the ZeRO-3 path (``momentum_math.momentum_step_`` on each rank's partition, the NS input
-  reassembled as the owner does, ``muon_orthogonalize`` on it) gives bit for bit what
-  ``muon_update`` gives on the whole matrix;
+- the partitioned path (``momentum.momentum_step`` on each rank's partition into a send
+  buffer, the NS input reassembled as the owner does, ``muon_orthogonalize`` on it) gives bit for
+  bit what ``muon_update`` gives on the whole (finite) matrix;
 - with ``DS_ZERO3MUON_SDIST`` set to the pristine sdist of the installed base (the
   ``deepspeed-<base>.tar.gz`` the build takes, or its unpacked directory), the patched
   ``muon_update`` is bit-identical to the release's own, loaded from the sdist under another
@@ -29,8 +29,8 @@ import torch
 
 import deepspeed
 from deepspeed.runtime.zero.muon import original_muon
-from deepspeed.runtime.zero.muon.momentum_math import (all_finite_flags, batches, momentum_step_,
-                                                       newton_schulz_problem, orthogonalize)
+from deepspeed.runtime.zero.muon.momentum import MuonSettings, momentum_step, step_is_finite
+from deepspeed.runtime.zero.muon.newton_schulz import batches, newton_schulz_problem, orthogonalize
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec
 from unit.runtime.zero.zero3_muon_helpers import NSCounter, reference_muon_update
 
@@ -96,7 +96,7 @@ def test_muon_update_is_momentum_step_then_orthogonalize(shape, kwargs, dtype, b
     grad, momentum = _inputs(shape, dtype, bad=bad)
     expected_momentum = momentum.clone()
     expected = original_muon.muon_update(grad.clone(), expected_momentum, beta=0.9, nesterov=nesterov, **kwargs)
-    for grad_is_finite in (None, torch.isfinite(grad).all(), bad is None):  # on device, given, known on host
+    for grad_is_finite in (None, torch.isfinite(grad).all()):  # on device, or given
         m = momentum.clone()
         ours = _composed(grad.clone(), m, 0.9, nesterov, grad_is_finite, **kwargs)
         assert torch.equal(m, expected_momentum), grad_is_finite
@@ -121,15 +121,16 @@ def _reassemble(partitions, shape):
 
 
 def _partitioned_update(grad, momentum, world_size, beta, nesterov=True, **kwargs):
-    """The ZeRO-3 path for one matrix: per-rank momentum step, owner NS, as the binding runs it."""
+    """The ZeRO-3 path for one matrix: per-rank momentum step into a send buffer, owner NS."""
     grads, momenta = _partitions(grad, world_size), _partitions(momentum, world_size)
-    finite = torch.stack([all_finite_flags([g])[0] for g in grads]).min().view(1)  # the MIN all-reduce
-    to_owner = [
-        momentum_step_(g, m, [(0, g.numel())], beta, nesterov, finite)[0]
-        for g, m in zip(grads, momenta)
-    ]
+    settings = MuonSettings(momentum=beta, nesterov=nesterov, ns_method="gram", ns_steps=5)
+    to_owner = [torch.empty_like(g) for g in grads]
+    for g, m, out in zip(grads, momenta, to_owner):
+        before = g.clone()
+        momentum_step(g, m, settings, out)
+        assert torch.equal(g, before), "the gradient is not written"
     x = _reassemble(to_owner, grad.shape)
-    update = original_muon.muon_orthogonalize(x, **kwargs).to(grad.dtype) if bool(finite) else x
+    update = original_muon.muon_orthogonalize(x, **kwargs).to(grad.dtype)
     return update, _reassemble(momenta, grad.shape)
 
 
@@ -145,49 +146,32 @@ def test_partitioned_equals_muon_update(shape, kwargs, world_size):
     assert not torch.equal(ours_momentum, momentum), "the momentum must have moved"
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("nesterov", [True, False])
-@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
-def test_non_finite_matrix_keeps_momentum(bad, nesterov, world_size):
-    grad, momentum = _inputs((17, 33), seed=3, bad=bad)
-    ours, ours_momentum = _partitioned_update(grad, momentum, world_size, beta=0.95, nesterov=nesterov)
-    upstream_momentum = momentum.clone()
-    upstream = original_muon.muon_update(grad.clone(), upstream_momentum, beta=0.95, nesterov=nesterov)
-    assert torch.equal(upstream_momentum, momentum)
-    assert torch.equal(ours_momentum, momentum)
-    assert _same(ours, upstream)
+def test_momentum_step_in_place_equals_upstream(nesterov):
+    """``out=grad`` (the ZeRO-1/2 whole-matrix path) leaves in the gradient what upstream's
+    in-place ``muon_momentum_step_`` leaves there, and the same momentum, bit for bit."""
+    grad, momentum = _inputs((17, 33), seed=5)
+    settings = MuonSettings(momentum=0.95, nesterov=nesterov, ns_method="gram", ns_steps=5)
+    g, m = grad.clone(), momentum.clone()
+    momentum_step(g, m, settings, out=g)
+    g1, m1 = grad.clone(), momentum.clone()
+    x = original_muon.muon_momentum_step_(g1, m1, 0.95, nesterov)
+    assert torch.equal(m, m1)
+    assert torch.equal(g, x), "the NS input: the blend (Nesterov) or the momentum"
 
 
-@pytest.mark.parametrize("nesterov", [True, False])
-def test_momentum_step_on_a_flat_partition_of_several_matrices(nesterov):
-    """The binding's flat partition, with the flags given as a device tensor (never read on the
-    host): each matrix's momentum and what goes to its owner are what upstream's
-    ``muon_momentum_step_`` gives for that matrix alone, bit for bit, finite or not (a non-finite
-    matrix's momentum unchanged); padding between partitions is left alone."""
-    gen = torch.Generator().manual_seed(11)
-    slices = [(0, 5), (5, 7), (14, 3)]  # elements 12-13 and 17: padding
-    grad, momentum = torch.randn(18, generator=gen), torch.randn(18, generator=gen)
-    for finite in ([True, True, True], [True, False, True], [False, True, False]):
-        g, m = grad.clone(), momentum.clone()
-        for (offset, _), f in zip(slices, finite):
-            if not f:
-                g[offset + 1] = float("nan")
-        g_before = g.clone()
-        to_owner = momentum_step_(g, m, slices, 0.9, nesterov, torch.tensor(finite))
-        for (offset, numel), f, sent in zip(slices, finite, to_owner):
-            g1, m1 = g_before[offset:offset + numel].clone(), momentum[offset:offset + numel].clone()
-            x = original_muon.muon_momentum_step_(g1, m1, 0.9, nesterov, torch.tensor(f))
-            assert torch.equal(m[offset:offset + numel], m1)
-            assert _same(sent, x if f else g1)
-            if nesterov:
-                assert sent.data_ptr() == g[offset:offset + numel].data_ptr(), "a view, not a copy"
-        for pad in (12, 13, 17):
-            assert _same(g[pad], g_before[pad]) and _same(m[pad], momentum[pad]), "padding must be left alone"
-
+@pytest.mark.parametrize("norms,finite", [(torch.tensor(3.0), True), (torch.tensor(float("nan")), False),
+                                          (torch.tensor(float("inf")), False), (torch.tensor(-1.0), False),
+                                          ([torch.tensor(1.0), torch.tensor(-1.0)], False),
+                                          ([torch.tensor(1.0), torch.tensor(2.0)], True), (0.0, True)])
+def test_step_is_finite(norms, finite):
+    """ZeRO reports a non-finite group norm as -1; a list of group norms is checked one by one
+    (their vector norm would hide a -1)."""
+    assert step_is_finite(norms) is finite
 
 
 # An owner's matrices in one bucket: same-shape groups (2-D both ways round, conv filters, an expert
-# group whose problems match the 2-D ones), matrices alone in their group, and a non-finite one.
+# group whose problems match the 2-D ones) and matrices alone in their group.
 OWNED = [((40, 24), {}), ((40, 24), {}), ((24, 40), {}), ((40, 24), {}), ((2, 40, 24), dict(is_expert_group=True)),
          ((8, 3, 3, 3), {}), ((8, 3, 3, 3), {}), ((24, 40), {}), ((96, 96), {}), ((96, 96), {}), ((17, 5), {})]
 if HAS_PER_HEAD:
@@ -198,7 +182,7 @@ def _specs(owned):
     specs = []
     for shape, kw in owned:
         expert, heads = kw.get("is_expert_group", False), kw.get("num_heads")
-        specs.append(MatrixSpec(shape, 1, is_expert_group=expert, num_heads=heads,
+        specs.append(MatrixSpec(shape, is_expert_group=expert, num_heads=heads,
                                 ns_problem=newton_schulz_problem(shape, expert, heads)))
     return specs
 
@@ -215,24 +199,18 @@ def test_batched_orthogonalize_equals_one_by_one(ns_method, monkeypatch):
     """The owner's batched Newton-Schulz: a matrix alone in its group is bit-identical to upstream's
     ``muon_orthogonalize``; a batched one is as close to the fp64 result as the one-by-one call
     (measured: bit-identical for some shapes, 1.5e-6 relative in fp32 where the matmul blocking
-    changes, a bf16 rounding apart with "standard", both sides equally far from fp64); a
-    non-finite matrix comes back as its input and leaves the others of its batch as they are."""
+    changes, a bf16 rounding apart with "standard", both sides equally far from fp64)."""
     gen = torch.Generator().manual_seed(5)
     matrices = [torch.randn(shape, generator=gen) for shape, _ in OWNED]
-    matrices[3].view(-1)[7] = float("nan")
     specs = _specs(OWNED)
-    finite = torch.tensor([bool(torch.isfinite(m).all()) for m in matrices])
     dtype = original_muon.ns_compute_dtype(ns_method)
     counter = NSCounter()
     with counter:
-        batched = orthogonalize(matrices, specs, 5, ns_method, dtype, finite, batch=True)
+        batched = orthogonalize(matrices, specs, 5, ns_method, dtype, batch=True)
     assert counter.count == sum(s.ns_problem[0] for s in specs), "every problem orthogonalized once"
     assert counter.calls == len({s.ns_problem[1:] for s in specs}), "one call per problem shape"
     for k, ((shape, kw), matrix, spec, ours) in enumerate(zip(OWNED, matrices, specs, batched)):
         assert ours.dtype == dtype and ours.shape == matrix.shape, k
-        if not finite[k]:
-            assert _same(ours, matrix.to(dtype)), k
-            continue
         alone = original_muon.muon_orthogonalize(matrix, 5, ns_method, dtype=dtype, **kw).reshape(matrix.shape)
         if sum(s.ns_problem[1:] == spec.ns_problem[1:] for s in specs) == 1:
             assert _same(ours, alone), k
@@ -242,11 +220,11 @@ def test_batched_orthogonalize_equals_one_by_one(ns_method, monkeypatch):
         error_alone = ((alone.double() - exact).norm() / exact.norm()).item()
         # Rounding differs between the two, not accuracy: each within 2x the other's error.
         assert error_batched <= 2 * error_alone + 1e-12, (k, shape, error_batched, error_alone)
-    unbatched = orthogonalize(matrices, specs, 5, ns_method, dtype, finite, batch=False)
+    unbatched = orthogonalize(matrices, specs, 5, ns_method, dtype, batch=False)
     for k, (matrix, spec) in enumerate(zip(matrices, specs)):
         kw = OWNED[k][1]
         expected = original_muon.muon_orthogonalize(matrix, 5, ns_method, dtype=dtype, **kw).reshape(matrix.shape)
-        assert _same(unbatched[k], expected if finite[k] else matrix.to(dtype)), k
+        assert _same(unbatched[k], expected), k
 
 
 def test_default_batching_by_device_and_size():
@@ -257,7 +235,7 @@ def test_default_batching_by_device_and_size():
     matrices = [torch.randn(s) for s in (small, small, large, large)]
     specs = _specs([(s, {}) for s in (small, small, large, large)])
     with NSCounter() as counter:
-        orthogonalize(matrices, specs, 5, "gram", torch.float32, torch.ones(4, dtype=torch.bool))
+        orthogonalize(matrices, specs, 5, "gram", torch.float32)
     assert counter.count == 4 and counter.calls == 3, "the two small ones batched, the large ones one by one"
 
 
@@ -312,11 +290,6 @@ def test_per_head_refused_on_a_base_without_it():
 def test_non_matrix_is_refused():
     with pytest.raises(ValueError, match="use_muon"):
         newton_schulz_problem((10, ), False, None)
-
-
-def test_all_finite_flags():
-    parts = [torch.ones(3), torch.tensor([1.0, float("nan")]), torch.tensor([float("inf")]), torch.zeros(0)]
-    assert all_finite_flags(parts).tolist() == [1, 0, 0, 1]
 
 
 def _pristine_original_muon():

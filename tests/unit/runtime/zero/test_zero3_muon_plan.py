@@ -9,11 +9,16 @@ import random
 
 import pytest
 
-from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, make_buckets, newton_schulz_cost, plan_owners
+from deepspeed.runtime.zero.muon.owner_plan import (MatrixSpec, make_buckets, newton_schulz_cost, plan_owners,
+                                                     plan_within_budget, reserved_numel)
 
 
 def _spec(shape, world_size=4, **kwargs):
-    return MatrixSpec(shape=shape, partition_numel=math.ceil(math.prod(shape) / world_size), **kwargs)
+    return MatrixSpec(shape=shape, **kwargs)
+
+
+def _zero3_pieces(specs, world_size):
+    return [(math.ceil(s.numel / world_size), ) * world_size for s in specs]
 
 
 def llama_like(layers=4, hidden=256, kv=64, ffn=688):
@@ -43,7 +48,7 @@ def test_every_matrix_owned_once_and_buckets_bounded(shapes, world_size, bucket_
     for bucket in plan.buckets:
         numel = sum(specs[j].numel for j in bucket)
         assert numel <= bucket_numel or len(bucket) == 1
-    assert sorted(j for r in range(world_size) for j in plan.owned_by(r)) == list(range(len(specs)))
+    assert all(0 <= owner < world_size for owner in plan.owners) and len(plan.owners) == len(specs)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8])
@@ -133,3 +138,42 @@ def test_bad_inputs_are_refused_with_the_key():
         make_buckets([3, 4], 0)
     with pytest.raises(ValueError, match="world_size"):
         plan_owners([_spec((2, 2))], 0, 10)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("slots", [1, 3, 5])
+@pytest.mark.parametrize("shapes", [llama_like(), random_shapes(2), [(64, 64)] * 12], ids=["llama", "rand", "same"])
+def test_buffers_within_the_momentum_budget(shapes, world_size, slots):
+    """``plan_within_budget``: every rank's reserved exchange buffers fit the elements it holds
+    (its momentum partition) whenever one matrix per bucket fits; the bucket size is the largest
+    candidate that fits, so one more matrix in the first bucket would not."""
+    specs = [_spec(s) for s in shapes]
+    pieces = _zero3_pieces(specs, world_size)
+    budget = [sum(p[r] for p in pieces) for r in range(world_size)]
+    plan = plan_within_budget(specs, pieces, world_size, 10**9, slots)
+    reserved = reserved_numel(plan, pieces, slots)
+    single = reserved_numel(plan_owners(specs, world_size, 1), pieces, slots)
+    if all(n <= b for n, b in zip(single, budget)):
+        assert all(n <= b for n, b in zip(reserved, budget)), (reserved, budget)
+    first = len(plan.buckets[0])
+    if first < len(specs) and len(plan.buckets) > 1:
+        bigger = plan_owners(specs, world_size, sum(s.numel for s in specs[:first + 1]))
+        assert not all(n <= b for n, b in zip(reserved_numel(bigger, pieces, slots), budget)), "not the largest"
+
+
+def test_budget_with_one_large_matrix_falls_back_to_one_matrix_per_bucket():
+    specs = [_spec((512, 512))] + [_spec((8, 8))] * 3
+    pieces = _zero3_pieces(specs, 2)
+    plan = plan_within_budget(specs, pieces, 2, 10**9, 3)
+    assert plan.buckets == ((0, ), (1, ), (2, ), (3, ))
+
+
+def test_holders_restrict_owners():
+    """ZeRO-1/2 layout: a matrix one rank holds whole is owned by it (never travels); one that
+    straddles a boundary goes to the least loaded of its holders."""
+    specs = [_spec((16, 16))] * 5
+    holders = [[0], [0], [0, 1], [1], [1]]
+    plan = plan_owners(specs, 2, 10**9, holders=holders)
+    assert plan.owners[:2] == (0, 0) and plan.owners[3:] == (1, 1) and plan.owners[2] in (0, 1)
+    with pytest.raises(ValueError, match="holders"):
+        plan_owners(specs, 2, 10**9, holders=[[0]] * 4 + [[]])

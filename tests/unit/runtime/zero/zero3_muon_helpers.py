@@ -389,7 +389,7 @@ def newton_schulz_problem_count(name: str, num_heads: Optional[dict] = None) -> 
     one per head of a projection in ``num_heads`` (parameter name -> ``muon_num_heads``, as
     ``Zero3MuonResult.muon_num_heads`` reports them; ``muon_ns_problem``): what
     ``NSCounter.count`` counts for one step."""
-    from deepspeed.runtime.zero.muon.momentum_math import newton_schulz_problem
+    from deepspeed.runtime.zero.muon.newton_schulz import newton_schulz_problem
     heads = num_heads or {}
     return sum(
         newton_schulz_problem(p.shape, getattr(p, "is_expert_group", False), heads.get(n))[0]
@@ -613,8 +613,8 @@ class Zero3MuonRun:
         partition_all: ``stage3_param_persistence_threshold: 0`` (see ``ds_config``).
         optimizer: "Muon" or "AdamW" (``ADAMW``). per_head: ``per_head_muon``.
         groups: a key of GROUPINGS (several parameter groups). zero_init: build the model under
-            ``deepspeed.zero.Init``. overlap: ``Zero3MuonBoundary.overlap`` (next bucket's
-            exchange in flight while the owner orthogonalizes this one).
+            ``deepspeed.zero.Init``. pipeline_depth: ``Zero3MuonUpdate(pipeline_depth=...)`` (buckets
+            in flight ahead of the one the owner orthogonalizes; 1 is serial).
         overflow_steps: steps whose first micro-batch is scaled by OVERFLOW_FACTOR.
         restart_after: after that many steps, ``save_checkpoint`` (tag ``restart``), a fresh
             engine, ``load_checkpoint``, go on (needs ``train(checkpoint_dir=...)``); equal to
@@ -643,7 +643,7 @@ class Zero3MuonRun:
     per_head: bool = False
     groups: Optional[str] = None
     zero_init: bool = False
-    overlap: bool = True
+    pipeline_depth: int = 2
     overflow_steps: tuple = ()
     restart_after: Optional[int] = None
     momentum_to_bf16: bool = False
@@ -696,9 +696,9 @@ class Zero3MuonRun:
                 net = build_model(self.model)
             engine, *_ = deepspeed.initialize(model=net, config=config,
                                               model_parameters=param_groups(net, self.groups))
-        boundary = getattr(engine.optimizer, "muon_boundary", None)
-        if boundary is not None:
-            boundary.overlap = self.overlap
+        if self.pipeline_depth != 2 and getattr(engine.optimizer, "muon_update", None) is not None:
+            from deepspeed.runtime.zero.muon.zero3_update import Zero3MuonUpdate
+            engine.optimizer.muon_update = Zero3MuonUpdate(engine.optimizer, pipeline_depth=self.pipeline_depth)
         return engine
 
     def train(self, checkpoint_dir=None, nvme_dir=None, record=False) -> "Zero3MuonResult":
@@ -770,7 +770,7 @@ class Zero3MuonRun:
                 norm = engine.get_global_grad_norm()
                 norms.append(float(norm) if norm is not None else None)
                 loss_scales.append(float(getattr(engine.optimizer, "loss_scale", 1.0)))
-        boundary = getattr(engine.optimizer, "muon_boundary", None)
+        boundary = getattr(engine.optimizer, "muon_update", None)
         local = dict(ns_per_step=ns_per_step,
                      ns_off_boundary=ns_off_boundary,
                      ns_by_kernel=dict(counter.by_kernel),
@@ -961,7 +961,7 @@ class Recorder:
         self.steps, self.current = [], None
         self.initial_master = self._master()
         self.momentum_dtypes = []
-        unscale, apply = opt.unscale_and_clip_grads, opt.muon_boundary.apply
+        unscale, apply = opt.unscale_and_clip_grads, opt.muon_update.update_gradient
 
         def unscale_and_clip_grads(sub_group_id, total_norm, *args):
             grad = opt.fp32_partitioned_groups_flat[sub_group_id].grad
@@ -979,7 +979,7 @@ class Recorder:
             apply(sub_group_id)
 
         opt.unscale_and_clip_grads = unscale_and_clip_grads
-        opt.muon_boundary.apply = muon_apply
+        opt.muon_update.update_gradient = muon_apply
 
     def _master(self):
         return {

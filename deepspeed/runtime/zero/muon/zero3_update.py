@@ -2,70 +2,39 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The owner-centric Muon update of ZeRO-3, run once per optimizer step at the accumulation boundary.
+"""The Muon update of ZeRO-3, run once per optimizer step at the accumulation boundary.
 
-``DeepSpeedZeroOptimizer_Stage3`` creates one ``Zero3MuonBoundary`` at initialization (``None``
+``DeepSpeedZeroOptimizer_Stage3`` creates one ``Zero3MuonUpdate`` at initialization (``None``
 when the optimizer is not Muon) and, inside ``step()``'s sub-group loop, calls
-``apply(sub_group_id)`` after ``unscale_and_clip_grads`` and before the optimizer step. Nothing
-runs on the micro-steps: the reduce path accumulates Muon gradients like any other.
+``update_gradient(sub_group_id)`` after ``unscale_and_clip_grads`` and before the optimizer
+step. Nothing runs on the micro-steps: the reduce path accumulates Muon gradients like any other.
 
 At that point the sub-group's fp32 gradient partition holds the accumulated gradient with the
 loss scale and the clip coefficient already divided out, which is what a PyTorch user's
-``clip_grad_norm_`` followed by Muon feeds the momentum. ``apply``:
-
-1. agrees over ranks, with one small all-reduce, which matrices have a finite gradient (the
-   flags stay on the device: nothing in the update waits for the host);
-2. on each rank, advances the momentum partition and forms the NS-input partition in place
-   (upstream ``muon_momentum_step_``'s math, via ``momentum_math.momentum_step_``); the momentum
-   never leaves its rank;
-3. per bucket (``bucket_pipeline.BucketPipeline``), sends the NS-input partitions to each
-   matrix's owner rank (all-to-all), the owner runs Newton-Schulz once per matrix (upstream
-   ``muon_orthogonalize``; matrices of the same shape in one batched call,
-   ``momentum_math.orthogonalize``), and a second all-to-all returns each rank its partition of
-   the update, written into the gradient partition. The exchange buffers are allocated at the
-   first step and reused.
+``clip_grad_norm_`` followed by Muon feeds the momentum. ``update_gradient`` runs the sub-group's
+``pipeline.MuonPipeline``: per bucket, each rank advances its momentum partition and sends its
+partition of the Newton-Schulz input to the matrix's owner rank (all-to-all), the owner runs
+Newton-Schulz once on the whole matrix, and a second all-to-all returns each rank its partition
+of the update, written into the gradient partition. The momentum never leaves its rank.
 
 The optimizer (``MuonWithAuxAdam``) then applies weight decay and ``-lr * update`` to the flat
 fp32 partition, as it already does for ZeRO partitions. The update is not rescaled afterwards.
 """
 
 import hashlib
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.muon import original_muon
-from deepspeed.runtime.zero.muon.bucket_pipeline import BucketPipeline
-from deepspeed.runtime.zero.muon.momentum_math import (MOMENTUM_KEY, MuonSettings, all_finite_flags, matrix_spec,
-                                                       momentum_step_, orthogonalize)
-from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeStats, OwnerExchange
-from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, OwnerPlan, plan_owners
+from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings, step_is_finite
+from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec
+from deepspeed.runtime.zero.muon.owner_exchange import ExchangeStats, OwnerExchange
+from deepspeed.runtime.zero.muon.owner_plan import plan_within_budget
+from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline, slots_for_depth
 from deepspeed.utils import logger
-
-
-@dataclass
-class _SubGroup:
-    """What the boundary update needs to know about one Muon sub-group, fixed at initialization."""
-    offsets: List[int]  # offset of each parameter's partition in the sub-group's flat partition
-    specs: List[MatrixSpec]  # shape, partition size and NS dispatch of each parameter
-    plan: OwnerPlan
-    pipeline: BucketPipeline  # holds the exchange (process group, rank, world size), layouts, buffers
-
-    @property
-    def slices(self) -> List[Tuple[int, int]]:
-        """``(offset, numel)`` of each parameter's partition in the flat partition."""
-        return [(offset, spec.partition_numel) for offset, spec in zip(self.offsets, self.specs)]
-
-    def partitions(self, flat: torch.Tensor) -> List[torch.Tensor]:
-        """Per parameter, its partition in ``flat`` (1-D views)."""
-        return [flat.narrow(0, offset, numel) for offset, numel in self.slices]
-
-    @property
-    def exchange(self) -> OwnerExchange:
-        return self.pipeline.exchange
 
 
 def refuse_unsupported(optimizer) -> None:
@@ -116,43 +85,39 @@ def _quantized_reduce_unavailable() -> bool:
     return not builder.is_compatible(verbose=False)
 
 
-class Zero3MuonBoundary:
+class Zero3MuonUpdate:
     """Muon's momentum and Newton-Schulz for the Muon sub-groups of a ZeRO-3 optimizer.
 
     Args:
         optimizer: the ``DeepSpeedZeroOptimizer_Stage3`` (after its fp32 partitions exist).
+        pipeline_depth: buckets in flight ahead of the one being orthogonalized
+            (``pipeline.MuonPipeline``; 1 runs the buckets one after the other).
+        batch_ns: True: an owner orthogonalizes the matrices of a bucket whose Newton-Schulz
+            problems have the same shape in one batched call; False: one call per matrix; None
+            (default): batched where it pays (``newton_schulz.batches``).
 
     Attributes:
         stats: ``ExchangeStats``, cumulative on this rank.
-        overlap: when True (default), while the owners orthogonalize bucket k the forward
-            all-to-all of bucket k+1 and the back all-to-all of bucket k-1 are in flight; the
-            buffers of three buckets are kept. False runs the buckets one after the other (one
-            bucket's buffers; the benchmark compares the two). See ``bucket_pipeline``.
-        batch_ns: True: an owner orthogonalizes the matrices of a bucket whose Newton-Schulz
-            problems have the same shape in one batched call; False: one call per matrix; None
-            (default): batched where it pays (always on an accelerator, small problems on the
-            CPU; ``momentum_math.batches``). The benchmark compares True and False.
+        pipelines: per Muon sub-group id, its ``MuonPipeline`` (plan, layouts, buffers).
 
     Raises:
         ValueError: at initialization, on every rank, for a Muon parameter that is not a matrix,
             or with ``muon_num_heads`` on a tensor that is not 2-D, on rows it does not divide, or
-            on a base without per-head Muon (``momentum_math.newton_schulz_problem``;
+            on a base without per-head Muon (``newton_schulz.newton_schulz_problem``;
             configurations are checked earlier, by ``check_config``).
         RuntimeError: at initialization, if the ranks of a partition group built different
             owner plans.
     """
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer, pipeline_depth: int = DEFAULT_DEPTH, batch_ns: Optional[bool] = None):
         self.optimizer = optimizer
         self.stats = ExchangeStats()
-        self.overlap = True
-        self.batch_ns = None
         self.device = torch.device(get_accelerator().current_device_name())
-        self.sub_groups = {}
+        self.pipelines: Dict[int, MuonPipeline] = {}
         loads = {}  # NS cost owned per rank so far, per partition process group
         for i, params in enumerate(optimizer.fp16_groups):
             if optimizer.sub_groups_using_muon[i] and params:
-                self.sub_groups[i] = self._build_sub_group(i, params, loads)
+                self.pipelines[i] = self._build_pipeline(i, params, loads, pipeline_depth, batch_ns)
         self._check_plans_agree()
         self._log_plan()
 
@@ -163,8 +128,8 @@ class Zero3MuonBoundary:
             refuse_unsupported(optimizer)
 
     @classmethod
-    def create(cls, optimizer) -> Optional["Zero3MuonBoundary"]:
-        """The boundary update for ``optimizer``, or ``None`` when it does not use Muon."""
+    def create(cls, optimizer) -> Optional["Zero3MuonUpdate"]:
+        """The Muon update for ``optimizer``, or ``None`` when it does not use Muon."""
         if not getattr(optimizer, "use_muon", False):
             return None
         return cls(optimizer)
@@ -173,7 +138,7 @@ class Zero3MuonBoundary:
         opt = self.optimizer
         return opt.optimizer.param_groups[opt.sub_group_to_group_id[sub_group_id]]
 
-    def _build_sub_group(self, i, params, loads) -> _SubGroup:
+    def _build_pipeline(self, i, params, loads, depth, batch_ns) -> MuonPipeline:
         opt = self.optimizer
         ns_method = MuonSettings.of(self._param_group(i)).ns_method
         group = opt._get_sub_group_process_group(i)
@@ -181,23 +146,19 @@ class Zero3MuonBoundary:
         # Every rank meets its sub-groups in the same order, so keying by the local group object
         # pools the same sub-groups on every rank.
         load = loads.setdefault(id(group), [0.0] * world_size)
-        offsets, specs = [], []
+        slices, specs = [], []
         for param in params:
             _, offset, partition_numel = opt.grad_position[opt.get_param_id(param)]
-            offsets.append(offset)
-            specs.append(matrix_spec(param, param.ds_shape, partition_numel, ns_method))
-        plan = plan_owners(specs, world_size, opt.reduce_bucket_size, initial_load=load)
+            slices.append((offset, partition_numel))
+            specs.append(matrix_spec(param, param.ds_shape, ns_method))
+        pieces = [(numel, ) * world_size for _, numel in slices]
+        plan = plan_within_budget(specs, pieces, world_size, opt.reduce_bucket_size, slots_for_depth(depth),
+                                  initial_load=load)
         for r, cost in enumerate(plan.load()):
             load[r] += cost
-        layouts = [
-            BucketLayout(owners=[plan.owners[j] for j in bucket],
-                         shapes=[specs[j].shape for j in bucket],
-                         partition_numels=[specs[j].partition_numel for j in bucket],
-                         rank=rank,
-                         world_size=world_size) for bucket in plan.buckets
-        ]
-        exchange = OwnerExchange(group, rank, world_size, self.device, dist.all_to_all_single, self.stats)
-        return _SubGroup(offsets, specs, plan, BucketPipeline(exchange, plan.buckets, layouts))
+        exchange = OwnerExchange(group, rank, world_size, dist.all_to_all_single, self.stats)
+        piece_device = opt.fp32_partitioned_groups_flat[i].device
+        return MuonPipeline(plan, specs, pieces, slices, exchange, self.device, piece_device, depth, batch_ns)
 
     def _check_plans_agree(self):
         """One all-reduce per sub-group: MAX of ``[count, digest, -count, -digest]``, where ``count``
@@ -205,33 +166,36 @@ class Zero3MuonBoundary:
         problems and plan (fixed length, so ranks with different matrix counts still meet in the
         same collective). Every rank holds the same vector exactly when the maximum of each entry
         and of its negation (the minimum) both equal its own."""
-        for i, sg in self.sub_groups.items():
-            if sg.exchange.world_size == 1:
+        for i, pipeline in self.pipelines.items():
+            if pipeline.exchange.world_size == 1:
                 continue
-            description = repr([(s.shape, s.partition_numel, s.ns_problem) for s in sg.specs] + sg.plan.signature())
+            description = repr([(s.shape, n, s.ns_problem) for s, (_, n) in zip(pipeline.specs, pipeline.slices)] +
+                               pipeline.plan.signature())
             digest = hashlib.sha256(description.encode()).digest()
             # 56-bit chunks: non-negative and their negations fit in int64.
-            mine = [len(sg.specs)] + [int.from_bytes(digest[k:k + 7], "little") for k in range(0, 28, 7)]
+            mine = [len(pipeline.specs)] + [int.from_bytes(digest[k:k + 7], "little") for k in range(0, 28, 7)]
             extremes = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=self.device)
-            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=sg.exchange.group)
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=pipeline.exchange.group)
             most, least = extremes[:len(mine)].tolist(), [-v for v in extremes[len(mine):].tolist()]
             if most[0] != least[0]:
                 raise RuntimeError(f"ZeRO-3 Muon: ranks disagree on the number of Muon matrices in sub-group {i} "
-                                   f"({len(sg.specs)} here, from {least[0]} to {most[0]} over the ranks).")
+                                   f"({len(pipeline.specs)} here, from {least[0]} to {most[0]} over the ranks).")
             if most != mine or least != mine:
                 raise RuntimeError(f"ZeRO-3 Muon: ranks built different owner plans for sub-group {i}. Every rank "
                                    "must see the same parameter shapes, Muon flags and "
                                    "zero_optimization.reduce_bucket_size.")
 
     def _log_plan(self):
-        if not self.sub_groups or dist.get_rank() != 0:
+        if not self.pipelines or dist.get_rank() != 0:
             return
-        matrices = sum(len(sg.specs) for sg in self.sub_groups.values())
-        buckets = sum(len(sg.plan.buckets) for sg in self.sub_groups.values())
-        imbalance = max(sg.plan.imbalance() for sg in self.sub_groups.values())
+        matrices = sum(len(p.specs) for p in self.pipelines.values())
+        buckets = sum(len(p.plan.buckets) for p in self.pipelines.values())
+        imbalance = max(p.plan.imbalance() for p in self.pipelines.values())
         logger.info(f"ZeRO-3 Muon: owner-centric update at the accumulation boundary for {matrices} matrices in "
-                    f"{len(self.sub_groups)} sub-group(s), {buckets} bucket(s) of at most "
-                    f"{self.optimizer.reduce_bucket_size} elements; owner NS cost max/mean {imbalance:.3f}")
+                    f"{len(self.pipelines)} sub-group(s), {buckets} bucket(s) (at most "
+                    f"{self.optimizer.reduce_bucket_size} elements each, exchange buffers within the momentum "
+                    f"partition's size: {self.reserved_bytes()} bytes on rank 0); owner NS cost max/mean "
+                    f"{imbalance:.3f}")
 
     def momentum_partition(self, sub_group_id, like: torch.Tensor) -> torch.Tensor:
         """The sub-group's fp32 momentum partition (1-D, ``fp16_partitioned_groups_flat_numel``
@@ -257,54 +221,39 @@ class Zero3MuonBoundary:
                 opt.muon_momentum_buffer_partitioned_groups_flat[sub_group_id] = momentum
         return momentum
 
-    def bucket_exchange_bytes(self) -> int:
-        """Bytes of this rank's two exchange buffers for its largest bucket in fp32 (its partitions,
-        ``send_numel``, and the whole matrices it owns, ``W * owned_numel``, padding included): what
-        one bucket in flight holds beyond the partitions."""
-        return max(((layout.send_numel + layout.world_size * layout.owned_numel) * torch.float32.itemsize
-                    for sg in self.sub_groups.values() for layout in sg.pipeline.layouts),
-                   default=0)
+    @staticmethod
+    def skips_step(norm_groups) -> bool:
+        """Whether ``step()`` must skip this step before the sub-group loop: some sub-group's
+        gradient norm is not finite (ZeRO-3 reports that as -1). For a release whose ``step()``
+        does not already skip such a step; the momentum must not take a non-finite gradient in.
 
-    def retained_bytes(self) -> int:
-        """Bytes the update keeps allocated between steps (the exchange buffers), on this rank."""
-        return sum(sg.pipeline.retained_bytes() for sg in self.sub_groups.values())
+        Args:
+            norm_groups: the per-sub-group norms ``_get_norm_groups()`` returned.
+        """
+        return not step_is_finite(list(norm_groups))
 
-    def _finite_flags(self, sg: _SubGroup, grad_flat: torch.Tensor) -> torch.Tensor:
-        """Per matrix, whether its whole gradient is finite: MIN over ranks of each partition's
-        flag (int32, shape ``(matrices,)``, on the device; never read on the host)."""
-        flags = all_finite_flags(sg.partitions(grad_flat)).to(self.device)
-        if sg.exchange.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=sg.exchange.group)
-        return flags.to(grad_flat.device).bool()
+    def reserved_bytes(self) -> int:
+        """Bytes of exchange buffer this rank keeps between steps, over all Muon sub-groups."""
+        return sum(p.reserved_bytes() for p in self.pipelines.values())
 
     @torch.no_grad()
-    def apply(self, sub_group_id: int) -> None:
+    def update_gradient(self, sub_group_id: int) -> None:
         """Replace the sub-group's gradient partition with its partition of the Muon update.
 
         Call once per optimizer step, on every rank of the sub-group's partition group, after
         the gradient partition has been unscaled and clipped. Does nothing for a sub-group that
-        is not Muon.
+        is not Muon. ``step()`` never gets here with a non-finite gradient: it skips such a step
+        before the sub-group loop, as it skips an overflow.
 
         Reads ``fp32_partitioned_groups_flat[sub_group_id].grad`` (1-D, fp32, the sub-group's
         flat partition) and the momentum partition of the same layout; writes both in place.
         """
-        sg = self.sub_groups.get(sub_group_id)
-        if sg is None:
+        pipeline = self.pipelines.get(sub_group_id)
+        if pipeline is None:
             return
         settings = MuonSettings.of(self._param_group(sub_group_id))
         grad_flat = self.optimizer.fp32_partitioned_groups_flat[sub_group_id].grad
         momentum_flat = self.momentum_partition(sub_group_id, grad_flat)
-        finite = self._finite_flags(sg, grad_flat)
-        to_owner = momentum_step_(grad_flat, momentum_flat, sg.slices, settings.momentum, settings.nesterov, finite)
-        update_dtype = original_muon.ns_compute_dtype(settings.ns_method)  # sent back without loss
-        owner_finite = finite.to(self.device)
-
-        def owner_update(indices, matrices):
-            self.stats.ns_calls += len(indices)
-            return orthogonalize(matrices, [sg.specs[j] for j in indices], settings.ns_steps, settings.ns_method,
-                                 update_dtype, [owner_finite[j] for j in indices], self.batch_ns)
-
-        sg.pipeline.run(to_owner, sg.partitions(grad_flat), owner_update, grad_flat.dtype, update_dtype,
-                        self.overlap)
-        if sub_group_id == min(self.sub_groups):
+        pipeline.run(grad_flat, momentum_flat, settings, original_muon.ns_compute_dtype(settings.ns_method))
+        if sub_group_id == min(self.pipelines):
             self.stats.optimizer_steps += 1

@@ -1,0 +1,293 @@
+# Copyright (c) 2026 The zero3muon authors
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The distributed Muon core (``pipeline.MuonPipeline``), with W ranks simulated by threads.
+
+Each simulated rank runs ``MuonPipeline.run`` in its own thread on its pieces of a flat gradient
+and momentum, in the ZeRO-3 layout (every rank a ``ceil(numel / W)`` partition of each matrix,
+zero padded) and in the ZeRO-1/2 offload layout (the flat buffer cut into W equal partitions, so
+most matrices lie on one rank). A fake ``all_to_all_single`` matches the ranks' n-th collectives,
+checks that they agree (what rank s sends to rank d is what rank d expects from rank s) and
+routes the buffers. Every rank's gradient pieces must become its pieces of upstream's update of
+the whole matrix, and its momentum pieces upstream's momentum, bit for bit (one Newton-Schulz
+call per matrix, as upstream), at every pipeline depth; the collectives must be the documented
+ones in the same order on every rank; traffic must meet the owner-centric bound (ZeRO-3) or stay
+within twice the straddling elements (ZeRO-1/2), with Newton-Schulz once per matrix over the ranks.
+"""
+
+import math
+import threading
+
+import pytest
+import torch
+
+from deepspeed.runtime.zero.muon import original_muon
+from deepspeed.runtime.zero.muon.momentum import MuonSettings
+from deepspeed.runtime.zero.muon.newton_schulz import newton_schulz_problem
+from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeStats, OwnerExchange
+from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, plan_owners, reserved_numel
+from deepspeed.runtime.zero.muon.pipeline import MuonPipeline, slots_for_depth
+
+TIMEOUT = 60  # seconds a simulated rank waits for the others before the test fails
+SETTINGS = MuonSettings(momentum=0.9, nesterov=True, ns_method="gram", ns_steps=5)
+SHAPES = [(7, 5), (12, 12), (1, 3), (9, 16), (2, 3, 5), (16, 9), (30, 4), (5, 5), (3, 40)]
+
+
+class FakeAllToAll:
+    """``all_to_all_single`` for W simulated ranks; collective n completes once all ranks posted it."""
+
+    def __init__(self, world_size):
+        self.world_size = world_size
+        self.cond = threading.Condition()
+        self.posted = {}  # collective number -> {rank: (output, input, output_splits, input_splits)}
+        self.done = set()
+        self.count = [0] * world_size
+        self.async_ops = [[] for _ in range(world_size)]
+        self.errors = []
+
+    def for_rank(self, rank):
+
+        def all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op):
+            with self.cond:
+                n = self.count[rank]
+                self.count[rank] += 1
+                self.async_ops[rank].append(async_op)
+                self.posted.setdefault(n, {})[rank] = (output, input, list(output_split_sizes),
+                                                       list(input_split_sizes))
+                if len(self.posted[n]) == self.world_size:
+                    self._route(n)
+                    self.cond.notify_all()
+            handle = _Handle(self, n)
+            if async_op:
+                return handle
+            handle.wait()
+            return None
+
+        return all_to_all_single
+
+    def _route(self, n):
+        ranks = self.posted.pop(n)
+        for d, (output, _, output_splits, _) in ranks.items():
+            offset = 0
+            for s in range(self.world_size):
+                _, input, _, input_splits = ranks[s]
+                if input_splits[d] != output_splits[s]:
+                    self.errors.append(f"collective {n}: rank {s} sends {input_splits[d]} elements to rank {d}, "
+                                       f"which expects {output_splits[s]}")
+                    continue
+                start = sum(input_splits[:d])
+                output[offset:offset + output_splits[s]].copy_(input[start:start + input_splits[d]])
+                offset += output_splits[s]
+        self.done.add(n)
+
+
+class _Handle:
+
+    def __init__(self, fake, n):
+        self.fake, self.n = fake, n
+
+    def wait(self):
+        with self.fake.cond:
+            if not self.fake.cond.wait_for(lambda: self.n in self.fake.done, timeout=TIMEOUT):
+                raise TimeoutError(f"collective {self.n} never completed: the ranks issued different collectives")
+
+
+def _specs():
+    return [MatrixSpec(s, ns_problem=newton_schulz_problem(s, False, None)) for s in SHAPES]
+
+
+def _zero3_layout(specs, world_size):
+    """Per matrix its pieces, and per rank the ``(offset, numel)`` of each piece in its flat partition."""
+    pieces = [(math.ceil(s.numel / world_size), ) * world_size for s in specs]
+    slices, offset = [], 0
+    for p in pieces:
+        slices.append((offset, p[0]))
+        offset += p[0]
+    return pieces, [slices] * world_size
+
+
+def _zero12_layout(specs, world_size):
+    """The flat buffer of all matrices cut into W equal partitions (the last one padded)."""
+    total = sum(s.numel for s in specs)
+    size = math.ceil(total / world_size)
+    pieces, slices, start = [], [[] for _ in range(world_size)], 0
+    for s in specs:
+        end = start + s.numel
+        held = [max(0, min(end, (r + 1) * size) - max(start, r * size)) for r in range(world_size)]
+        pieces.append(tuple(held))
+        for r in range(world_size):
+            slices[r].append((max(start, r * size) - r * size if held[r] else 0, held[r]))
+        start = end
+    return pieces, slices
+
+
+def _scatter(whole, pieces, slices, rank, numel):
+    """Rank ``rank``'s flat tensor (``numel`` elements) holding its pieces of each whole matrix."""
+    flat = torch.zeros(numel)
+    for matrix, p, (offset, n) in zip(whole, pieces, slices[rank]):
+        start = sum(p[:rank])
+        real = max(0, min(n, matrix.numel() - start))
+        flat[offset:offset + real] = matrix.reshape(-1)[start:start + real]
+    return flat
+
+
+def _record_order(pipeline):
+    """Record, in ``pipeline.order``, the collective each stage issues: ``F<b>`` (prepare: the
+    forward exchange of bucket b) and ``B<b>`` (compute: its back exchange)."""
+    pipeline.order = []
+    prepare, compute = pipeline._prepare, pipeline._compute
+
+    def recorded_prepare(b, *args):
+        pipeline.order.append(f"F{b}")
+        return prepare(b, *args)
+
+    def recorded_compute(b, *args):
+        pipeline.order.append(f"B{b}")
+        return compute(b, *args)
+
+    pipeline._prepare, pipeline._compute = recorded_prepare, recorded_compute
+
+
+def _run(layout, world_size, bucket_numel, depth, steps=2):
+    specs = _specs()
+    pieces, slices = layout(specs, world_size)
+    holders = [[r for r, n in enumerate(p) if n] for p in pieces] if layout is _zero12_layout else None
+    plan = plan_owners(specs, world_size, bucket_numel, holders=holders)
+    gen = torch.Generator().manual_seed(world_size * 100 + depth)
+    grads = [[torch.randn(s.shape, generator=gen) for s in specs] for _ in range(steps)]
+    numel = max(o + n for sl in slices for o, n in sl)
+    fake, stats = FakeAllToAll(world_size), [ExchangeStats() for _ in range(world_size)]
+    momenta = [torch.zeros(numel) for _ in range(world_size)]
+    results = [[None] * steps for _ in range(world_size)]
+    pipelines = [
+        MuonPipeline(plan, specs, pieces, slices[r], OwnerExchange(None, r, world_size, fake.for_rank(r), stats[r]),
+                     "cpu", "cpu", depth, batch_ns=False) for r in range(world_size)
+    ]
+    for pipeline in pipelines:
+        _record_order(pipeline)
+    errors = []
+
+    def rank_main(r):
+        try:
+            for t in range(steps):
+                grad = _scatter(grads[t], pieces, slices, r, numel)
+                pipelines[r].run(grad, momenta[r], SETTINGS, torch.float32)
+                results[r][t] = grad
+        except Exception as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r, )) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT * 2)
+    assert not errors and not fake.errors, (errors, fake.errors)
+    return specs, pieces, slices, plan, grads, momenta, results, fake, stats, pipelines
+
+
+def _reference(specs, grads):
+    """Upstream, one process: ``muon_update`` per whole matrix, step after step."""
+    momenta = [torch.zeros(s.shape) for s in specs]
+    updates = []
+    for step in grads:
+        updates.append([
+            original_muon.muon_update(g.clone(), m, beta=SETTINGS.momentum, ns_steps=5, ns_method="gram")
+            for g, m in zip(step, momenta)
+        ])
+    return updates, momenta
+
+
+LAYOUTS = {"zero3": _zero3_layout, "zero12": _zero12_layout}
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("bucket_numel", [1, 100, 10**9], ids=["one-per-bucket", "buckets", "one-bucket"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_rank_gets_its_pieces_of_upstreams_update(layout, world_size, bucket_numel, depth):
+    specs, pieces, slices, plan, grads, momenta, results, _, _, _ = _run(LAYOUTS[layout], world_size, bucket_numel,
+                                                                          depth)
+    updates, reference_momenta = _reference(specs, grads)
+    numel = momenta[0].numel()
+    for r in range(world_size):
+        for t, step_updates in enumerate(updates):
+            assert torch.equal(results[r][t], _scatter(step_updates, pieces, slices, r, numel)), (r, t)
+        assert torch.equal(momenta[r], _scatter(reference_momenta, pieces, slices, r, numel)), r
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_collectives_in_the_documented_order(world_size, depth):
+    """Every rank issues 2 asynchronous all-to-alls per bucket, forward of bucket k+depth after
+    the back exchange of bucket k (``pipeline`` docstring), and its buffers never exceed the
+    ``2 * depth - 1`` slots reserved at construction."""
+    _, _, _, plan, _, _, _, fake, stats, pipelines = _run(_zero3_layout, world_size, 100, depth, steps=1)
+    n = len(plan.buckets)
+    assert n > depth
+    for r in range(world_size):
+        assert fake.async_ops[r] == [True] * 2 * n, r
+        assert stats[r].exchanges == 2 * n
+        assert pipelines[r].buffers.slots == min(slots_for_depth(depth), n)
+    expected = [f"F{b}" for b in range(depth)]
+    for b in range(n):
+        expected += [f"B{b}"] + ([f"F{b + depth}"] if b + depth < n else [])
+    assert all(p.order == expected for p in pipelines), [p.order for p in pipelines]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_zero3_traffic_meets_the_owner_centric_bound(world_size):
+    """Summed over ranks, each matrix's pieces cross ranks twice except the owner's own:
+    ``2 (W - 1) p`` per matrix, i.e. ``2 P (W - 1) / W^2`` per rank on average."""
+    specs, pieces, _, _, _, _, _, _, stats, _ = _run(_zero3_layout, world_size, 10**9, 2, steps=1)
+    received = sum(s.elements_received for s in stats)
+    assert received == sum(2 * (world_size - 1) * p[0] for p in pieces)
+    assert sum(s.elements_sent for s in stats) == received
+    assert sum(s.ns_calls for s in stats) == len(specs)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_zero12_only_straddling_matrices_travel(world_size):
+    """ZeRO-1/2 layout: a matrix one rank holds whole never leaves it; a straddling one goes to
+    one of its holders and back, so a rank receives at most twice the straddling elements."""
+    specs, pieces, _, plan, _, _, _, _, stats, _ = _run(_zero12_layout, world_size, 10**9, 2, steps=1)
+    straddling = [j for j, p in enumerate(pieces) if sum(1 for n in p if n) > 1]
+    assert straddling, "the layout must have matrices on partition boundaries"
+    expected = sum(2 * (sum(pieces[j]) - pieces[j][plan.owners[j]]) for j in straddling)
+    assert sum(s.elements_received for s in stats) == expected
+    assert all(s.elements_received <= 2 * sum(sum(pieces[j]) for j in straddling) for s in stats)
+    assert sum(s.ns_calls for s in stats) == len(specs)
+
+
+def test_reserved_buffers_are_what_the_plan_says():
+    specs = _specs()
+    for world_size in (1, 2, 3):
+        pieces, slices = _zero3_layout(specs, world_size)
+        plan = plan_owners(specs, world_size, 100)
+        fake = FakeAllToAll(world_size)
+        for r in range(world_size):
+            pipeline = MuonPipeline(plan, specs, pieces, slices[r],
+                                    OwnerExchange(None, r, world_size, fake.for_rank(r), ExchangeStats()), "cpu", "cpu",
+                                    2)
+            assert pipeline.reserved_bytes() == 4 * reserved_numel(plan, pieces, 3)[r]
+
+
+def test_layout_reassembles_and_splits_with_padding():
+    """One bucket, ZeRO-3 pieces with padding: what the owner reassembles is the matrix, and the
+    results it writes come back as each rank's piece with zero padding."""
+    matrix = torch.arange(10.)
+    layout = BucketLayout(matrices=(0, ), owners=(0, ), numels=(10, ), pieces=((4, 4, 4), ), rank=0)
+    recv = torch.cat([torch.cat([matrix, torch.zeros(2)])])
+    assert torch.equal(layout.owned_matrices(recv, [(10, )])[0], matrix)
+    out = layout.write_results([matrix * 2], torch.full((12, ), 7.0))
+    assert torch.equal(out, torch.cat([matrix * 2, torch.zeros(2)]))
+    with pytest.raises(ValueError, match="cannot hold"):
+        BucketLayout(matrices=(0, ), owners=(0, ), numels=(10, ), pieces=((3, 3, 3), ), rank=0)
+
+
+def test_depth_below_one_is_refused():
+    specs = _specs()
+    pieces, slices = _zero3_layout(specs, 1)
+    with pytest.raises(ValueError, match="depth"):
+        MuonPipeline(plan_owners(specs, 1, 100), specs, pieces, slices[0],
+                     OwnerExchange(None, 0, 1, None, ExchangeStats()), "cpu", "cpu", 0)
