@@ -14,6 +14,10 @@ creates needs Python >= 3.10).
                                              setup, then the exported tests inside a copy of DeepSpeed's
                                              tests/ (its conftest.py, tests/unit/common.py) with
                                              upstream's Muon tests
+  python3 dev.py lint [--base X] [--deepspeed-repo PATH] [--fix] [--paths FILE...]
+                                             DeepSpeed's pre-commit hooks (yapf, flake8, codespell,
+                                             torchdist/torchcuda/license, whitespace) on the Python files
+                                             of each exported pull request, from venv .venv/lint/
 
 --base defaults to $DS_ZERO3MUON_BASE, else [tool.zero3muon] default-base in pyproject.toml.
 Setup is idempotent: requirements are reinstalled only when requirements/*.txt change, and
@@ -37,6 +41,7 @@ ROOT = Path(__file__).resolve().parent
 REQUIREMENTS = [ROOT / "requirements" / "torch.txt", ROOT / "requirements" / "dev.txt"]  # installed in this order
 DEMO = ROOT / "examples" / "demo" / "run_demo.py"
 BENCH = ROOT / "bench" / "run_bench.py"
+LINT_REQUIREMENTS = ROOT / "requirements" / "lint.txt"
 
 # DeepSpeed JIT-compiles its C++ ops on the CPU accelerator the first time they are used: the
 # shared-memory comm op (at init_distributed), the CPU FusedAdam of Muon's auxiliary Adam, CPU
@@ -397,6 +402,40 @@ def cmd_intree(args, extra):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def lint_venv():
+    """.venv/lint/: the pinned linters of DeepSpeed's pre-commit hooks (requirements/lint.txt), apart
+    from the project's venvs; created or updated under a lock (the lint test may create it too)."""
+    venv = Venv("lint")
+    venv.dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.dir.parent / ".lint.lock", "w") as lock:
+        try:
+            import fcntl
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except ImportError:  # not on POSIX: no lock
+            pass
+        if not venv.python.exists():
+            log(f"creating venv {venv.dir.relative_to(ROOT)}")
+            run([sys.executable, "-m", "venv", venv.dir])
+        req_hash = tree_hash([LINT_REQUIREMENTS])
+        if not venv.is_current("requirements", req_hash):
+            log(f"installing {LINT_REQUIREMENTS.relative_to(ROOT)}")
+            venv.pip("install", "-q", "-r", LINT_REQUIREMENTS)
+            venv.mark("requirements", req_hash)
+    return venv
+
+
+def cmd_lint(args, _extra):
+    """DeepSpeed's pre-commit hooks on each exported pull request's Python files
+    (build_backend/lint/zero3muon_lint.py); exit 0 clean, 1 findings, 2 could not run."""
+    venv = lint_venv()
+    sys.path.insert(0, str(ROOT / "build_backend" / "lint"))
+    import zero3muon_lint
+    project = Path(args.project).resolve() if args.project else ROOT
+    return zero3muon_lint.main(args.base, venv.python.parent, project, deepspeed_repo=args.deepspeed_repo,
+                               ref=args.ref, fix=args.fix, paths=args.paths, only=args.pr, verbose=args.verbose,
+                               requirements=LINT_REQUIREMENTS)
+
+
 def main(argv=None):
     default_base, known = project_config()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -412,7 +451,11 @@ def main(argv=None):
                                  ("export", cmd_export, "write the change as four pull requests (diff and "
                                   "description each) and the combined diff, against the release"),
                                  ("intree", cmd_intree, "setup, then run the exported tests inside a copy of "
-                                  "DeepSpeed's tests/ (args after -- go to pytest, run in that tests/)")):
+                                  "DeepSpeed's tests/ (args after -- go to pytest, run in that tests/)"),
+                                 ("lint", cmd_lint, "DeepSpeed's pre-commit hooks (yapf --diff, flake8, codespell, "
+                                  "check-torchdist/-torchcuda/-license, trailing whitespace, end of file) on the "
+                                  "Python files each exported pull request adds or changes (venv .venv/lint/; "
+                                  "exit 1 on findings)")):
         p = sub.add_parser(name, help=helptext, description=helptext, allow_abbrev=False)
         p.add_argument("--base", default=os.environ.get("DS_ZERO3MUON_BASE") or default_base,
                        help=f"DeepSpeed base release, one of {', '.join(known)} (default: %(default)s)")
@@ -435,10 +478,26 @@ def main(argv=None):
             p.add_argument("--tests-from", metavar="CHECKOUT", help="take the exported tests from this project "
                            "checkout instead of this one")
             p.add_argument("--keep", action="store_true", help="keep the temporary tree and print its path")
+        if name == "lint":
+            p.add_argument("--deepspeed-repo", metavar="PATH", help="a DeepSpeed checkout, or a git directory "
+                           "without work tree (e.g. a bare mirror): its .pre-commit-config.yaml, root configs and "
+                           "scripts/ (default: the fallback, build_backend/lint/'s statement of the same settings)")
+            p.add_argument("--ref", default="HEAD", help="commit of a git directory to take them from "
+                           "(default: %(default)s; a checkout's working tree is used as it is)")
+            p.add_argument("--fix", action="store_true", help="first run yapf in place on our own files (never "
+                           "on patched upstream files), then lint")
+            p.add_argument("--paths", nargs="+", metavar="FILE", help="lint these files instead of the pull "
+                           "requests' (with --fix: format them in place)")
+            p.add_argument("--pr", action="append", metavar="KEY", help="only this pull request (key or stem, "
+                           "e.g. muon or 1-muon; repeatable)")
+            p.add_argument("--project", metavar="CHECKOUT", help="lint the pull requests of this project "
+                           "checkout instead of this one")
+            p.add_argument("-v", "--verbose", action="store_true", help="also print yapf's hunks and the "
+                           "release's own findings")
     args, extra = parser.parse_known_args(argv)
     if extra[:1] == ["--"]:
         extra = extra[1:]
-    if args.command in ("setup", "export") and extra:
+    if args.command in ("setup", "export", "lint") and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.base not in known:
         parser.error(f"unknown base {args.base!r}; known: {', '.join(known)}")
