@@ -1,6 +1,6 @@
 # Copyright (c) 2026 The zero3muon authors
 # SPDX-License-Identifier: Apache-2.0
-"""Profile the patched build's Muon boundary update (``Zero3MuonBoundary.apply``) with torch's profiler.
+"""Profile the patched build's Muon boundary update (``Zero3MuonUpdate.apply``) with torch's profiler.
 
 Run under a build's Python with ``torch.distributed.run`` (W ranks, gloo, ``DS_ACCELERATOR=cpu``):
 
@@ -43,11 +43,11 @@ def main():
     model = worker.build_model(args.workload)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=worker.ds_config(cfg, world_size))
-    boundary = engine.optimizer.muon_boundary
+    boundary = engine.optimizer.muon_update
     apply = boundary.apply
 
     def profiled_apply(sub_group_id):
-        with record_function("muon_boundary.apply"):
+        with record_function("muon_update.update_gradient"):
             return apply(sub_group_id)
 
     boundary.apply = profiled_apply
@@ -79,7 +79,7 @@ def main():
     events = prof.key_averages()
     total = {e.key: e for e in events}
     if rank == 0:
-        apply_us = total["muon_boundary.apply"].cpu_time_total
+        apply_us = total["muon_update.update_gradient"].cpu_time_total
         ns_us = sum(total[k].cpu_time_total for k in NS_OPS if k in total)
         a2a = [e for e in events if "all_to_all" in e.key]
         a2a_us = max((e.cpu_time_total for e in a2a), default=0.0)

@@ -27,7 +27,7 @@ Config keys (one dict per workload; ``run_bench.grid`` builds them): ``name``, `
 key of ``WORKLOADS`` or ``LLAMAS``), ``stage``, ``gas``, ``dtype`` (``fp32``/``bf16``), ``offload``,
 ``micro_batch``, ``steps`` (measured), ``warmup``; optional ``reduce_bucket_size``, ``optimizer``
 (``muon`` default, ``adamw``), ``overlap`` and ``batch_ns`` (set on the patch's
-``muon_boundary`` where it has that attribute; ``None`` leaves the default), ``memory_step``
+``muon_update`` where it has that attribute; ``None`` leaves the default), ``memory_step``
 (default True), ``save_weights``.
 
 Writes one JSON line per finished workload to ``--out`` (rank 0) and prints ``START name`` /
@@ -349,11 +349,11 @@ def batch(cfg, step, micro, rank, world_size, dim, device, dtype):
 
 def retained_muon_bytes(optimizer):
     """Bytes the Muon path keeps allocated from one optimizer step to the next, by introspection:
-    the patch's ``muon_boundary.retained_bytes()`` (0 where the build has no such method, or
+    the patch's ``muon_update.retained_bytes()`` (0 where the build has no such method, or
     without Muon), else stock 0.19.8's all-gather cache (``_muon_allgather_buffer_bytes``, up to
     256 MiB); ``None`` on a build with neither (stock 0.19.7)."""
-    if hasattr(optimizer, "muon_boundary"):
-        boundary = optimizer.muon_boundary
+    if hasattr(optimizer, "muon_update"):
+        boundary = optimizer.muon_update
         return int(boundary.retained_bytes()) if hasattr(boundary, "retained_bytes") else 0
     cached = getattr(optimizer, "_muon_allgather_buffer_bytes", None)
     return None if cached is None else int(cached)
@@ -430,7 +430,7 @@ def run_workload(cfg, ns, comm, peak):
     model = build_model(cfg["workload"])
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=ds_config(cfg, world_size))
-    boundary = getattr(engine.optimizer, "muon_boundary", None)
+    boundary = getattr(engine.optimizer, "muon_update", None)
     for key in ("overlap", "batch_ns"):
         if boundary is not None and cfg.get(key) is not None and hasattr(boundary, key):
             setattr(boundary, key, cfg[key])

@@ -113,11 +113,11 @@ MUON = Group(
     "muon", 1, "ZeRO-3 Muon: momentum and Newton-Schulz once per step at the accumulation boundary",
     patterns=(
         # named one by one: universal_*.py belongs to UNIVERSAL, __main__.py is never exported
-        "deepspeed/runtime/zero/muon/bucket_pipeline.py",
+        "deepspeed/runtime/zero/muon/pipeline.py",
         "deepspeed/runtime/zero/muon/momentum_math.py",
         "deepspeed/runtime/zero/muon/owner_exchange.py",
         "deepspeed/runtime/zero/muon/owner_plan.py",
-        "deepspeed/runtime/zero/muon/stage3_binding.py",
+        "deepspeed/runtime/zero/muon/zero3_update.py",
         "patches/*/0001-*.patch",
         "patches/*/0004-*.patch",
         "tests/unit/runtime/zero/test_zero3_muon_*.py",
@@ -126,7 +126,7 @@ MUON = Group(
     notes={
         STAGE3: {
             "*":
-            "creates `Zero3MuonBoundary` (with its configuration check) in `__init__` and calls it in `step()` "
+            "creates `Zero3MuonUpdate` (with its configuration check) in `__init__` and calls it in `step()` "
             "right after unscale-and-clip; allocates the Muon momentum in fp32; deletes the refusals of "
             "`reduce_scatter`, of Muon groups with different momenta and of Muon with the all-to-all "
             "(quantized-gradient) reduction, which is now refused only where the accelerator lacks the "
@@ -273,20 +273,20 @@ SELECTION = Group(
 ZERO12_CLIPPING = Group(
     "zero12-muon-clipping", 6, "ZeRO-1/2 Muon: clip the raw gradient before the momentum, as ZeRO-3 and PyTorch do",
     patterns=(
-        "deepspeed/runtime/zero/muon/zero12_clipping.py",
+        "deepspeed/runtime/zero/muon/zero12_update.py",
         "patches/*/0012-*.patch",
         "tests/unit/runtime/zero/test_zero12_muon_clipping.py",
     ),
     notes={
         "deepspeed/runtime/zero/stage_1_and_2.py":
-        "creates `Zero12MuonClipping` in `__init__` (`None` unless the optimizer is Muon); at the accumulation "
+        "creates `Zero12MuonUpdate` in `__init__` (`None` unless the optimizer is Muon); at the accumulation "
         "boundary `get_flat_partition` hands each Muon group's accumulated gradients to it instead of running "
         "`muon_update`, so the partition, the global norm and `get_global_grad_norm()` hold the raw gradient; "
         "`step()` calls `step_group` right after `unscale_and_clip_grads`, which replaces the partition's Muon "
         "slices by the update of the clipped gradient; upstream's Muon path there (the update in the reduction "
         "and, with offload, before the norm, with its all-gather helpers and momentum staging) is deleted.",
     },
-    template="pr_zero12_clipping.md",
+    template="pr_zero12_update.md",
     tests_need=("muon", ),
     code_needs=("muon", ),
 )
