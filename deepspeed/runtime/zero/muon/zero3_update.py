@@ -199,8 +199,8 @@ class Zero3MuonUpdate:
 
     def momentum_partition(self, sub_group_id, like: torch.Tensor) -> torch.Tensor:
         """The sub-group's fp32 momentum partition (1-D, ``fp16_partitioned_groups_flat_numel``
-        elements, on ``like``'s device): created zero if missing, upcast if not fp32 (a checkpoint of
-        stock 0.19.8 keeps it in bf16). The same tensor is kept in the optimizer state under
+        elements, on ``like``'s device): created zero if missing, upcast if not fp32 (a checkpoint
+        written by DeepSpeed's own bf16 path keeps it in bf16). The same tensor is kept in the optimizer state under
         ``MOMENTUM_KEY`` (and with ``save_muon_momentum_buffer_in_memory`` in the optimizer's
         in-memory table), so checkpoints save it."""
         opt = self.optimizer

@@ -203,7 +203,7 @@ class TestMuonSelectionModels(DistributedTest):
     @pytest.mark.parametrize("kind", list(MODELS))
     def test_embeddings_and_tied_heads_on_adam(self, kind, stage, zero_init):
         import deepspeed
-        import torch.distributed as dist
+        from deepspeed import comm as dist
         from deepspeed.runtime.zero.muon.param_selection import layer_shape
         spec = MODELS[kind]
         config = _config(stage)
@@ -311,7 +311,7 @@ class TestMuonClientOptimizer(DistributedTest):
     def test_deepspeed_muon_from_groups_equals_config_run(self, stage):
         """Untagged tensors in use_muon=True groups: Muon runs (stock: 0 NS calls, plain SGD)."""
         import deepspeed
-        import torch.distributed as dist
+        from deepspeed import comm as dist
         from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
         run = Zero3MuonRun(model="mixed", stage=stage, gas=2, steps=3)
         reference = run.train()

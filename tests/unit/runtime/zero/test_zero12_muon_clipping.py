@@ -29,7 +29,7 @@ fp32 reference; their stages, and on 0.19.8 the BF16_Optimizer (bf16 with
 """
 
 import deepspeed
-import torch.distributed as dist
+from deepspeed import comm as dist
 import pytest
 
 from unit.common import DistributedTest

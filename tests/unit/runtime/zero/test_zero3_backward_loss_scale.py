@@ -62,7 +62,7 @@ def step_batch(step):
 
 def train(fp16_section, gas):
     """Train STEPS steps; returns (loss scale of each step's backward, reported norms, weights)."""
-    world_size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    world_size, rank = deepspeed.comm.get_world_size(), deepspeed.comm.get_rank()
     micro = SAMPLES // (world_size * gas)
     config = {
         "train_micro_batch_size_per_gpu": micro,

@@ -100,8 +100,8 @@ class TestZero3GradPartitionWindow(DistributedTest):
 
     @pytest.mark.parametrize("offload", [False, True])
     def test_matches_whole_batch_reference(self, offload, reference):
-        world_size = torch.distributed.get_world_size()
-        rank = torch.distributed.get_rank()
+        world_size = deepspeed.comm.get_world_size()
+        rank = deepspeed.comm.get_rank()
         gas = GAS
         micro = SAMPLES // (world_size * gas)
         config = {

@@ -33,8 +33,8 @@ What each run covers:
   AdamW test ``test_zero3_grad_partition_window.py``, makes it count as zero; skipped without it).
 - ``frozen``: a frozen layer; ``zero_init``: the model built under ``deepspeed.zero.Init``;
   ``hpz``: ``zero_hpz_partition_size: 2`` at W=4.
-- ``buckets`` / ``buckets_serial``: ``reduce_bucket_size`` small enough for one bucket per matrix,
-  with the next bucket's exchange overlapped with Newton-Schulz (the default) and without.
+- ``buckets`` / ``buckets_serial`` / ``buckets_depth3``: ``reduce_bucket_size`` small enough for one
+  bucket per matrix, at pipeline depth 2 (the default), 1 (serial) and 3.
 """
 
 import pytest
@@ -181,10 +181,12 @@ class TestZero3MuonConfigs(DistributedTest):
 
     @pytest.mark.parametrize("world_size", sorted(BUCKET_RUNS))
     def test_buckets_equal_one_bucket(self, world_size, expected_default):
-        """Three buckets (two all-to-alls each per step), overlapped or not, give the weights of the
-        default single bucket: the owners change, the Newton-Schulz inputs do not."""
+        """One bucket per matrix (two all-to-alls each per step), at pipeline depth 1, 2 and 3, gives
+        the weights of the default plan (the largest buckets whose exchange buffers fit the momentum
+        partition): the owners change, the Newton-Schulz inputs do not."""
         one_bucket = default(world_size).train()
-        assert one_bucket.per_rank[0].stats["exchanges"] == 2 * STEPS
+        exchanges = one_bucket.per_rank[0].stats["exchanges"]
+        assert exchanges % (2 * STEPS) == 0 and 2 * STEPS <= exchanges <= 2 * 3 * STEPS
         for name, bucketed in BUCKET_RUNS[world_size].items():
             result = bucketed.train()
             check_against_reference(name, bucketed, result, expected_default)

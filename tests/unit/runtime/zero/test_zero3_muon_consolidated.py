@@ -37,7 +37,7 @@ TAG = "consolidated"
 def trained_engine(run: Zero3MuonRun):
     """A ZeRO-3 engine of ``run`` after ``run.steps`` optimizer steps on every rank of the current
     process group (collective), on the samples ``Zero3MuonRun.train`` uses; the caller destroys it."""
-    import torch.distributed as dist
+    from deepspeed import comm as dist
     world_size, rank = dist.get_world_size(), dist.get_rank()
     input_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[run.dtype]
     micro = run.samples // (world_size * run.gas)

@@ -18,7 +18,7 @@ import inspect
 
 import deepspeed
 import pytest
-import torch.distributed as dist
+from deepspeed import comm as dist
 from deepspeed.runtime.zero import stage_1_and_2
 
 from unit.common import DistributedTest

@@ -696,9 +696,9 @@ class Zero3MuonRun:
                 net = build_model(self.model)
             engine, *_ = deepspeed.initialize(model=net, config=config,
                                               model_parameters=param_groups(net, self.groups))
-        if self.pipeline_depth != 2 and getattr(engine.optimizer, "muon_update", None) is not None:
+        if self.pipeline_depth != 2 and getattr(engine.optimizer, "zero3_muon", None) is not None:
             from deepspeed.runtime.zero.muon.zero3_update import Zero3MuonUpdate
-            engine.optimizer.muon_update = Zero3MuonUpdate(engine.optimizer, pipeline_depth=self.pipeline_depth)
+            engine.optimizer.zero3_muon = Zero3MuonUpdate(engine.optimizer, pipeline_depth=self.pipeline_depth)
         return engine
 
     def train(self, checkpoint_dir=None, nvme_dir=None, record=False) -> "Zero3MuonResult":
@@ -714,7 +714,7 @@ class Zero3MuonRun:
     def _save(self, engine, checkpoint_dir, rank):
         """``save_checkpoint`` (tag ``restart``); stock 0.19.8's bf16 momentum if asked; the
         universal conversion if asked (on rank 0). Collective."""
-        import torch.distributed as dist
+        from deepspeed import comm as dist
         engine.save_checkpoint(checkpoint_dir, tag="restart")
         dist.barrier()
         if self.momentum_to_bf16:
@@ -724,7 +724,7 @@ class Zero3MuonRun:
             convert_to_universal(checkpoint_dir, "restart")
 
     def _train(self, checkpoint_dir, nvme_dir, record):
-        import torch.distributed as dist
+        from deepspeed import comm as dist
         from torch._dynamo.utils import counters
         world_size, rank = dist.get_world_size(), dist.get_rank()
         graphs_before = int(counters["stats"]["unique_graphs"])
@@ -770,7 +770,7 @@ class Zero3MuonRun:
                 norm = engine.get_global_grad_norm()
                 norms.append(float(norm) if norm is not None else None)
                 loss_scales.append(float(getattr(engine.optimizer, "loss_scale", 1.0)))
-        boundary = getattr(engine.optimizer, "muon_update", None)
+        boundary = getattr(engine.optimizer, "zero3_muon", None)
         local = dict(ns_per_step=ns_per_step,
                      ns_off_boundary=ns_off_boundary,
                      ns_by_kernel=dict(counter.by_kernel),
@@ -849,7 +849,7 @@ def convert_to_universal(checkpoint_dir, tag) -> str:
     """``ds_to_universal`` of ``checkpoint_dir/tag`` into ``checkpoint_dir/<tag>_universal``, run
     on rank 0 as upstream's tests do (one worker, no child processes); collective. Returns the
     output folder."""
-    import torch.distributed as dist
+    from deepspeed import comm as dist
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
     output = os.path.join(checkpoint_dir, f"{tag}_universal")
     dist.barrier()
@@ -907,8 +907,9 @@ def _momentum_to_bf16(checkpoint_dir, tag, rank):
 
 def initialize_error(run: Zero3MuonRun, nvme_dir=None) -> Optional[str]:
     """The ``"Type: message"`` of the error ``deepspeed.initialize`` raises for ``run``, or None."""
+    import deepspeed
     try:
-        run.build_engine(run.config(torch.distributed.get_world_size(), nvme_dir)).destroy()
+        run.build_engine(run.config(deepspeed.comm.get_world_size(), nvme_dir)).destroy()
     except Exception as error:  # the message is what is checked
         return f"{type(error).__name__}: {error}"
     return None
@@ -961,7 +962,7 @@ class Recorder:
         self.steps, self.current = [], None
         self.initial_master = self._master()
         self.momentum_dtypes = []
-        unscale, apply = opt.unscale_and_clip_grads, opt.muon_update.update_gradient
+        unscale, apply = opt.unscale_and_clip_grads, opt.zero3_muon.update_gradient
 
         def unscale_and_clip_grads(sub_group_id, total_norm, *args):
             grad = opt.fp32_partitioned_groups_flat[sub_group_id].grad
@@ -979,7 +980,7 @@ class Recorder:
             apply(sub_group_id)
 
         opt.unscale_and_clip_grads = unscale_and_clip_grads
-        opt.muon_update.update_gradient = muon_apply
+        opt.zero3_muon.update_gradient = muon_apply
 
     def _master(self):
         return {
