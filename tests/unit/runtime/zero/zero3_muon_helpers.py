@@ -770,7 +770,7 @@ class Zero3MuonRun:
                 norm = engine.get_global_grad_norm()
                 norms.append(float(norm) if norm is not None else None)
                 loss_scales.append(float(getattr(engine.optimizer, "loss_scale", 1.0)))
-        boundary = getattr(engine.optimizer, "zero3_muon", None)
+        boundary = getattr(engine.optimizer, "zero3_muon", None) or getattr(engine.optimizer, "zero12_muon", None)
         local = dict(ns_per_step=ns_per_step,
                      ns_off_boundary=ns_off_boundary,
                      ns_by_kernel=dict(counter.by_kernel),
