@@ -65,6 +65,13 @@ class BucketLayout:
         pieces: per matrix, the elements every rank holds of it (length ``world_size``).
         rank: this rank within the process group.
 
+    Attributes:
+        send_order: bucket positions ordered by (owner, position): the send buffer's order.
+        send_splits / recv_splits: elements sent to / received from each rank, forward.
+        owned: bucket positions of the matrices this rank owns, in send order.
+        send_pieces: ``(k, offset, numel)`` for every matrix this rank holds a piece of: where
+            its piece sits in the send buffer (``k``: position in the bucket).
+
     Raises:
         ValueError: entries of different lengths, or pieces that cannot hold their matrix.
     """
@@ -77,6 +84,7 @@ class BucketLayout:
     send_splits: Tuple[int, ...] = field(init=False)
     owned: Tuple[int, ...] = field(init=False)
     recv_splits: Tuple[int, ...] = field(init=False)
+    send_pieces: Tuple[Tuple[int, int, int], ...] = field(init=False)
 
     def __post_init__(self):
         if not len(self.matrices) == len(self.owners) == len(self.numels) == len(self.pieces):
@@ -97,6 +105,13 @@ class BucketLayout:
         set_(self, "send_splits", tuple(send_splits))
         set_(self, "owned", tuple(k for k in order if self.owners[k] == self.rank))
         set_(self, "recv_splits", tuple(recv_splits))
+        pieces, offset = [], 0
+        for k in order:
+            n = self.pieces[k][self.rank]
+            if n:
+                pieces.append((k, offset, n))
+            offset += n
+        set_(self, "send_pieces", tuple(pieces))
 
     @property
     def send_numel(self) -> int:
@@ -107,17 +122,6 @@ class BucketLayout:
     def recv_numel(self) -> int:
         """Elements this rank receives forward as owner (and sends back)."""
         return sum(self.recv_splits)
-
-    def send_slices(self) -> List[Tuple[int, int, int]]:
-        """``(k, offset, numel)`` for every matrix this rank holds a piece of: where its piece
-        sits in the send buffer (``k``: position in the bucket)."""
-        out, offset = [], 0
-        for k in self.send_order:
-            n = self.pieces[k][self.rank]
-            if n:
-                out.append((k, offset, n))
-            offset += n
-        return out
 
     def _chunks(self, buffer: torch.Tensor) -> List[torch.Tensor]:
         return list(buffer.split(list(self.recv_splits)))

@@ -112,16 +112,18 @@ class MuonPipeline:
         """
         free = deque(range(self.buffers.slots))
         preparing, returning = deque(), deque()
-        for b in range(len(self.layouts)):
-            preparing.append(self._prepare(b, free.popleft(), grad_flat, momentum_flat, settings))
-            if len(preparing) == self.depth:
-                returning.append(self._compute(*preparing.popleft(), settings, update_dtype))
-                if len(returning) == self.depth:
-                    free.append(self._finalize(*returning.popleft(), grad_flat, update_dtype))
-        while preparing:
+
+        def compute_oldest():
             returning.append(self._compute(*preparing.popleft(), settings, update_dtype))
             if len(returning) == self.depth:
                 free.append(self._finalize(*returning.popleft(), grad_flat, update_dtype))
+
+        for b in range(len(self.layouts)):
+            preparing.append(self._prepare(b, free.popleft(), grad_flat, momentum_flat, settings))
+            if len(preparing) == self.depth:
+                compute_oldest()
+        while preparing:
+            compute_oldest()
         while returning:
             self._finalize(*returning.popleft(), grad_flat, update_dtype)
 
@@ -130,7 +132,7 @@ class MuonPipeline:
         send = buffers.outgoing(slot, layout.send_numel, EXCHANGE_DTYPE)
         staging = buffers.staging(slot, layout.send_numel)
         target = send if staging is None else staging
-        for k, offset, numel in layout.send_slices():
+        for k, offset, numel in layout.send_pieces:
             start, _ = self.slices[layout.matrices[k]]
             momentum_step(grad_flat.narrow(0, start, numel), momentum_flat.narrow(0, start, numel), settings,
                           target.narrow(0, offset, numel))
@@ -160,7 +162,7 @@ class MuonPipeline:
         layout = self.layouts[b]
         _wait(handle)
         update = self.buffers.outgoing(slot, layout.send_numel, update_dtype)
-        for k, offset, numel in layout.send_slices():
+        for k, offset, numel in layout.send_pieces:
             start, _ = self.slices[layout.matrices[k]]
             grad_flat.narrow(0, start, numel).copy_(update.narrow(0, offset, numel))
         return slot
