@@ -80,7 +80,11 @@ def batches(rows: int, cols: int, device: torch.device) -> bool:
     return torch.device(device).type != "cpu" or rows * cols <= CPU_BATCH_MAX_ELEMENTS
 
 
-def orthogonalize(matrices: Sequence[torch.Tensor], specs: Sequence, ns_steps: int, ns_method: str, dtype: torch.dtype,
+def orthogonalize(matrices: Sequence[torch.Tensor],
+                  specs: Sequence,
+                  ns_steps: int,
+                  ns_method: str,
+                  dtype: torch.dtype,
                   batch: Optional[bool] = None) -> List[torch.Tensor]:
     """The owner's half of ``muon_update`` for the matrices it holds in one bucket.
 
@@ -119,8 +123,8 @@ def orthogonalize(matrices: Sequence[torch.Tensor], specs: Sequence, ns_steps: i
         else:
             _, rows, cols = specs[members[0]].ns_problem
             stack = torch.cat([matrices[k].reshape(-1, rows, cols) for k in members])
-            results = original_muon.muon_orthogonalize(stack, ns_steps, ns_method, True, None, dtype).split(
-                [specs[k].ns_problem[0] for k in members])
+            results = original_muon.muon_orthogonalize(stack, ns_steps, ns_method, True, None,
+                                                       dtype).split([specs[k].ns_problem[0] for k in members])
         for k, result in zip(members, results):
             updates[k] = result.reshape(matrices[k].shape)
     return updates

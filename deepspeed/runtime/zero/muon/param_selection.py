@@ -197,8 +197,12 @@ def _build(entries: Iterable, frozen: Iterable[str]) -> MuonSelection:
             adam_numel += layer_numel(param)
             if len(layer_shape(param)) >= 2:
                 adam_matrices.append(name)
-    return MuonSelection(muon=tuple(muon), adam=tuple(adam), muon_numel=muon_numel, adam_numel=adam_numel,
-                         adam_matrices=tuple(adam_matrices), frozen=tuple(frozen),
+    return MuonSelection(muon=tuple(muon),
+                         adam=tuple(adam),
+                         muon_numel=muon_numel,
+                         adam_numel=adam_numel,
+                         adam_matrices=tuple(adam_matrices),
+                         frozen=tuple(frozen),
                          reasons=types.MappingProxyType(reasons))
 
 
@@ -240,10 +244,10 @@ def format_report(selection: MuonSelection, limit: int = LISTED_NAMES) -> Tuple[
         f"Muon optimizer: {len(selection.muon)} parameters ({selection.muon_numel:,} elements) on Muon, "
         f"{len(selection.adam)} parameters ({selection.adam_numel:,} elements) on the auxiliary Adam. "
         f"On Muon: {_listed(selection.muon, limit) or 'none'}. "
-        f"Matrices on Adam: {_listed(adam_matrices, limit) or 'none'}. "
-        + ("The optimizer's parameter groups decide (their use_muon); engine.muon_selection holds the lists."
-           if PARAM_GROUP in selection.reasons.values() else
-           "Set param.use_muon before deepspeed.initialize to override; engine.muon_selection holds the lists.")
+        f"Matrices on Adam: {_listed(adam_matrices, limit) or 'none'}. " +
+        ("The optimizer's parameter groups decide (their use_muon); engine.muon_selection holds the lists."
+         if PARAM_GROUP in selection.reasons.values() else
+         "Set param.use_muon before deepspeed.initialize to override; engine.muon_selection holds the lists.")
     ]
     if not selection.muon:
         lines.append(f"The Muon optimizer has no parameter on Muon: all {len(selection.adam)} trained parameters "
@@ -305,7 +309,10 @@ def refuse_flat_partition_muon(optimizer, zero_stage: int) -> None:
                      "deepspeed.runtime.zero.muon.muon_optimizer.MuonWithAuxAdam; or use ZeRO stage 0.")
 
 
-def resolve_optimizer_selection(optimizer, model: Optional[torch.nn.Module], client: bool, zero_stage: int,
+def resolve_optimizer_selection(optimizer,
+                                model: Optional[torch.nn.Module],
+                                client: bool,
+                                zero_stage: int,
                                 log=None) -> Optional[MuonSelection]:
     """The engine's hook, on the basic optimizer before any ZeRO wrapper replaces its groups.
 

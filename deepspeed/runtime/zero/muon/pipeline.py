@@ -40,7 +40,6 @@ from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, OwnerPlan
 DEFAULT_DEPTH = 2
 """Buckets prepared ahead of the one being orthogonalized: one exchange in each direction overlaps NS."""
 
-
 EXCHANGE_DTYPE = torch.float32
 """dtype of the forward exchange: the fp32 gradient and momentum give an fp32 Newton-Schulz input."""
 
@@ -71,9 +70,16 @@ class MuonPipeline:
         torch.OutOfMemoryError: the exchange buffers do not fit (at construction).
     """
 
-    def __init__(self, plan: OwnerPlan, specs: Sequence[MatrixSpec], pieces: Sequence[Sequence[int]],
-                 slices: Sequence[Tuple[int, int]], exchange: OwnerExchange, device, piece_device,
-                 depth: int = DEFAULT_DEPTH, batch_ns=None):
+    def __init__(self,
+                 plan: OwnerPlan,
+                 specs: Sequence[MatrixSpec],
+                 pieces: Sequence[Sequence[int]],
+                 slices: Sequence[Tuple[int, int]],
+                 exchange: OwnerExchange,
+                 device,
+                 piece_device,
+                 depth: int = DEFAULT_DEPTH,
+                 batch_ns=None):
         if depth < 1:
             raise ValueError(f"the Muon pipeline depth must be at least 1, got {depth}")
         self.plan = plan

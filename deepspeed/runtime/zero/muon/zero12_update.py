@@ -110,13 +110,20 @@ class Zero12MuonUpdate:
         specs, pieces, slices, start = [], [], [], 0
         for param in params:
             end = start + param.numel()
-            held = [max(0, min(end, (r + 1) * partition_size) - max(start, r * partition_size)) for r in range(world_size)]
+            held = [
+                max(0,
+                    min(end, (r + 1) * partition_size) - max(start, r * partition_size)) for r in range(world_size)
+            ]
             specs.append(matrix_spec(param, param.shape, ns_method))
             pieces.append(tuple(held))
             slices.append((max(start, rank * partition_size) - rank * partition_size if held[rank] else 0, held[rank]))
             start = end
         holders = [[r for r, n in enumerate(p) if n] for p in pieces]
-        plan = plan_within_budget(specs, pieces, world_size, opt.reduce_bucket_size, slots_for_depth(depth),
+        plan = plan_within_budget(specs,
+                                  pieces,
+                                  world_size,
+                                  opt.reduce_bucket_size,
+                                  slots_for_depth(depth),
                                   holders=holders)
         exchange = OwnerExchange(group, rank, world_size, dist.all_to_all_single, self.stats)
         piece_device = opt.single_partition_of_fp32_groups[group_idx].device

@@ -152,7 +152,11 @@ class Zero3MuonUpdate:
             slices.append((offset, partition_numel))
             specs.append(matrix_spec(param, param.ds_shape, ns_method))
         pieces = [(numel, ) * world_size for _, numel in slices]
-        plan = plan_within_budget(specs, pieces, world_size, opt.reduce_bucket_size, slots_for_depth(depth),
+        plan = plan_within_budget(specs,
+                                  pieces,
+                                  world_size,
+                                  opt.reduce_bucket_size,
+                                  slots_for_depth(depth),
                                   initial_load=load)
         for r, cost in enumerate(plan.load()):
             load[r] += cost
@@ -169,8 +173,8 @@ class Zero3MuonUpdate:
         for i, pipeline in self.pipelines.items():
             if pipeline.exchange.world_size == 1:
                 continue
-            description = repr([(s.shape, n, s.ns_problem) for s, (_, n) in zip(pipeline.specs, pipeline.slices)] +
-                               pipeline.plan.signature())
+            description = repr([(s.shape, n, s.ns_problem)
+                                for s, (_, n) in zip(pipeline.specs, pipeline.slices)] + pipeline.plan.signature())
             digest = hashlib.sha256(description.encode()).digest()
             # 56-bit chunks: non-negative and their negations fit in int64.
             mine = [len(pipeline.specs)] + [int.from_bytes(digest[k:k + 7], "little") for k in range(0, 28, 7)]

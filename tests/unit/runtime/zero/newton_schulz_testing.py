@@ -97,7 +97,10 @@ def reference_muon_update(grad, momentum, beta, ns_method="gram", is_expert_grou
     if num_heads is not None:
         return original_muon.muon_update(grad, momentum, beta=beta, ns_method=ns_method, num_heads=num_heads)
     if grad.ndim != 4 or is_expert_group:
-        return original_muon.muon_update(grad, momentum, beta=beta, ns_method=ns_method,
+        return original_muon.muon_update(grad,
+                                         momentum,
+                                         beta=beta,
+                                         ns_method=ns_method,
                                          is_expert_group=is_expert_group)
     momentum.lerp_(grad, 1 - beta)
     x = grad.lerp_(momentum, beta).view(len(grad), -1)

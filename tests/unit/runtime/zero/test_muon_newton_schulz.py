@@ -143,8 +143,11 @@ def _specs(owned):
     specs = []
     for shape, kw in owned:
         expert, heads = kw.get("is_expert_group", False), kw.get("num_heads")
-        specs.append(MatrixSpec(shape, is_expert_group=expert, num_heads=heads,
-                                ns_problem=newton_schulz_problem(shape, expert, heads)))
+        specs.append(
+            MatrixSpec(shape,
+                       is_expert_group=expert,
+                       num_heads=heads,
+                       ns_problem=newton_schulz_problem(shape, expert, heads)))
     return specs
 
 

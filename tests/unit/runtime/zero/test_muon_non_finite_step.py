@@ -23,8 +23,10 @@ from unit.runtime.zero.zero3_muon_helpers import build_model, ds_config, loss_fn
 
 def _momenta(engine):
     """Every Muon momentum tensor in the optimizer state, cloned, in state order."""
-    return [s["momentum_buffer"].detach().clone() for s in engine.optimizer.optimizer.state.values()
-            if "momentum_buffer" in s]
+    return [
+        s["momentum_buffer"].detach().clone() for s in engine.optimizer.optimizer.state.values()
+        if "momentum_buffer" in s
+    ]
 
 
 def _step(engine, step, poison=False):

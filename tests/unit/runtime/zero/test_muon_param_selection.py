@@ -38,18 +38,21 @@ VOCAB, SEQ, MICRO = 96, 8, 2
 # of its own in named_parameters), and the two parameters the test sets use_muon on before
 # deepspeed.initialize: a matrix the rule would put on Muon (set False) and one on Adam (set True).
 MODELS = {
-    "gpt2": dict(adam_matrices={"transformer.wte.weight", "transformer.wpe.weight"},
-                 user_false="transformer.h.0.attn.c_proj.weight",
-                 user_true="transformer.wpe.weight"),
-    "t5": dict(adam_matrices={
+    "gpt2":
+    dict(adam_matrices={"transformer.wte.weight", "transformer.wpe.weight"},
+         user_false="transformer.h.0.attn.c_proj.weight",
+         user_true="transformer.wpe.weight"),
+    "t5":
+    dict(adam_matrices={
         "shared.weight", "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
         "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
     },
-               user_false="encoder.block.0.layer.0.SelfAttention.q.weight",
-               user_true="decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
-    "llama": dict(adam_matrices={"model.embed_tokens.weight", "lm_head.weight"},
-                  user_false="model.layers.1.mlp.down_proj.weight",
-                  user_true="lm_head.weight"),
+         user_false="encoder.block.0.layer.0.SelfAttention.q.weight",
+         user_true="decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
+    "llama":
+    dict(adam_matrices={"model.embed_tokens.weight", "lm_head.weight"},
+         user_false="model.layers.1.mlp.down_proj.weight",
+         user_true="lm_head.weight"),
 }
 
 
@@ -58,15 +61,30 @@ def tiny_transformer(kind):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if kind == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                                         bos_token_id=0, eos_token_id=0)
+        config = transformers.GPT2Config(vocab_size=VOCAB,
+                                         n_positions=32,
+                                         n_embd=32,
+                                         n_layer=2,
+                                         n_head=2,
+                                         bos_token_id=0,
+                                         eos_token_id=0)
         return transformers.GPT2LMHeadModel(config)
     if kind == "t5":
-        config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=2,
+        config = transformers.T5Config(vocab_size=VOCAB,
+                                       d_model=32,
+                                       d_kv=8,
+                                       d_ff=64,
+                                       num_layers=2,
+                                       num_heads=2,
                                        decoder_start_token_id=0)
         return transformers.T5ForConditionalGeneration(config)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)
+    config = transformers.LlamaConfig(vocab_size=VOCAB,
+                                      hidden_size=32,
+                                      intermediate_size=64,
+                                      num_hidden_layers=2,
+                                      num_attention_heads=2,
+                                      num_key_value_heads=2,
+                                      tie_word_embeddings=False)
     return transformers.LlamaForCausalLM(config)
 
 
@@ -174,8 +192,7 @@ def test_report_lists_are_cut_past_twenty_names_and_no_muon_warns():
     (line, ) = format_report(by_groups)
     assert "The optimizer's parameter groups decide (their use_muon)" in line and "to override" not in line
 
-    lines = format_report(select_muon_parameters(torch.nn.Sequential(torch.nn.Embedding(8, 4),
-                                                                     torch.nn.LayerNorm(4))))
+    lines = format_report(select_muon_parameters(torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.LayerNorm(4))))
     assert "Matrices on Adam: 0.weight (embedding)." in lines[0]
     assert lines[1].startswith("The Muon optimizer has no parameter on Muon: all 3 trained parameters")
 
@@ -290,9 +307,16 @@ def _mixed_groups(model):
     matrices = [p for p in model.parameters() if p.ndim >= 2]
     others = [p for p in model.parameters() if p.ndim < 2]
     return [
-        dict(params=matrices, use_muon=True, lr=HYPER["muon_lr"], momentum=HYPER["momentum"],
+        dict(params=matrices,
+             use_muon=True,
+             lr=HYPER["muon_lr"],
+             momentum=HYPER["momentum"],
              weight_decay=HYPER["weight_decay"]),
-        dict(params=others, use_muon=False, lr=HYPER["adam_lr"], betas=HYPER["betas"], eps=HYPER["eps"],
+        dict(params=others,
+             use_muon=False,
+             lr=HYPER["adam_lr"],
+             betas=HYPER["betas"],
+             eps=HYPER["eps"],
              weight_decay=HYPER["weight_decay"]),
     ]
 
@@ -321,7 +345,8 @@ class TestMuonClientOptimizer(DistributedTest):
         assert not any(hasattr(p, "use_muon") for p in model.parameters())
         micro = run.samples // (world_size * run.gas)
         with fp32_newton_schulz(), NSCounter() as counter:
-            engine, *_ = deepspeed.initialize(model=model, optimizer=MuonWithAuxAdam(_mixed_groups(model)),
+            engine, *_ = deepspeed.initialize(model=model,
+                                              optimizer=MuonWithAuxAdam(_mixed_groups(model)),
                                               config=_client_config(stage, run.gas))
             for step in range(run.steps):
                 x, y = step_batch("mixed", step)
@@ -345,13 +370,15 @@ class TestMuonClientOptimizer(DistributedTest):
         from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
         model = build_model("mixed")
         model.fc2.weight.use_muon = False
-        with pytest.raises(ValueError, match=r"fc2\.weight has use_muon = False, but the optimizer's parameter "
+        with pytest.raises(ValueError,
+                           match=r"fc2\.weight has use_muon = False, but the optimizer's parameter "
                            r"group 0"):
-            deepspeed.initialize(model=model, optimizer=MuonWithAuxAdam(_mixed_groups(model)),
+            deepspeed.initialize(model=model,
+                                 optimizer=MuonWithAuxAdam(_mixed_groups(model)),
                                  config=_client_config(3, 1))
 
-    @pytest.mark.parametrize("optimizer_cls,stage", [(KellerStyleMuon, 1), (KellerStyleMuon, 2),
-                                                     (KellerStyleMuon, 3), (Orthogonalizer, 3)])
+    @pytest.mark.parametrize("optimizer_cls,stage", [(KellerStyleMuon, 1), (KellerStyleMuon, 2), (KellerStyleMuon, 3),
+                                                     (Orthogonalizer, 3)])
     def test_other_muon_refused_on_flat_partitions(self, optimizer_cls, stage):
         import deepspeed
         model = build_model("mixed")

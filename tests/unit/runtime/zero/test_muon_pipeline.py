@@ -53,8 +53,8 @@ class FakeAllToAll:
                 n = self.count[rank]
                 self.count[rank] += 1
                 self.async_ops[rank].append(async_op)
-                self.posted.setdefault(n, {})[rank] = (output, input, list(output_split_sizes),
-                                                       list(input_split_sizes))
+                self.posted.setdefault(n,
+                                       {})[rank] = (output, input, list(output_split_sizes), list(input_split_sizes))
                 if len(self.posted[n]) == self.world_size:
                     self._route(n)
                     self.cond.notify_all()
@@ -161,8 +161,15 @@ def _run(layout, world_size, bucket_numel, depth, steps=2):
     momenta = [torch.zeros(numel) for _ in range(world_size)]
     results = [[None] * steps for _ in range(world_size)]
     pipelines = [
-        MuonPipeline(plan, specs, pieces, slices[r], OwnerExchange(None, r, world_size, fake.for_rank(r), stats[r]),
-                     "cpu", "cpu", depth, batch_ns=False) for r in range(world_size)
+        MuonPipeline(plan,
+                     specs,
+                     pieces,
+                     slices[r],
+                     OwnerExchange(None, r, world_size, fake.for_rank(r), stats[r]),
+                     "cpu",
+                     "cpu",
+                     depth,
+                     batch_ns=False) for r in range(world_size)
     ]
     for pipeline in pipelines:
         _record_order(pipeline)
@@ -207,7 +214,7 @@ LAYOUTS = {"zero3": _zero3_layout, "zero12": _zero12_layout}
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_rank_gets_its_pieces_of_upstreams_update(layout, world_size, bucket_numel, depth):
     specs, pieces, slices, plan, grads, momenta, results, _, _, _ = _run(LAYOUTS[layout], world_size, bucket_numel,
-                                                                          depth)
+                                                                         depth)
     updates, reference_momenta = _reference(specs, grads)
     numel = momenta[0].numel()
     for r in range(world_size):
@@ -267,8 +274,8 @@ def test_reserved_buffers_are_what_the_plan_says():
         fake = FakeAllToAll(world_size)
         for r in range(world_size):
             pipeline = MuonPipeline(plan, specs, pieces, slices[r],
-                                    OwnerExchange(None, r, world_size, fake.for_rank(r), ExchangeStats()), "cpu", "cpu",
-                                    2)
+                                    OwnerExchange(None, r, world_size, fake.for_rank(r), ExchangeStats()), "cpu",
+                                    "cpu", 2)
             assert pipeline.reserved_bytes() == 4 * reserved_numel(plan, pieces, 3)[r]
 
 

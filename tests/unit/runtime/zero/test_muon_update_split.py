@@ -123,7 +123,8 @@ def test_orthogonalize_does_not_modify_its_input():
     ((2, 4, 16, 32), dict(is_expert_group=True), (8, 16, 32)),
 ] + ([((96, 32), dict(num_heads=4), (4, 24, 32))] if HAS_PER_HEAD else []))
 def test_ns_problem_is_what_the_kernel_sees(shape, kwargs, problem, monkeypatch):
-    assert original_muon.muon_ns_problem(shape, kwargs.get("is_expert_group", False), kwargs.get("num_heads")) == problem
+    assert original_muon.muon_ns_problem(shape, kwargs.get("is_expert_group", False),
+                                         kwargs.get("num_heads")) == problem
     seen = []
     kernel = original_muon.zeropower_via_gram_newtonschulz
 

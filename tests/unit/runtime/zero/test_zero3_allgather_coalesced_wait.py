@@ -72,5 +72,6 @@ class TestAllgatherCoalescedWait(DistributedTest):
             wrong_params += wrong
             params[0].partition(param_list=params)
 
-        assert wrong_gathers == 0, (f"rank {dist.get_rank()}: {wrong_gathers} of {ROUNDS} coalesced all-gathers returned "
-                                    f"{wrong_params} parameters before their all-gather completed")
+        assert wrong_gathers == 0, (
+            f"rank {dist.get_rank()}: {wrong_gathers} of {ROUNDS} coalesced all-gathers returned "
+            f"{wrong_params} parameters before their all-gather completed")

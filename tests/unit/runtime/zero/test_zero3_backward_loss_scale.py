@@ -67,10 +67,17 @@ def train(fp16_section, gas):
     config = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": 0.01
+            }
+        },
         "gradient_clipping": 0.0,
         "fp16": dict(enabled=True, **fp16_section),
-        "zero_optimization": {"stage": 3},
+        "zero_optimization": {
+            "stage": 3
+        },
     }
     model = new_model()
     with fp16_allowed():
@@ -100,8 +107,12 @@ class TestZero3BackwardLossScale(DistributedTest):
 
     @pytest.mark.parametrize("gas", [1, 2])
     def test_growing_scale_equals_static_scale(self, gas):
-        dynamic = train(dict(loss_scale=0, initial_scale_power=INITIAL_SCALE_POWER, loss_scale_window=1,
-                             hysteresis=2, min_loss_scale=1), gas)
+        dynamic = train(
+            dict(loss_scale=0,
+                 initial_scale_power=INITIAL_SCALE_POWER,
+                 loss_scale_window=1,
+                 hysteresis=2,
+                 min_loss_scale=1), gas)
         static = train(dict(loss_scale=2.0**INITIAL_SCALE_POWER), gas)
         dynamic_scales, dynamic_norms, dynamic_weights = dynamic
         static_scales, static_norms, static_weights = static

@@ -107,10 +107,19 @@ class TestZero3GradPartitionWindow(DistributedTest):
         config = {
             "train_micro_batch_size_per_gpu": micro,
             "gradient_accumulation_steps": gas,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": BETAS, "eps": EPS,
-                                                      "weight_decay": WEIGHT_DECAY}},
+            "optimizer": {
+                "type": "AdamW",
+                "params": {
+                    "lr": LR,
+                    "betas": BETAS,
+                    "eps": EPS,
+                    "weight_decay": WEIGHT_DECAY
+                }
+            },
             "gradient_clipping": 0.0,
-            "zero_optimization": {"stage": 3},
+            "zero_optimization": {
+                "stage": 3
+            },
         }
         if offload:
             config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}

@@ -154,9 +154,9 @@ class TestZero3MuonConfigs(DistributedTest):
         check_against_reference("gas1", run, gas1, expected_default)
         assert relative_difference(gas1.weights, gas4.weights) <= FLOOR
 
-    @pytest.mark.parametrize("world_size,name,run",
-                             [pytest.param(w, n, r, marks=MARKS.get((w, n), []), id=f"W{w}-{n}")
-                              for (w, n), r in SINGLE_RUNS.items()])
+    @pytest.mark.parametrize(
+        "world_size,name,run",
+        [pytest.param(w, n, r, marks=MARKS.get((w, n), []), id=f"W{w}-{n}") for (w, n), r in SINGLE_RUNS.items()])
     def test_matches_reference(self, world_size, name, run, reference):
         check_against_reference(name, run, run.train(), reference)
 
@@ -198,7 +198,10 @@ class TestZero3MuonConfigs(DistributedTest):
         """fc1 (its own group, ns_method "standard") goes to the standard kernel, the other two
         matrices to the Gram kernel, once per step each, summed over ranks."""
         result = STANDARD_FIRST.train()
-        check_against_reference("standard_first", STANDARD_FIRST, result, standard_first_reference,
+        check_against_reference("standard_first",
+                                STANDARD_FIRST,
+                                result,
+                                standard_first_reference,
                                 floor=BF16_NS_FLOOR)
         assert result.ns_by_kernel() == {
             "zeropower_via_newtonschulz5": STEPS,

@@ -16,8 +16,6 @@ parameter away from its initialization), with ``torch.equal`` (same shape, dtype
 over the model's full set of parameter names.
 """
 
-import os
-import shlex
 import subprocess
 import sys
 
@@ -25,8 +23,7 @@ import pytest
 import torch
 
 from unit.common import DistributedTest
-from unit.runtime.zero.zero3_muon_helpers import (Zero3MuonRun, build_model, fp32_newton_schulz, gathered_weights,
-                                                   loss_fn, step_batch)
+from unit.runtime.zero.zero3_muon_helpers import (Zero3MuonRun, build_model, fp32_newton_schulz, loss_fn, step_batch)
 
 RUN = Zero3MuonRun(gas=2, steps=3)
 FP32_SETTINGS = {"fp32": RUN, "bf16": RUN.with_(dtype="bf16"), "offload": RUN.with_(offload="cpu")}
@@ -106,8 +103,14 @@ class TestZero3MuonConsolidated(DistributedTest):
                        torch.float32, "convert_zero_checkpoint_to_fp32_state_dict")
         if dist.get_rank() == 0:
             # The copy save_checkpoint wrote, run as users do: checkpoint_dir output_dir --tag.
-            subprocess.run([sys.executable, str(tmp_path / "zero_to_fp32.py"), str(tmp_path), str(script), "--tag", TAG],
-                           check=True, cwd=str(tmp_path), stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [sys.executable,
+                 str(tmp_path / "zero_to_fp32.py"),
+                 str(tmp_path),
+                 str(script), "--tag", TAG],
+                check=True,
+                cwd=str(tmp_path),
+                stdout=subprocess.DEVNULL)
             assert_exactly(torch.load(script / "pytorch_model.bin", map_location="cpu", weights_only=True), master,
                            torch.float32, "zero_to_fp32.py")
         dist.barrier()

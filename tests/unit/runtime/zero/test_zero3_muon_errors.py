@@ -26,8 +26,8 @@ CASES = {
     "zenflow": (RUN.with_(offload="cpu", zero=(("zenflow", {
         "topk_ratio": 0.1
     }), )), "zero_optimization.zenflow"),
-    "quantized_gradients": (RUN.with_(zero=(("zero_quantized_gradients", True), )),
-                            "zero_optimization.zero_quantized_gradients"),
+    "quantized_gradients":
+    (RUN.with_(zero=(("zero_quantized_gradients", True), )), "zero_optimization.zero_quantized_gradients"),
     "torch_autocast_fp16": (RUN.with_(extra=(("torch_autocast", {
         "enabled": True,
         "dtype": "torch.float16"

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from deepspeed.runtime.zero.muon.owner_plan import (MatrixSpec, make_buckets, newton_schulz_cost, plan_owners,
-                                                     plan_within_budget, reserved_numel)
+                                                    plan_within_budget, reserved_numel)
 
 
 def _spec(shape, world_size=4, **kwargs):

@@ -26,10 +26,8 @@ The measurements behind the tolerances are in docs/configurations.md.
 import contextlib
 import dataclasses
 import glob
-import math
 import os
 import socket
-import time
 import types
 from typing import Optional
 
@@ -59,6 +57,7 @@ elements in the scalar remainder loop."""
 
 OVERFLOW_FACTOR = 1e6
 """Multiplies the inputs of a step's first micro-batch on an ``overflow_steps`` step: fp16 overflows."""
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for torchrun's ``--master_port``)."""
@@ -409,11 +408,15 @@ def _muon_settings(model, grouping, hyper):
         for p in group["params"]:
             name = names[id(p)]
             if is_muon_param(name, p):
-                base = dict(lr=hyper["muon_lr"], momentum=hyper["momentum"], weight_decay=hyper["weight_decay"],
+                base = dict(lr=hyper["muon_lr"],
+                            momentum=hyper["momentum"],
+                            weight_decay=hyper["weight_decay"],
                             ns_method="gram")
                 keys = ("lr", "momentum", "weight_decay", "ns_method")
             else:
-                base = dict(lr=hyper["adam_lr"], betas=hyper["betas"], eps=hyper["eps"],
+                base = dict(lr=hyper["adam_lr"],
+                            betas=hyper["betas"],
+                            eps=hyper["eps"],
                             weight_decay=hyper["weight_decay"])
                 keys = ("lr", "betas", "eps", "weight_decay")
             base.update({k: v for k, v in overrides.items() if k in keys})
@@ -428,14 +431,14 @@ def train_reference(*args, **kwargs):
 
 
 def _train_reference(name: str,
-                    steps: int,
-                    clip: float = 0.0,
-                    target_scale: float = 1.0,
-                    hyper=HYPER,
-                    grouping=None,
-                    adamw_only=False,
-                    per_head=False,
-                    samples: int = TOTAL_SAMPLES):
+                     steps: int,
+                     clip: float = 0.0,
+                     target_scale: float = 1.0,
+                     hyper=HYPER,
+                     grouping=None,
+                     adamw_only=False,
+                     per_head=False,
+                     samples: int = TOTAL_SAMPLES):
     """Single-process PyTorch + upstream ``muon_update`` training; see the module docstring.
 
     A parameter without a gradient in a step (a branch no sample used) gets a zero gradient, as
@@ -454,8 +457,10 @@ def _train_reference(name: str,
     muon = [(n, p) for n, p in named if is_muon_param(n, p) and not adamw_only]
     other = [(n, p) for n, p in named if adamw_only or not is_muon_param(n, p)]
     if adamw_only:
-        settings = {n: dict(lr=hyper["adam_lr"], betas=hyper["betas"], eps=hyper["eps"],
-                            weight_decay=hyper["weight_decay"]) for n, _ in named}
+        settings = {
+            n: dict(lr=hyper["adam_lr"], betas=hyper["betas"], eps=hyper["eps"], weight_decay=hyper["weight_decay"])
+            for n, _ in named
+        }
     adamw = torch.optim.AdamW([dict(params=[p], **settings[n]) for n, p in other]) if other else None
     momenta = {n: torch.zeros_like(p) for n, p in muon}
     norms = []
@@ -567,7 +572,12 @@ class Zero3MuonRun:
                 zero["offload_optimizer"]["nvme_path"] = str(nvme_dir)
         if self.momentum_in_memory:
             zero["save_muon_momentum_buffer_in_memory"] = True
-        config = ds_config(self.stage, self.gas, world_size, clip=self.clip, zero_extra=zero, samples=self.samples,
+        config = ds_config(self.stage,
+                           self.gas,
+                           world_size,
+                           clip=self.clip,
+                           zero_extra=zero,
+                           samples=self.samples,
                            partition_all=self.partition_all)
         if self.dtype == "fp16":
             config["fp16"] = dict(FP16)
@@ -587,8 +597,13 @@ class Zero3MuonRun:
 
     def reference(self):
         """``train_reference`` of the same model, steps and samples: ``(weights, norms)``."""
-        return train_reference(self.model, self.steps, clip=self.clip, target_scale=self.target_scale,
-                               grouping=self.groups, adamw_only=self.optimizer == "AdamW", per_head=self.per_head,
+        return train_reference(self.model,
+                               self.steps,
+                               clip=self.clip,
+                               target_scale=self.target_scale,
+                               grouping=self.groups,
+                               adamw_only=self.optimizer == "AdamW",
+                               per_head=self.per_head,
                                samples=self.samples)
 
     def build_engine(self, config):
@@ -599,7 +614,8 @@ class Zero3MuonRun:
                     net = build_model(self.model)
             else:
                 net = build_model(self.model)
-            engine, *_ = deepspeed.initialize(model=net, config=config,
+            engine, *_ = deepspeed.initialize(model=net,
+                                              config=config,
                                               model_parameters=param_groups(net, self.groups))
         if self.pipeline_depth != 2 and getattr(engine.optimizer, "zero3_muon", None) is not None:
             from deepspeed.runtime.zero.muon.zero3_update import Zero3MuonUpdate
@@ -683,21 +699,23 @@ class Zero3MuonRun:
                      dynamo_graphs=int(counters["stats"]["unique_graphs"]) - graphs_before)
         per_rank = [None] * world_size
         dist.all_gather_object(per_rank, local)
-        result = Zero3MuonResult(
-            weights=gathered_weights(engine),
-            optimizer_state=gathered_optimizer_state(engine) if self.stage == 3 else None,
-            loaded_state=loaded_state,
-            norms=norms,
-            loss_scales=loss_scales,
-            per_rank=[types.SimpleNamespace(**r) for r in per_rank],
-            final_momentum_dtypes=sorted({
-                str(state["momentum_buffer"].dtype)
-                for state in engine.optimizer.optimizer.state.values() if "momentum_buffer" in state
-            }) if self.stage == 3 else [],
-            muon_num_heads={n: getattr(p, "muon_num_heads", None)
-                            for n, p in engine.module.named_parameters()},
-            records=(recorder.steps, recorder.initial_master) if recorder is not None else None,
-            momentum_dtypes=recorder.momentum_dtypes if recorder is not None else None)
+        result = Zero3MuonResult(weights=gathered_weights(engine),
+                                 optimizer_state=gathered_optimizer_state(engine) if self.stage == 3 else None,
+                                 loaded_state=loaded_state,
+                                 norms=norms,
+                                 loss_scales=loss_scales,
+                                 per_rank=[types.SimpleNamespace(**r) for r in per_rank],
+                                 final_momentum_dtypes=sorted({
+                                     str(state["momentum_buffer"].dtype)
+                                     for state in engine.optimizer.optimizer.state.values()
+                                     if "momentum_buffer" in state
+                                 }) if self.stage == 3 else [],
+                                 muon_num_heads={
+                                     n: getattr(p, "muon_num_heads", None)
+                                     for n, p in engine.module.named_parameters()
+                                 },
+                                 records=(recorder.steps, recorder.initial_master) if recorder is not None else None,
+                                 momentum_dtypes=recorder.momentum_dtypes if recorder is not None else None)
         engine.destroy()
         return result
 
@@ -760,8 +778,12 @@ def convert_to_universal(checkpoint_dir, tag) -> str:
     dist.barrier()
     if dist.get_rank() == 0:
         ds_to_universal(
-            types.SimpleNamespace(input_folder=os.path.join(checkpoint_dir, tag), output_folder=output,
-                                  num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+            types.SimpleNamespace(input_folder=os.path.join(checkpoint_dir, tag),
+                                  output_folder=output,
+                                  num_extract_workers=1,
+                                  num_merge_workers=1,
+                                  keep_temp_folder=False,
+                                  strict=True,
                                   inject_missing_state=False))
     dist.barrier()
     return output
@@ -890,7 +912,8 @@ class Recorder:
     def _master(self):
         return {
             name: _full(self.opt, i, self.opt.fp32_partitioned_groups_flat[i], p)
-            for i, params in self.muon.items() for name, p in params
+            for i, params in self.muon.items()
+            for name, p in params
         }
 
     def _momentum(self):
