@@ -1,15 +1,17 @@
 """The change as upstream pull requests, for DeepSpeed maintainers (``python3 dev.py export``).
 
-The change is four pull requests plus, on some bases, a backport (``GROUPS``); each file of the
-repository that could go upstream (``deepspeed/``, ``tests/``, ``patches/<base>/``) belongs to
+The change is several pull requests plus, on some bases, a backport (``GROUPS``); each file of
+the repository that could go upstream (``deepspeed/``, ``tests/``, ``patches/<base>/``) belongs to
 exactly one of them by the patterns below, or is never exported (``NEVER_EXPORTED``). A file
 matching none, or more than one, stops the export with an ``ExportError`` naming it.
 
-Every pull request's code and patches apply alone to the pristine release. Pull requests 1 to 3
-are independent of each other; the universal-checkpoint one (4) is stacked on the muon one (1)
-for its tests only: they import the muon tests' helpers (``tests/unit/runtime/zero/zero3_muon_helpers.py``).
-A group declares that in ``tests_need``, and the export checks the declaration against the
-``unit.`` imports of the group's tests (``imported_groups``): an undeclared or stale one stops it.
+Every pull request's code and patches apply alone to the pristine release. Some are stacked on
+another for their tests only: they import its test helpers (e.g. the muon tests'
+``tests/unit/runtime/zero/zero3_muon_helpers.py``). A group declares that in ``tests_need``, and
+the export checks the declaration against the ``unit.`` imports of the group's tests
+(``imported_groups``): an undeclared or stale one stops it. A group whose new modules import
+another group's modules (the Muon universal-checkpoint checks import the generic ZeRO-3 universal
+module) declares it in ``code_needs``, checked against its ``deepspeed.`` imports the same way.
 
 For each pull request the export takes the pristine release (the pinned sdist, verified and
 unpacked as ``pip install .`` does, committed to a throw-away git index), adds that pull request's
@@ -112,7 +114,8 @@ class Group:
 MUON = Group(
     "muon", 1, "ZeRO-3 Muon: momentum and Newton-Schulz once per step at the accumulation boundary",
     patterns=(
-        # named one by one: universal_*.py belongs to UNIVERSAL, __main__.py is never exported
+        # named one by one: universal_state_checks.py and zero12_universal_momentum.py belong to
+        # UNIVERSAL_MUON, __main__.py is never exported
         "deepspeed/runtime/zero/muon/pipeline.py",
         "deepspeed/runtime/zero/muon/momentum_math.py",
         "deepspeed/runtime/zero/muon/owner_exchange.py",
@@ -157,7 +160,7 @@ MUON = Group(
 )
 
 GRAD_WINDOW = Group(
-    "grad-window", 2, "ZeRO-3: a parameter without gradient in part of an accumulation window",
+    "grad-window", 4, "ZeRO-3: a parameter without gradient in part of an accumulation window",
     patterns=(
         "patches/*/0002-*.patch",
         "tests/unit/runtime/zero/test_zero3_grad_partition_window.py",
@@ -175,7 +178,7 @@ GRAD_WINDOW = Group(
 )
 
 LOSS_SCALE = Group(
-    "loss-scale", 3, "ZeRO-3: unscale by the loss scale of the step's backward",
+    "loss-scale", 5, "ZeRO-3: unscale by the loss scale of the step's backward",
     patterns=(
         "patches/*/0003-*.patch",
         "tests/unit/runtime/zero/test_zero3_backward_loss_scale.py",
@@ -190,45 +193,42 @@ LOSS_SCALE = Group(
 )
 
 UNIVERSAL = Group(
-    "universal-checkpoint", 4, "Universal checkpoints with Muon state: convert and resume at any data-parallel world size",
+    "universal-checkpoint", 6, "ZeRO-3 universal checkpoints: every optimizer state, loaded per sub-group at any "
+    "world size",
     patterns=(
-        "deepspeed/runtime/zero/muon/universal_*.py",
+        "deepspeed/checkpoint/zero3_universal.py",
         "patches/*/0006-*.patch",
         "patches/*/0007-*.patch",
         "patches/*/0008-*.patch",
         "patches/*/0009-*.patch",
-        "tests/unit/checkpoint/test_universal_checkpoint_muon*.py",
+        "tests/unit/checkpoint/test_zero3_universal*.py",
+        "tests/unit/checkpoint/zero3_universal_helpers.py",
     ),
     notes={
         "deepspeed/checkpoint/ds_to_universal.py":
-        "the ZeRO-3 extractor keeps every optimizer state of a sub-group (`zero3_sub_group_states`: Muon's "
-        "`momentum_buffer`, Adam's `exp_avg`/`exp_avg_sq`, `step`) instead of reading `exp_avg` and `exp_avg_sq` "
-        "by name (a `KeyError` on a Muon checkpoint); the ZeRO-3 merge writes each of a parameter's states in "
-        "its logical shape (`merge_zero3_param_states`).",
+        "the ZeRO-3 extractor keeps every optimizer state of a sub-group (`zero3_sub_group_states`: Adam's "
+        "`exp_avg`/`exp_avg_sq`, a `momentum_buffer`, `step`) instead of reading `exp_avg` and `exp_avg_sq` "
+        "by name (a `KeyError` for any other optimizer's state); the ZeRO-3 merge writes each of a parameter's "
+        "states in its logical shape (`merge_zero3_param_states`).",
         STAGE3:
-        "the universal-checkpoint loader (`_load_universal_checkpoint`) restores, per sub-group, the fp32 "
-        "partition and each state the checkpoint holds for its parameters, the step where the state has one, "
-        "and each parameter group's settings from its own group (`restore_zero3_optimizer_state`); it used to "
-        "read `step` of sub-group 0 and `exp_avg`/`exp_avg_sq` of every parameter, and apply group 0's settings "
-        "to every group; missing state is refused naming the parameter. `load_hp_checkpoint_state` refuses a "
-        "state whose element count or shape does not fit its parameter, naming the parameter's folder "
-        "(`check_loaded_state`).",
+        "the universal-checkpoint loader (`load_hp_checkpoint_state_from_checkpoint_dir_stage3`) restores, per "
+        "sub-group, the fp32 partition and each state the checkpoint holds for its parameters, the step where the "
+        "state has one, and each parameter group's settings from its own group (`restore_zero3_optimizer_state`); "
+        "it used to read `step` of sub-group 0 and `exp_avg`/`exp_avg_sq` of every parameter, and apply group 0's "
+        "settings to every group. `load_hp_checkpoint_state` refuses a state whose element count or shape does "
+        "not fit its parameter, naming the parameter's folder (`check_loaded_state`).",
         "deepspeed/runtime/engine.py":
         "loading a regular ZeRO checkpoint at another data-parallel world size raises "
-        "`universal_checkpoint.resize_error`: upstream's error with both world sizes, plus the `ds_to_universal` "
+        "`zero3_universal.resize_error`: the engine's error with both world sizes, plus the `ds_to_universal` "
         "command for this checkpoint and `\"checkpoint\": {\"load_universal\": true}`; under ZeRO-3 also on the "
         "ranks the saving run did not have (they failed on an empty file list in the state-dict loader). A "
         "universal checkpoint converted from ZeRO-3 loads at ZeRO-1/2: the engine reads its per-rank model states "
-        "(`zero_pp_rank_*`) where there is no `mp_rank_*` file (`universal_zero12.model_states_files`).",
+        "(`zero_pp_rank_*`) where there is no `mp_rank_*` file (`zero3_universal.model_states_files`).",
         "deepspeed/runtime/zero/stage_1_and_2.py":
-        "the ZeRO-1/2 universal-checkpoint loader checks the checkpoint's parameter groups and Muon momentum "
-        "before loading and afterwards rebuilds each Muon matrix's momentum in the layout ZeRO-1/2 keeps it "
-        "(`universal_zero12.check_before_load`, `restore_momentum`); it accepts the `optimizer_state.pt` of a "
-        "ZeRO-3 source, which has no `ds_version` (`universal_zero12.checkpoint_version`).",
-        "deepspeed/runtime/bf16_optimizer.py":
-        "the BF16 optimizer's universal-checkpoint loader runs the same checks and momentum restore as ZeRO-1/2.",
+        "`_load_global_state` accepts the `optimizer_state.pt` of a ZeRO-3 source, which has no `ds_version` "
+        "(`zero3_universal.checkpoint_version`).",
     },
-    template="pr_universal.md",
+    template="pr_universal_checkpoint.md",
     tests_need=("muon", ),
     texts_if={
         "engine_problem": (("patches/*/0008-*.patch",
@@ -239,14 +239,46 @@ UNIVERSAL = Group(
                         "\n- A regular (not universal) checkpoint loaded at another data-parallel world size fails "
                         "with a message that names `ds_to_universal` and `\"checkpoint\": {\"load_universal\": true}`, "
                         "the way to load it there."),),
+        "zero12_problem": (("patches/*/0009-*.patch",
+                            "\n- A universal checkpoint converted from ZeRO-3 does not load at ZeRO-1/2: the engine "
+                            "looks for `mp_rank_*_model_states.pt` (a ZeRO-3 run writes `zero_pp_rank_*`) and fails "
+                            "with a bare `AssertionError`, and `_load_global_state` asserts on the `ds_version` its "
+                            "`optimizer_state.pt` does not have."),),
         "zero12_fix": (("patches/*/0009-*.patch",
-                        "\n- ZeRO-1/2: the universal loader restores Muon's `momentum_buffer` per parameter as it "
-                        "restores Adam's moments, so a ZeRO-1/2 Muon run resumes at another world size too."),),
+                        "\n- ZeRO-1/2: a universal checkpoint converted from ZeRO-3 loads; the engine reads data-"
+                        "parallel rank 0's model states, and the ZeRO-3 source's missing `ds_version` is taken as "
+                        "the installed version (its check guards against pre-0.3.17 stage-1 checkpoints)."),),
     },
 )
 
+UNIVERSAL_MUON = Group(
+    "universal-muon", 7, "Universal checkpoints of Muon runs: the Muon state checked, the ZeRO-1/2 momentum restored",
+    patterns=(
+        "deepspeed/runtime/zero/muon/universal_state_checks.py",
+        "deepspeed/runtime/zero/muon/zero12_universal_momentum.py",
+        "patches/*/0013-*.patch",
+        "tests/unit/checkpoint/test_universal_checkpoint_muon*.py",
+    ),
+    notes={
+        STAGE3:
+        "with Muon, the universal-checkpoint loader first checks the checkpoint's parameter groups and each "
+        "parameter's states against the run (`universal_state_checks.check_zero3_universal_state`): a Muon "
+        "matrix without `momentum_buffer`, an Adam parameter with one, or groups whose `use_muon` differ are "
+        "refused naming the parameter or group, before anything is loaded.",
+        "deepspeed/runtime/zero/stage_1_and_2.py":
+        "the ZeRO-1/2 universal-checkpoint loader runs the same checks before loading and afterwards rebuilds "
+        "each Muon matrix's momentum in the layout ZeRO-1/2 keeps it "
+        "(`zero12_universal_momentum.check_before_load`, `restore_momentum`).",
+        "deepspeed/runtime/bf16_optimizer.py":
+        "the BF16 optimizer's universal-checkpoint loader runs the same checks and momentum restore as ZeRO-1/2.",
+    },
+    template="pr_universal_muon.md",
+    tests_need=("muon", "universal-checkpoint"),
+    code_needs=("universal-checkpoint", ),
+)
+
 SELECTION = Group(
-    "muon-selection", 5, "Muon: embeddings and tied heads on Adam, client Muon optimizers, the selection reported",
+    "muon-selection", 8, "Muon: embeddings and tied heads on Adam, client Muon optimizers, the selection reported",
     patterns=(
         "deepspeed/runtime/zero/muon/param_selection.py",
         "patches/*/0010-*.patch",
@@ -271,7 +303,7 @@ SELECTION = Group(
 )
 
 ZERO12_CLIPPING = Group(
-    "zero12-muon-clipping", 6, "ZeRO-1/2 Muon: clip the raw gradient before the momentum, as ZeRO-3 and PyTorch do",
+    "zero12-muon-clipping", 9, "ZeRO-1/2 Muon: clip the raw gradient before the momentum, as ZeRO-3 and PyTorch do",
     patterns=(
         "deepspeed/runtime/zero/muon/zero12_update.py",
         "patches/*/0012-*.patch",
@@ -292,7 +324,7 @@ ZERO12_CLIPPING = Group(
 )
 
 ALLGATHER_BACKPORT = Group(
-    "allgather-wait-backport", 9, "ZeRO-3: wait on every handle of a coalesced parameter all-gather (backport)",
+    "allgather-wait-backport", 10, "ZeRO-3: wait on every handle of a coalesced parameter all-gather (backport)",
     patterns=(
         "patches/*/0005-*.patch",
         "tests/unit/runtime/zero/test_zero3_allgather_coalesced_wait.py",
@@ -309,7 +341,7 @@ ALLGATHER_BACKPORT = Group(
     "0.19.7 build gathers parameters correctly on gloo; it is not proposed upstream.",
 )
 
-GROUPS = (MUON, GRAD_WINDOW, LOSS_SCALE, UNIVERSAL, SELECTION, ZERO12_CLIPPING, ALLGATHER_BACKPORT)
+GROUPS = (MUON, GRAD_WINDOW, LOSS_SCALE, UNIVERSAL, UNIVERSAL_MUON, SELECTION, ZERO12_CLIPPING, ALLGATHER_BACKPORT)
 
 
 class ExportError(zb.BuildError):
@@ -651,9 +683,14 @@ def relations(group, prs):
         out.append(f"Pull request{'s' if len(independent) > 1 else ''} {_named(independent)} of this export "
                    f"{verb} independent of this one.")
     code_needs = [g for g in others if g.key in group.code_needs]
+    tests_only = [g for g in needs if g not in code_needs]
     if code_needs:
-        out.append(f"Its code imports modules of pull request {_named(code_needs)} and its tests that one's test "
-                   f"helpers: it is stacked on that one and goes in after it.")
+        helpers = " and its tests that one's test helpers" if all(g in needs for g in code_needs) else ""
+        out.append(f"Its code imports modules of pull request {_named(code_needs)}{helpers}: it is stacked on that "
+                   f"one and goes in after it.")
+        if tests_only:
+            out.append(f"Its tests also import test helpers of pull request {_named(tests_only)} and run with that "
+                       f"one applied too.")
     elif needs:
         out.append(f"Its code and patches apply alone and use nothing of the other pull requests, but its tests "
                    f"import test helpers of pull request {_named(needs)}: it is stacked on that one for its tests, "
@@ -721,7 +758,8 @@ def describe(piece, base, cfg, sdist, sha256, repo_root, everything):
                 (f" Its code imports modules of pull request {_named([g])}: stacked on that one."
                  if g.key in pr.group.code_needs else
                  f" Its tests import test helpers of pull request {_named([g])}: stacked on that one for its tests.")
-                for g in (other.group for other in prs) if g.key in pr.group.tests_need) for pr in prs)
+                for g in (other.group for other in prs)
+                if g.key in pr.group.tests_need or g.key in pr.group.code_needs) for pr in prs)
         values["backports"] = "".join(
             f"\n\nAlso in this diff and in no pull request: **{bp.group.title}** (patch {_patch_names(bp)}, test "
             + ", ".join(f"`{p}`" for p in bp.sources if p.startswith("tests/")) +

@@ -152,9 +152,9 @@ def _repo_file(root, rel):
 
 def test_layout_and_membership(case):
     result = case.result
-    assert [p.stem for p in result.pull_requests] == ["1-muon", "2-grad-window", "3-loss-scale",
-                                                     "4-universal-checkpoint", "5-muon-selection",
-                                                     "6-zero12-muon-clipping"]
+    assert [p.stem for p in result.pull_requests] == ["1-muon", "4-grad-window", "5-loss-scale",
+                                                     "6-universal-checkpoint", "7-universal-muon",
+                                                     "8-muon-selection", "9-zero12-muon-clipping"]
     assert sorted(p.name for p in result.out_dir.iterdir()) == sorted(
         f"{p.stem}.{ext}" for p in result.pieces for ext in ("diff", "md"))
     # every file that could go upstream is in exactly one pull request or backport, or never exported
@@ -182,36 +182,49 @@ def test_layout_and_membership(case):
                      for key, piece in by_key.items()}
     assert patch_numbers["muon"] in (["0001"], ["0001", "0004"])
     assert patch_numbers["grad-window"] == ["0002"] and patch_numbers["loss-scale"] == ["0003"]
-    # 0006 (ds_to_universal) and 0007 (stage3's universal loader) on every base; 0008/0009 where written
-    assert patch_numbers["universal-checkpoint"][:2] == ["0006", "0007"]
-    assert set(patch_numbers["universal-checkpoint"]) <= {"0006", "0007", "0008", "0009"}
+    # generic: 0006 (ds_to_universal), 0007 (stage3's universal loader), 0008 (the resize error), 0009
+    # (ZeRO-3 sources at ZeRO-1/2); Muon's: 0013 (its state checks, its ZeRO-1/2 momentum)
+    assert patch_numbers["universal-checkpoint"] == ["0006", "0007", "0008", "0009"]
+    assert patch_numbers["universal-muon"] == ["0013"]
+    checkpoint_tests = REPO / "tests/unit/checkpoint"
     universal = by_key["universal-checkpoint"].sources
-    assert "deepspeed/runtime/zero/muon/universal_checkpoint.py" in universal
+    assert [p for p in universal if p.startswith("deepspeed/")] == ["deepspeed/checkpoint/zero3_universal.py"]
     assert [p for p in universal if p.startswith("tests/")] == sorted(
-        p.relative_to(REPO).as_posix() for p in (REPO / "tests/unit/checkpoint").glob("test_universal_checkpoint_muon*.py"))
+        p.relative_to(REPO).as_posix() for p in [*checkpoint_tests.glob("test_zero3_universal*.py"),
+                                                 checkpoint_tests / "zero3_universal_helpers.py"])
+    universal_muon = by_key["universal-muon"].sources
+    assert [p for p in universal_muon if p.startswith("deepspeed/")] == [
+        "deepspeed/runtime/zero/muon/universal_state_checks.py", "deepspeed/runtime/zero/muon/zero12_universal_momentum.py"]
+    assert [p for p in universal_muon if p.startswith("tests/")] == sorted(
+        p.relative_to(REPO).as_posix() for p in checkpoint_tests.glob("test_universal_checkpoint_muon*.py"))
     assert not [p for p in by_key["muon"].sources if "universal" in p]
-    assert all(Path(p).name.startswith("universal_") for p in universal if p.startswith("deepspeed/"))
     # the muon pull request's modules: every module of ours under muon/ but the wheel report and the
-    # other pull requests' (universal_*, param_selection)
+    # other pull requests' (universal_state_checks, zero12_universal_momentum, param_selection, zero12_update)
     muon_dir = REPO / "deepspeed/runtime/zero/muon"
     assert sorted(p for p in by_key["muon"].sources if p.startswith("deepspeed/")) == sorted(
         p.relative_to(REPO).as_posix() for p in muon_dir.glob("*.py")
-        if p.name not in ("__main__.py", "param_selection.py", "zero12_update.py")
-        and not p.name.startswith(("universal_", "_build_info")))
+        if p.name not in ("__main__.py", "param_selection.py", "zero12_update.py", "universal_state_checks.py",
+                          "zero12_universal_momentum.py") and not p.name.startswith("_build_info"))
     assert sorted(by_key["muon-selection"].sources) == sorted([
         "deepspeed/runtime/zero/muon/param_selection.py", *(f"patches/{case.base}/{p.name}"
                                                             for p in zb.list_patches(case.base, REPO)
                                                             if p.name[:4] in ("0010", "0011")),
         "tests/unit/runtime/zero/test_muon_param_selection.py"])
-    # stacking: the universal and selection pull requests' tests import the muon tests' helpers, no other does
+    # stacking: the universal, universal-muon and selection pull requests' tests import the muon tests'
+    # helpers; universal-muon's also the universal one's, whose module its code imports
     assert {g.key: g.code_needs for g in ze.GROUPS if g.pull_request and g.code_needs} == {
-        "zero12-muon-clipping": ("muon", )}
+        "universal-muon": ("universal-checkpoint", ), "zero12-muon-clipping": ("muon", )}
     assert {g.key: g.tests_need for g in ze.GROUPS if g.pull_request} == {
         "muon": (), "grad-window": (), "loss-scale": (), "universal-checkpoint": ("muon", ),
-        "muon-selection": ("muon", ), "zero12-muon-clipping": ("muon", )}
+        "universal-muon": ("muon", "universal-checkpoint"), "muon-selection": ("muon", ),
+        "zero12-muon-clipping": ("muon", )}
     owners = {p.group.key: p.sources for p in result.pull_requests}
     assert "tests/unit/runtime/zero/zero3_muon_helpers.py" in {
         dep for _, dep in ze.imported_groups(ze.UNIVERSAL, owners, REPO)["muon"]}
+    assert "tests/unit/checkpoint/zero3_universal_helpers.py" in {
+        dep for _, dep in ze.imported_groups(ze.UNIVERSAL_MUON, owners, REPO)["universal-checkpoint"]}
+    assert "deepspeed/checkpoint/zero3_universal.py" in {
+        dep for _, dep in ze.code_imported_groups(ze.UNIVERSAL_MUON, owners, REPO)["universal-checkpoint"]}
     backport_patches = [Path(p).name[:4] for b in result.backports for p in b.sources if p.startswith("patches/")]
     assert backport_patches == (["0005"] if any(p.name.startswith("0005-")
                                                 for p in zb.list_patches(case.base, REPO)) else [])
@@ -357,26 +370,32 @@ def test_descriptions_cover_every_file(case):
     heads = {pr.group.key: " ".join(pr.diff_path.read_text().split("diff --git ")[0].split())
              for pr in case.result.pull_requests}
     stacked = "tests import test helpers of pull request 1 (muon): it is stacked on that one for its tests"
-    needed = ("Pull requests 4 (universal-checkpoint) and 5 (muon-selection) apply without this one, but their tests "
-              "import this one's test helpers")
+    needed = ("Pull requests 6 (universal-checkpoint), 7 (universal-muon) and 8 (muon-selection) apply without this "
+              "one, but their tests import this one's test helpers")
     code_stacked = "Its code imports modules of pull request 1 (muon) and its tests that one's test helpers"
-    assert "Pull request 6 (zero12-muon-clipping) imports this one's modules" in texts["muon"]
+    universal_stacked = ("Its code imports modules of pull request 6 (universal-checkpoint) and its tests that one's "
+                         "test helpers: it is stacked on that one and goes in after it. Its tests also import test "
+                         "helpers of pull request 1 (muon)")
+    assert "Pull request 9 (zero12-muon-clipping) imports this one's modules" in texts["muon"]
+    assert "Pull request 7 (universal-muon) imports this one's modules" in texts["universal-checkpoint"]
     for key, text in [*texts.items(), *heads.items()]:
         assert (stacked in text) == (key in ("universal-checkpoint", "muon-selection")), key
         assert (code_stacked in text) == (key == "zero12-muon-clipping"), key
+        assert (universal_stacked in text) == (key == "universal-muon"), key
         assert (needed in text) == (key == "muon"), key
         assert "two other pull requests" not in text
-    assert ("Pull requests 1 (muon), 3 (loss-scale), 4 (universal-checkpoint), 5 (muon-selection) and "
-            "6 (zero12-muon-clipping) of this export are independent") in texts["grad-window"]
-    assert ("Pull requests 1 (muon), 2 (grad-window), 4 (universal-checkpoint), 5 (muon-selection) and "
-            "6 (zero12-muon-clipping) of this export are independent") in texts["loss-scale"]
-    assert "Pull requests 2 (grad-window) and 3 (loss-scale) of this export are independent" in texts["muon"]
+    assert ("Pull requests 1 (muon), 5 (loss-scale), 6 (universal-checkpoint), 7 (universal-muon), 8 (muon-selection) "
+            "and 9 (zero12-muon-clipping) of this export are independent") in texts["grad-window"]
+    assert ("Pull requests 1 (muon), 4 (grad-window), 6 (universal-checkpoint), 7 (universal-muon), 8 (muon-selection) "
+            "and 9 (zero12-muon-clipping) of this export are independent") in texts["loss-scale"]
+    assert "Pull requests 4 (grad-window) and 5 (loss-scale) of this export are independent" in texts["muon"]
     assert "KeyError: 'exp_avg'" in texts["universal-checkpoint"] and "#8608" in texts["universal-checkpoint"]
     combined = case.result.combined.text_path.read_text()
     for pr in case.result.pull_requests:
         assert f"**{pr.group.title}**: `{pr.stem}.diff`" in combined
-    stacked_groups = [g for g in ze.GROUPS if g.pull_request and g.tests_need and not g.code_needs]
+    stacked_groups = [g for g in ze.GROUPS if g.pull_request and "muon" in g.tests_need and "muon" not in g.code_needs]
     assert " ".join(combined.split()).count("Its tests import test helpers of pull request 1 (muon)") == len(stacked_groups)
+    assert " ".join(combined.split()).count("Its code imports modules of pull request 6 (universal-checkpoint)") == 1
     for bp in case.result.backports:
         assert bp.group.title in combined and "0.19.8 already" in combined
 
@@ -457,7 +476,7 @@ UPSTREAM = {
     "deepspeed/runtime/zero/muon/original_muon.py": "def muon_update():\n    pass\n",
     "deepspeed/checkpoint/ds_to_universal.py": "exp_avg = state['exp_avg']\n",
 }
-UNIVERSAL_TEST = "tests/unit/checkpoint/test_universal_checkpoint_muon.py"
+UNIVERSAL_TEST = "tests/unit/checkpoint/test_zero3_universal.py"
 
 
 def _make_diff(rel, old, new, context=1):
@@ -509,7 +528,7 @@ def fake_project(tmp_path, extra=None, drop=()):
             "deepspeed/checkpoint/ds_to_universal.py", UPSTREAM["deepspeed/checkpoint/ds_to_universal.py"],
             "states = every_state()\n"),
         f"{patches}/0007-zero3-universal-load-optimizer-state-per-sub-group.patch": _stage3_patch((24, "per sub-group")),
-        "deepspeed/runtime/zero/muon/universal_checkpoint.py": _doc_module("Universal checkpoints with Muon state."),
+        "deepspeed/checkpoint/zero3_universal.py": _doc_module("ZeRO-3 universal checkpoints of any optimizer."),
         UNIVERSAL_TEST: _doc_module("Convert, then resume at another world size.") +
         "from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun\n",
         "tests/conftest.py": "",
@@ -545,11 +564,11 @@ def test_fake_membership_and_independent_pull_requests(tmp_path):
                    f"patches/{FAKE_BASE}/0001-zero3-muon-boundary-update.patch",
                    f"patches/{FAKE_BASE}/0004-muon-update-split.patch",
                    "tests/unit/runtime/zero/test_zero3_muon_gas.py", "tests/unit/runtime/zero/zero3_muon_helpers.py"],
-        "2-grad-window": [f"patches/{FAKE_BASE}/0002-zero3-grad-partition-first-use-in-window.patch",
+        "4-grad-window": [f"patches/{FAKE_BASE}/0002-zero3-grad-partition-first-use-in-window.patch",
                           "tests/unit/runtime/zero/test_zero3_grad_partition_window.py"],
-        "3-loss-scale": [f"patches/{FAKE_BASE}/0003-zero3-unscale-by-backward-loss-scale.patch",
+        "5-loss-scale": [f"patches/{FAKE_BASE}/0003-zero3-unscale-by-backward-loss-scale.patch",
                          "tests/unit/runtime/zero/test_zero3_backward_loss_scale.py"],
-        "4-universal-checkpoint": ["deepspeed/runtime/zero/muon/universal_checkpoint.py",
+        "6-universal-checkpoint": ["deepspeed/checkpoint/zero3_universal.py",
                                    f"patches/{FAKE_BASE}/0006-checkpoint-universal-zero3-every-optimizer-state.patch",
                                    f"patches/{FAKE_BASE}/0007-zero3-universal-load-optimizer-state-per-sub-group.patch",
                                    UNIVERSAL_TEST],
@@ -573,7 +592,7 @@ def test_fake_membership_and_independent_pull_requests(tmp_path):
         assert [x for x in stage3 if not x.startswith("line ")] == [line]
         assert (tree / "tests/unit/common.py").exists() is False
         universal = (tree / "deepspeed/checkpoint/ds_to_universal.py").read_text()
-        assert (universal == "states = every_state()\n") == (pr.stem == "4-universal-checkpoint")
+        assert (universal == "states = every_state()\n") == (pr.stem == "6-universal-checkpoint")
     text = result.combined.text_path.read_text()
     assert backport.group.title in text and "not proposed upstream" in text
     assert "partition_parameters.py" not in "".join(p.text_path.read_text() for p in result.pull_requests)
@@ -621,14 +640,14 @@ def test_fake_patch_needing_another_pull_requests_context_stops_the_export(tmp_p
     stage3 = UPSTREAM["deepspeed/runtime/zero/stage3.py"].replace("line 10 of stage3", "first use")
     dependent = _stage3_patch((11, "backward scale"), base_text=stage3)
     assert "\n first use\n" in dependent
-    with pytest.raises(ze.ExportError, match="pull request '3-loss-scale' does not apply to the pristine") as err:
+    with pytest.raises(ze.ExportError, match="pull request '5-loss-scale' does not apply to the pristine") as err:
         _fake_export(tmp_path,
                      extra={f"patches/{FAKE_BASE}/0003-zero3-unscale-by-backward-loss-scale.patch": dependent})
     assert "0003-zero3-unscale-by-backward-loss-scale.patch" in str(err.value)
 
 
 def test_fake_pull_request_without_test_stops_the_export(tmp_path):
-    with pytest.raises(ze.ExportError, match="pull request '2-grad-window' has no test under tests/"):
+    with pytest.raises(ze.ExportError, match="pull request '4-grad-window' has no test under tests/"):
         _fake_export(tmp_path, drop=("tests/unit/runtime/zero/test_zero3_grad_partition_window.py", ))
 
 
@@ -646,27 +665,48 @@ def test_fake_new_file_clashing_with_upstream_stops_the_export(tmp_path):
         _fake_export(tmp_path, extra={original: "# ours\n"}, groups=(muon, *ze.GROUPS[1:]))
 
 
-def test_fake_universal_group_claims_its_coming_files(tmp_path):
-    # ZeRO-1/2 module and patches 0008/0009 and more test files: the universal pull request's, not muon's
+def test_fake_universal_groups_claim_their_files(tmp_path):
+    # the generic group: patches 0008/0009, its ZeRO-1/2 test and test helpers; the Muon one: its modules
+    # (importing the generic module), patch 0013 and its tests (importing both groups' test helpers)
     patches = f"patches/{FAKE_BASE}"
-    extra = {
-        "deepspeed/runtime/zero/muon/universal_zero12.py": _doc_module("ZeRO-1/2 universal loading of Muon state."),
+    generic = {
         f"{patches}/0008-engine-resize-names-universal-checkpoint.patch": _stage3_patch((28, "names load_universal")),
         UNIVERSAL_TEST.replace(".py", "_zero12.py"): _doc_module("ZeRO-1/2.") +
         "from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun\n",
+        "tests/unit/checkpoint/zero3_universal_helpers.py": _doc_module("Helpers of the universal tests."),
     }
-    result, _, _ = _fake_export(tmp_path, extra=extra)
+    muon = {
+        "deepspeed/runtime/zero/muon/universal_state_checks.py": _doc_module("Muon state in universal checkpoints.") +
+        "from deepspeed.checkpoint.zero3_universal import FP32\n",
+        "deepspeed/runtime/zero/muon/zero12_universal_momentum.py": _doc_module("ZeRO-1/2 Muon momentum."),
+        f"{patches}/0013-universal-muon-state.patch": _stage3_patch((30, "muon checks")),
+        "tests/unit/checkpoint/test_universal_checkpoint_muon.py": _doc_module("Muon runs resume elsewhere.") +
+        "from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun\n"
+        "from unit.checkpoint.zero3_universal_helpers import unequal_states\n",
+    }
+    result, _, _ = _fake_export(tmp_path, extra={**generic, **muon})
     (tmp_path / "plain").mkdir()
-    universal = result.pull_requests[3]
-    assert universal.stem == "4-universal-checkpoint"
-    assert set(extra) <= set(universal.sources)
+    universal, universal_muon = result.pull_requests[3:5]
+    assert (universal.stem, universal_muon.stem) == ("6-universal-checkpoint", "7-universal-muon")
+    assert set(generic) <= set(universal.sources) and set(muon) == set(universal_muon.sources)
     assert not [p for p in result.pull_requests[0].sources if "universal" in p]
-    assert "(stacked on this one for its tests)" in " ".join(result.pull_requests[0].text_path.read_text().split())
-    # the engine's sentences come with 0008; the ZeRO-1/2 one only with 0009
+    assert ("Pull requests 6 (universal-checkpoint) and 7 (universal-muon) apply without this one, but their tests "
+            "import this one's test helpers (stacked on this one for their tests)."
+            in " ".join(result.pull_requests[0].text_path.read_text().split()))
+    # the engine's sentences come with 0008; the ZeRO-1/2 ones only with 0009
     text = " ".join(universal.text_path.read_text().split())
-    assert "bare world-size mismatch" in text and "names `ds_to_universal`" in text and "ZeRO-1/2: the universal" not in text
+    assert "bare world-size mismatch" in text and "names `ds_to_universal`" in text and "ZeRO-1/2: a universal" not in text
+    assert "Pull request 7 (universal-muon) imports this one's modules (stacked on this one)." in text
+    muon_text = " ".join(universal_muon.text_path.read_text().split())
+    assert ("Its code imports modules of pull request 6 (universal-checkpoint) and its tests that one's test helpers"
+            in muon_text and "Its tests also import test helpers of pull request 1 (muon)" in muon_text)
     plain = _fake_export(tmp_path / "plain")[0].pull_requests[3].text_path.read_text()
     assert "bare world-size mismatch" not in plain and "names `ds_to_universal`" not in plain
+    # the Muon module no longer importing the generic one: its code_needs is stale
+    (tmp_path / "stale").mkdir()
+    with pytest.raises(ze.ExportError, match="'7-universal-muon' import modules of no other group but its code_needs"):
+        standalone = {"deepspeed/runtime/zero/muon/universal_state_checks.py": _doc_module("Standalone.")}
+        _fake_export(tmp_path / "stale", extra={**generic, **muon, **standalone})
 
 
 def test_fake_undeclared_or_stale_test_dependency_stops_the_export(tmp_path):
@@ -674,11 +714,11 @@ def test_fake_undeclared_or_stale_test_dependency_stops_the_export(tmp_path):
     window = "tests/unit/runtime/zero/test_zero3_grad_partition_window.py"
     (tmp_path / "undeclared").mkdir()
     (tmp_path / "stale").mkdir()
-    with pytest.raises(ze.ExportError, match="pull request '2-grad-window' import files of \\['muon'\\] but its "
+    with pytest.raises(ze.ExportError, match="pull request '4-grad-window' import files of \\['muon'\\] but its "
                        "tests_need says none") as err:
         _fake_export(tmp_path / "undeclared", extra={window: "from unit.runtime.zero.zero3_muon_helpers import X\n"})
     assert f"{window} imports tests/unit/runtime/zero/zero3_muon_helpers.py" in str(err.value)
     # the universal test no longer importing them: the declaration is stale
-    with pytest.raises(ze.ExportError, match="'4-universal-checkpoint' import files of no other group but its "
+    with pytest.raises(ze.ExportError, match="'6-universal-checkpoint' import files of no other group but its "
                        "tests_need says \\['muon'\\]"):
         _fake_export(tmp_path / "stale", extra={UNIVERSAL_TEST: _doc_module("Standalone.")})

@@ -4,19 +4,20 @@
 # DeepSpeed Team
 """A universal checkpoint of a ZeRO-3 Muon run loaded at ZeRO stage 1 or 2.
 
-Each test runs twice, with the same ``tmp_path``: at W=2 it trains MixedMLP at ZeRO-3 (two Muon
-groups with their own momentum, lr and weight decay, and their two Adam groups), saves after
-``SAVE_AFTER`` steps, converts the checkpoint with ``ds_to_universal`` on rank 0, records the
-saved state (fp32 masters, momentum, Adam moments and step, group settings) and trains on
-without stopping for ``MORE`` steps. At W' (1 or 2) a stage-1/2 engine loads the universal
-checkpoint and must hold exactly the saved state, Muon's momentum in the layout stage 1/2 keeps
-it (``universal_zero12``), then train the same ``MORE`` steps to the uninterrupted ZeRO-3
-weights within ``CONTINUE_FLOOR``.
+Each test runs twice, with the same ``tmp_path`` (``zero3_universal_helpers``): at W=2 it trains
+MixedMLP at ZeRO-3 (two Muon groups with their own momentum, lr and weight decay, and their two
+Adam groups), saves after ``SAVE_AFTER`` steps, converts the checkpoint with ``ds_to_universal``,
+records the saved state (fp32 masters, momentum, Adam moments and step, group settings) and
+trains on without stopping for ``MORE`` steps. At W' (1 or 2) a stage-1/2 engine loads the
+universal checkpoint and must hold exactly the saved state, Muon's momentum in the layout stage
+1/2 keeps it (``zero12_universal_momentum``), then train the same ``MORE`` steps to the
+uninterrupted ZeRO-3 weights within ``CONTINUE_FLOOR``. What does not depend on Muon (the
+model-states files and ``optimizer_state.pt`` of a ZeRO-3 source) is tested with AdamW in
+``test_zero3_universal_zero12.py``.
 """
 
 import os
 import shutil
-from types import SimpleNamespace
 
 import inspect
 
@@ -27,8 +28,10 @@ from deepspeed.git_version_info import version as deepspeed_version
 from packaging import version
 
 from unit.common import DistributedTest
-from unit.runtime.zero.zero3_muon_helpers import (Zero3MuonRun, fp32_newton_schulz, gathered_weights, loss_fn,
-                                                  relative_difference, step_batch)
+from unit.checkpoint.zero3_universal_helpers import (GROUP_SETTINGS, SAVE_AFTER, TAG, check_restored_exactly,
+                                                     continue_training, load_at, save_convert_and_continue,
+                                                     train_steps, universal_round_trip)
+from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
 UPSTREAM_0197 = version.parse(deepspeed_version).base_version == "0.19.7"
 """DeepSpeed 0.19.7's ZeRO-1/2 Muon advances, per step, only the momentum of the last Muon matrix
@@ -39,14 +42,13 @@ staging buffer once per matrix), so from the second step after loading it depart
 its BF16_Optimizer, and refuses to load Muon momentum into ZeRO-1/2 with CPU offload (which kept
 none before patch 0012)."""
 
-SAVE_AFTER = 3
-MORE = 2
 RUN = Zero3MuonRun(model="mixed", gas=2, groups="two_muon_groups", clip=0.0)
 ZERO12_MUON_IN_STEP = "Zero12MuonUpdate" in inspect.getsource(stage_1_and_2)
 """Patch 0012 (``zero12_update``) is installed: ZeRO-1/2 run Muon in ``step()`` and advance every
 matrix's momentum, on 0.19.7 too."""
 
-SETTINGS = ("use_muon", "lr", "momentum", "weight_decay", "ns_method", "betas", "eps")
+SETTINGS = GROUP_SETTINGS + ("use_muon", "momentum", "ns_method")
+"""Parameter-group settings compared after loading: Adam's and Muon's."""
 
 CONTINUE_FLOOR = 1e-6
 """Relative weight difference (``relative_difference``, all parameters) allowed after each of the
@@ -60,107 +62,11 @@ restarted at zero or read at wrong offsets moves the weights by orders of magnit
 stale momentum of all but one matrix per partition: 1e-2 after the second step)."""
 
 
-def _train(engine, run, steps):
-    """Optimizer steps ``steps`` (indices) of ``run``'s samples on this engine, as Zero3MuonRun does."""
-    import torch.distributed as dist
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    micro = run.samples // (world_size * run.gas)
-    input_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[run.dtype]
-    with fp32_newton_schulz():
-        for step in steps:
-            x, y = step_batch(run.model, step, run.target_scale, run.samples)
-            for m in range(run.gas):
-                lo = (m * world_size + rank) * micro
-                loss = loss_fn(engine(x[lo:lo + micro].to(input_dtype)).float(), y[lo:lo + micro])
-                engine.backward(loss)
-                engine.step()
-
-
-def _full_state(engine):
-    """Per parameter name: fp32 master and every optimizer state, full shape (collective at ZeRO-3)."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    state = {}
-    for name, param in engine.module.named_parameters():
-        muon = getattr(param, "use_muon", False)
-        keys = ("momentum_buffer", ) if muon else ("exp_avg", "exp_avg_sq")
-        entry = {"fp32": safe_get_full_fp32_param(param).detach().float().cpu().clone()}
-        for key in keys:
-            entry[key] = safe_get_full_optimizer_state(param, key).detach().float().cpu().clone()
-        state[name] = entry
-    return state
-
-
-def _groups(optimizer):
-    return [{k: group.get(k) for k in SETTINGS} for group in optimizer.param_groups]
-
-
-def _adam_steps(base_optimizer):
-    steps = set()
-    for group in base_optimizer.param_groups:
-        if not group["use_muon"]:
-            for p in group["params"]:
-                step = base_optimizer.state.get(p, {}).get("step")
-                steps.add(int(step) if step is not None else None)
-    return steps
-
-
-def _convert(input_folder, output_folder):
-    from deepspeed.checkpoint.ds_to_universal import main
-    main(
-        SimpleNamespace(input_folder=input_folder,
-                        output_folder=output_folder,
-                        num_extract_workers=1,
-                        num_merge_workers=1,
-                        keep_temp_folder=False,
-                        strict=True,
-                        inject_missing_state=False))
-
-
-def save_convert_and_continue(run, tmp_path):
-    """W=2, ZeRO-3: train, save, convert, record, train on; writes ``tmp_path/expected.pt``."""
-    import torch.distributed as dist
-    assert dist.get_world_size() == 2
-    engine = run.build_engine(run.config(2))
-    _train(engine, run, range(SAVE_AFTER))
-    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="zero3")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        _convert(str(tmp_path / "ckpt" / "zero3"), str(tmp_path / "ckpt" / "universal"))
-    dist.barrier()
-    engine.optimizer._set_fp32_optimizer_param_groups()
-    saved = dict(state=_full_state(engine), groups=_groups(engine.optimizer.optimizer),
-                 adam_steps=_adam_steps(engine.optimizer.optimizer))
-    engine.optimizer._clear_fp32_optimizer_param_groups()
-    saved["continued"] = []
-    for step in range(SAVE_AFTER, SAVE_AFTER + MORE):
-        _train(engine, run, [step])
-        saved["continued"].append(gathered_weights(engine))
-    engine.destroy()
-    if dist.get_rank() == 0:
-        torch.save(saved, tmp_path / "expected.pt")
-    dist.barrier()
-
-
-def load_at(run, tmp_path):
-    """Build ``run`` (stage 1/2, this W) with load_universal, load, return ``(engine, expected)``."""
-    config = run.config(torch.distributed.get_world_size())
-    config["checkpoint"] = {"load_universal": True}
-    engine = run.build_engine(config)
-    engine.load_checkpoint(str(tmp_path / "ckpt"), tag="universal")
-    return engine, torch.load(tmp_path / "expected.pt", weights_only=False)
-
-
-def check_restored_exactly(engine, expected):
-    """fp32 masters, Muon momentum, Adam moments and step, group settings: bit-identical."""
-    import torch.distributed as dist
-    from deepspeed.runtime.zero.muon.universal_zero12 import momentum_by_name
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    for name, param in engine.module.named_parameters():
-        saved = expected["state"][name]
-        assert torch.equal(safe_get_full_fp32_param(param).float().cpu(), saved["fp32"]), name
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key in saved:
-                assert torch.equal(safe_get_full_optimizer_state(param, key).float().cpu(), saved[key]), (name, key)
+def check_momentum_restored(engine, expected):
+    """Muon's momentum as the stage will use it (``momentum_by_name``): bit-identical to the saved
+    one, every Muon matrix's held by some rank."""
+    import deepspeed.comm as dist
+    from deepspeed.runtime.zero.muon.zero12_universal_momentum import momentum_by_name
     momentum = momentum_by_name(engine.optimizer)
     for name, value in momentum.items():
         saved = expected["state"][name]["momentum_buffer"]
@@ -169,8 +75,6 @@ def check_restored_exactly(engine, expected):
     dist.all_gather_object(held, sorted(momentum))
     muon_names = {n for n, s in expected["state"].items() if "momentum_buffer" in s}
     assert set().union(*map(set, held)) == muon_names
-    assert _groups(engine.optimizer.optimizer) == expected["groups"]
-    assert _adam_steps(engine.optimizer.optimizer) == expected["adam_steps"] and None not in expected["adam_steps"]
 
 
 def _fragment(engine, name, full):
@@ -180,23 +84,18 @@ def _fragment(engine, name, full):
     return full.reshape(-1).narrow(0, address.start, address.numel)
 
 
-def _continue(engine, run, expected):
-    """Train the ``MORE`` steps after the save; relative weight difference to the ZeRO-3 run after each."""
-    differences = []
-    for k, step in enumerate(range(SAVE_AFTER, SAVE_AFTER + MORE)):
-        _train(engine, run, [step])
-        differences.append(relative_difference(expected["continued"][k], gathered_weights(engine)))
-    engine.destroy()
-    return differences
+def _round_trip(run, tmp_path, stage):
+    """``universal_round_trip`` with Muon's settings and momentum checked too."""
+    phase = universal_round_trip(run, tmp_path, stage, SETTINGS)
+    if phase is not None:
+        check_momentum_restored(*phase)
+    return phase
 
 
-def universal_round_trip(run, tmp_path, stage):
-    """The two phases: save at W=2 the first time (no ``expected.pt`` yet), load the second."""
-    if not (tmp_path / "expected.pt").exists():
-        save_convert_and_continue(run, tmp_path)
-        return None
-    engine, expected = load_at(run.with_(stage=stage), tmp_path)
-    check_restored_exactly(engine, expected)
+def _load_and_check(run, tmp_path):
+    engine, expected = load_at(run, tmp_path)
+    check_restored_exactly(engine, expected, SETTINGS)
+    check_momentum_restored(engine, expected)
     return engine, expected
 
 
@@ -204,13 +103,14 @@ class TestZero3MuonUniversalAtZero12(DistributedTest):
     reuse_dist_env = True
 
     @pytest.mark.parametrize("stage", [1, 2])
-    @pytest.mark.parametrize("load_world_size", [pytest.param(w, marks=pytest.mark.world_size([2, w])) for w in (1, 2)])
+    @pytest.mark.parametrize("load_world_size",
+                             [pytest.param(w, marks=pytest.mark.world_size([2, w])) for w in (1, 2)])
     def test_restores_exactly_and_continues(self, stage, load_world_size, tmp_path):
-        phase = universal_round_trip(RUN, tmp_path, stage)
+        phase = _round_trip(RUN, tmp_path, stage)
         if phase is None:
             return
         engine, expected = phase
-        differences = _continue(engine, RUN, expected)
+        differences = continue_training(engine, RUN, expected)
         print(f"stage {stage} W'={load_world_size}: relative weight differences per step {differences}")
         held = differences[:1] if UPSTREAM_0197 and not ZERO12_MUON_IN_STEP else differences
         assert max(held) < CONTINUE_FLOOR, differences
@@ -223,16 +123,15 @@ class TestZero3MuonUniversalAtZero12(DistributedTest):
         update), naming the stage and the key."""
         run = RUN.with_(stage=1, dtype="bf16", extra=(("data_types", {"grad_accum_dtype": "fp32"}), ))
         if not (tmp_path / "expected.pt").exists():
-            save_convert_and_continue(RUN, tmp_path)
+            save_convert_and_continue(RUN, tmp_path, SETTINGS)
             return
         if UPSTREAM_0197:
             with pytest.raises(Exception, match="BF16_Optimizer.*grad_accum_dtype fp32 at ZeRO stage 1"):
                 load_at(run, tmp_path)
             return
-        engine, expected = load_at(run, tmp_path)
+        engine, expected = _load_and_check(run, tmp_path)
         assert type(engine.optimizer).__name__ == "BF16_Optimizer"
-        check_restored_exactly(engine, expected)
-        _train(engine, run, [SAVE_AFTER])  # the restored state trains (bf16 is not compared with fp32)
+        train_steps(engine, run, [SAVE_AFTER])  # the restored state trains (bf16 is not compared with fp32)
         engine.destroy()
 
     @pytest.mark.world_size([2, 2])
@@ -242,26 +141,25 @@ class TestZero3MuonUniversalAtZero12(DistributedTest):
         the next steps continue the ZeRO-3 run; on 0.19.7 it keeps none, and loading is refused."""
         run = RUN.with_(stage=2, offload="cpu", zero=(("reduce_scatter", False), ))
         if not (tmp_path / "expected.pt").exists():
-            save_convert_and_continue(RUN, tmp_path)
+            save_convert_and_continue(RUN, tmp_path, SETTINGS)
             return
         if UPSTREAM_0197:
             with pytest.raises(ValueError, match="ZeRO stage 2 with zero_optimization.offload_optimizer"):
                 load_at(run, tmp_path)
             return
-        engine, expected = load_at(run, tmp_path)
-        check_restored_exactly(engine, expected)
-        differences = _continue(engine, run, expected)
+        engine, expected = _load_and_check(run, tmp_path)
+        differences = continue_training(engine, run, expected)
         print(f"offload: relative weight differences per step {differences}")
         assert max(differences) < CONTINUE_FLOOR, differences
 
     @pytest.mark.world_size([2, 1])
     def test_missing_momentum_is_refused(self, tmp_path):
-        import torch.distributed as dist
+        import deepspeed.comm as dist
         if not (tmp_path / "expected.pt").exists():
-            save_convert_and_continue(RUN, tmp_path)
+            save_convert_and_continue(RUN, tmp_path, SETTINGS)
             return
         broken = tmp_path / "ckpt" / "broken"
-        shutil.copytree(tmp_path / "ckpt" / "universal", broken)
+        shutil.copytree(tmp_path / "ckpt" / TAG, broken)
         os.remove(broken / "zero" / "fc2.weight" / "momentum_buffer.pt")
         dist.barrier()
         config = RUN.with_(stage=2).config(dist.get_world_size())

@@ -37,14 +37,16 @@ PATCH_MARKERS = (
     ("0007", "runtime/zero/stage3.py", "restore_zero3_optimizer_state", None),
     # a regular checkpoint at another world size: the error names the universal checkpoint
     ("0008", "runtime/engine.py", "import raise_if_saved_at_another_world_size", None),
-    # ZeRO-1/2 universal loading restores Muon's momentum
-    ("0009", "runtime/zero/stage_1_and_2.py", "universal_zero12.restore_momentum", None),
+    # a ZeRO-3 universal checkpoint loads at ZeRO-1/2 (its model-states files, no ds_version)
+    ("0009", "runtime/zero/stage_1_and_2.py", "zero3_universal import checkpoint_version", None),
     # Muon's parameter selection: embeddings and tied heads on Adam, user flags kept
     ("0010", "__init__.py", "import select_muon_parameters", None),
     # a client Muon optimizer: tagged from its groups or refused on flat partitions; the selection report
     ("0011", "runtime/engine.py", "import resolve_optimizer_selection", None),
     # ZeRO-1/2 Muon runs in step(), after the norm and the clip of the raw gradient
     ("0012", "runtime/zero/stage_1_and_2.py", "Zero12MuonUpdate", None),
+    # universal checkpoints of Muon runs: the Muon state checked (ZeRO-3), the momentum restored (ZeRO-1/2)
+    ("0013", "runtime/zero/stage3.py", "check_zero3_universal_state", None),
 )
 MODE = "owner-centric at the accumulation boundary"
 

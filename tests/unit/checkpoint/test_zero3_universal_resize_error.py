@@ -4,13 +4,13 @@
 # DeepSpeed Team
 """A regular (non-universal) checkpoint loaded at another data-parallel world size.
 
-Saved at W=2, loaded at W=1 or W=4 (the method runs at the two world sizes of its ``world_size``
-list one after the other, with the same ``tmp_path``): every rank raises upstream's
-``ZeRORuntimeException``, which keeps both world sizes and now names the way out, the
+Saved at W=2 by a ZeRO-3 AdamW run, loaded at W=1 or W=4 (the method runs at the two world sizes
+of its ``world_size`` list one after the other, with the same ``tmp_path``): every rank raises
+``ZeRORuntimeException``, which keeps both world sizes and names the way out, the
 ``ds_to_universal`` command for this checkpoint's folders and ``"checkpoint": {"load_universal":
-true}``; at W=4 also on ranks 2 and 3, which have no partition file of their own (upstream failed
-there on an empty file list). At W=2 the same checkpoint still loads, the whole optimizer state
-exactly.
+true}``; at W=4 also on ranks 2 and 3, which have no model-states file of their own (without the
+check they fail in the state-dict loader on an empty file list). At W=2 the same checkpoint still
+loads, the whole optimizer state exactly. Nothing of it depends on the optimizer.
 """
 
 import os
@@ -22,10 +22,10 @@ import pytest
 from unit.common import DistributedTest
 from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
-RUN = Zero3MuonRun(gas=2, steps=3)
+RUN = Zero3MuonRun(gas=2, steps=3, optimizer="AdamW")
 
 
-class TestZero3MuonRegularCheckpointAtAnotherWorldSize(DistributedTest):
+class TestZero3RegularCheckpointAtAnotherWorldSize(DistributedTest):
     reuse_dist_env = True
 
     @pytest.mark.parametrize("world_size", [pytest.param([2, 1], id="2to1"), pytest.param([2, 4], id="2to4")])

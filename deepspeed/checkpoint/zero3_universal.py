@@ -2,25 +2,31 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Universal checkpoints of ZeRO-3 runs whose optimizer is Muon (or any other optimizer whose
-per-parameter state is not Adam's ``exp_avg``/``exp_avg_sq``), and the way to another world size.
+"""ZeRO-3 in universal checkpoints, for any optimizer: every optimizer state converted, loaded per
+sub-group at any data-parallel world size (also at ZeRO-1/2), and the error that points a
+regular checkpoint loaded at another world size to the conversion.
 
 A universal checkpoint (``python -m deepspeed.checkpoint.ds_to_universal``) stores every
 parameter in a folder of its own, ``<output>/zero/<parameter name>/``, independent of the number
 of ranks that wrote it, so ``"checkpoint": {"load_universal": true}`` can load it at any
-data-parallel world size W'. Per parameter:
+data-parallel world size W'. Per parameter of a ZeRO-3 checkpoint:
 
 - ``fp32.pt``: the fp32 master weights;
-- one file per optimizer state of the parameter's sub-group: ``momentum_buffer.pt`` for a Muon
-  matrix (fp32, also when the checkpoint kept it in bf16 as stock 0.19.8 does),
-  ``exp_avg.pt`` and ``exp_avg_sq.pt`` for a parameter of the auxiliary Adam (or of Adam);
+- one file per optimizer state of the parameter's sub-group, named by the state's key in the
+  optimizer: ``exp_avg.pt`` and ``exp_avg_sq.pt`` for Adam, ``momentum_buffer.pt`` for SGD with
+  momentum or Muon, and so on; floating-point states are stored in fp32 whatever dtype the
+  checkpoint kept them in (a bf16 momentum is upcast; fp32 holds every bf16 value exactly);
 - ``step.pt``: the optimizer's step count, where the sub-group's state has one (Adam's).
 
 Each tensor file holds ``{"param": tensor}`` with the parameter's logical shape (``ds_shape``,
 no ZeRO padding), the form both the ZeRO-3 and the ZeRO-1/2 universal loaders read.
-``<output>/zero/optimizer_state.pt`` keeps the optimizer's ``param_groups`` (per group:
-``use_muon``, ``lr``, ``momentum``, ``betas``, ``ns_method``, ``weight_decay``, ...) and the loss
-scaler.
+``<output>/zero/optimizer_state.pt`` keeps the optimizer's ``param_groups`` (each group's
+settings: ``lr``, ``betas``, ``weight_decay``, ...) and the loss scaler.
+
+The ZeRO-3 loader pairs the checkpoint's parameter groups with the engine's by index and takes
+each group's settings from its own saved group; it does not know which states an optimizer
+needs. An optimizer that does (e.g. Muon, whose matrices must not restart their momentum at
+zero) checks the parameters' folders before calling it.
 """
 
 import glob
@@ -28,19 +34,18 @@ import math
 import os
 import re
 import shlex
-from typing import Dict, List, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
-from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS
+from deepspeed.checkpoint.constants import (DS_VERSION, FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS,
+                                            ZERO_STAGE)
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
 FP32 = "fp32"
 """State name of the fp32 master weights in a universal checkpoint."""
 STEP = "step"
 """State name of the optimizer's step count (a number, or a 0-d tensor, not partitioned)."""
-MOMENTUM = "momentum_buffer"
-"""State name of the Muon momentum (upstream ``MuonWithAuxAdam``'s key)."""
 
 State = Union[torch.Tensor, int, float]
 
@@ -58,11 +63,11 @@ def zero3_sub_group_states(optim_sd: dict, sub_group_id: int) -> Dict[str, State
         sub_group_id: index of the sub-group (the optimizer's state index of its flat tensor).
 
     Returns:
-        ``{"fp32": partition}`` plus every state of the sub-group: each flat tensor of the
-        partition's length (``momentum_buffer`` of a Muon sub-group, ``exp_avg`` and ``exp_avg_sq``
-        of an Adam one), floating ones in fp32 (stock 0.19.8 keeps the momentum in bf16), and
-        ``step`` as stored. A sub-group without state (an optimizer that never stepped) gives
-        only ``fp32``.
+        ``{"fp32": partition}`` plus every state of the sub-group under its own key: each flat
+        tensor of the partition's length (``exp_avg`` and ``exp_avg_sq`` of Adam,
+        ``momentum_buffer`` of SGD or Muon), floating ones in fp32 (a momentum kept in bf16 is
+        upcast), other dtypes as stored, and ``step`` as stored. A sub-group without state (an
+        optimizer that never stepped) gives only ``fp32``.
 
     Raises:
         ValueError: a state that is neither ``step`` nor a flat tensor of the partition's length,
@@ -94,12 +99,13 @@ def merge_zero3_param_states(fragment_dir: str, output_dir: str, logical_shape: 
             without ZeRO padding, in data-parallel rank order.
 
     Writes ``<state>.pt`` for every state found: tensors as ``{"param": tensor}`` in the logical
-    shape, ``step`` as the value itself (equal on every rank). Returns the state names written.
+    shape and the fragments' dtype, ``step`` as the value itself (equal on every rank). Returns
+    the state names written, sorted.
 
     Raises:
         ValueError: the fragments of a tensor state do not hold ``prod(logical_shape)`` elements.
     """
-    from deepspeed.checkpoint.ds_to_universal import _merge_zero_shards  # upstream's merge of rank fragments
+    from deepspeed.checkpoint.ds_to_universal import _merge_zero_shards  # not at the top: ds_to_universal imports us
     found = {re.sub(r"\.[0-9]+$", "", os.path.basename(p)) for p in glob.glob(os.path.join(fragment_dir, "0", "*.*"))}
     os.makedirs(output_dir, exist_ok=True)
     numel = math.prod(logical_shape)
@@ -116,7 +122,7 @@ def merge_zero3_param_states(fragment_dir: str, output_dir: str, logical_shape: 
     return sorted(found)
 
 
-# Loading (checkpoint.load_universal) into ZeRO-3 at any world size
+# Checks shared by the loaders of every stage
 
 
 def check_state_fits(folder: str, key: str, shape: Sequence[int], loaded: torch.Tensor, stored) -> None:
@@ -124,7 +130,7 @@ def check_state_fits(folder: str, key: str, shape: Sequence[int], loaded: torch.
 
     Args:
         folder: the parameter's folder in the checkpoint (named in the error).
-        key: the state's name (``fp32``, ``momentum_buffer``, ``exp_avg``, ...).
+        key: the state's name (``fp32``, ``exp_avg``, ``momentum_buffer``, ...).
         shape: the parameter's logical shape (ZeRO-3: ``ds_shape``).
         loaded: the state's elements for this rank's tensor-parallel shard, before ZeRO
             partitions them (any shape; its element count must be ``prod(shape)``).
@@ -149,71 +155,50 @@ def check_state_fits(folder: str, key: str, shape: Sequence[int], loaded: torch.
 
 
 def check_loaded_state(param: torch.nn.Parameter, folder: str, key: str, loaded: torch.Tensor, stored) -> None:
-    """``check_state_fits`` for a ZeRO-3 parameter (its ``ds_shape``); the stage-3 loader's check."""
+    """``check_state_fits`` for a ZeRO-3 parameter (its ``ds_shape``); the stage-3 loader's check.
+
+    Raises:
+        ValueError: as ``check_state_fits``.
+    """
     check_state_fits(folder, key, param.ds_shape, loaded, stored)
 
 
-def check_muon_state(name: str, folder: str, states, is_muon: bool, never_stepped: bool) -> None:
-    """Refuse a parameter whose optimizer states do not belong to the optimizer that will run it.
-
-    Args:
-        name: the parameter's name (named in the error).
-        folder: its folder in the checkpoint.
-        states: the state names its folder holds (``fp32``, ``momentum_buffer``, ``exp_avg``, ...).
-        is_muon: the loading run optimizes it with Muon (``use_muon``).
-        never_stepped: the checkpoint was saved before the first optimizer step (no state at all).
-
-    Raises:
-        ValueError: a Muon parameter without ``momentum_buffer`` once the optimizer has stepped
-            (its momentum would restart at zero), or an Adam parameter with one (it would be
-            dropped).
-    """
-    states = set(states)
-    if is_muon and MOMENTUM not in states and not never_stepped:
-        held = sorted(states - {FP32, STEP})
-        raise ValueError(f"Universal checkpoint: Muon parameter '{name}' has no {MOMENTUM} in {folder} (it holds "
-                         f"{held or 'no optimizer state'}). Loading would restart its momentum from zero; "
-                         "refusing. Convert a checkpoint of the same Muon run with ds_to_universal, or set "
-                         "use_muon the way the checkpoint was trained.")
-    if not is_muon and MOMENTUM in states:
-        raise ValueError(f"Universal checkpoint: parameter '{name}' holds Muon's {MOMENTUM} in {folder}, but "
-                         "this run optimizes it with Adam (use_muon False). Set use_muon (and the optimizer) as "
-                         "the checkpoint was trained; refusing to drop its momentum.")
-
-
 def check_groups_pair(param_groups: List[dict], saved_groups: List[dict]) -> None:
-    """Refuse a checkpoint whose optimizer parameter groups do not pair with the run's by index.
+    """Refuse a checkpoint whose optimizer parameter groups cannot pair with the run's by index.
 
-    Loaders pair groups by position (settings and, at ZeRO-1/2, the flat partitions), so the
-    number of groups and each group's ``use_muon`` must be the same.
+    The loaders pair groups by position (the settings and, at ZeRO-1/2, the flat partitions), so
+    with another number of groups some would take settings of a group they are not.
 
     Raises:
-        ValueError: a different number of groups, or a group whose ``use_muon`` differs.
+        ValueError: ``len(saved_groups) != len(param_groups)``, naming both counts.
     """
     if len(saved_groups) != len(param_groups):
         raise ValueError(f"Universal checkpoint: it has {len(saved_groups)} optimizer parameter groups, this run "
                          f"{len(param_groups)}; build the engine with the parameter groups the checkpoint was "
                          "trained with.")
-    for index, (group, saved) in enumerate(zip(param_groups, saved_groups)):
-        ours, theirs = bool(group.get("use_muon", False)), bool(saved.get("use_muon", False))
-        if ours != theirs:
-            raise ValueError(f"Universal checkpoint: optimizer parameter group {index} has use_muon={theirs} in "
-                             f"the checkpoint and use_muon={ours} in this run; build the engine with the parameter "
-                             "groups the checkpoint was trained with.")
 
 
 def state_files(folder: str) -> Dict[str, str]:
-    """``{state name: path}`` of the ``*.pt`` files in a parameter's folder."""
+    """``{state name: path}`` of the ``*.pt`` files in a parameter's folder (empty if it has none)."""
     return {os.path.basename(p)[:-3]: p for p in glob.glob(os.path.join(folder, "*.pt"))}
 
 
-def _sub_group_plan(folders: Dict[str, str], is_muon: bool, never_stepped: bool):
+# Loading (checkpoint.load_universal) into ZeRO-3 at any world size
+
+
+def _sub_group_plan(folders: Dict[str, str]):
     """Which tensor states to load for one sub-group, and its step (None: none saved).
 
+    Args:
+        folders: ``{parameter name: its folder}`` for the parameters of the sub-group.
+
+    Returns:
+        ``(keys, step)``: the sorted names of the tensor states every parameter's folder holds
+        (without ``fp32`` and ``step``), and the step as ``step.pt`` holds it.
+
     Raises:
-        ValueError: a parameter without a folder or ``fp32.pt``; a Muon matrix without
-            ``momentum_buffer`` (once the optimizer has stepped) or an Adam parameter with one;
-            parameters of one sub-group with different states or steps (``check_muon_state``).
+        ValueError: a parameter without a folder or ``fp32.pt``; parameters of the sub-group with
+            different states or steps (one flat state tensor covers them all).
     """
     per_param = {}
     for name, folder in folders.items():
@@ -222,7 +207,6 @@ def _sub_group_plan(folders: Dict[str, str], is_muon: bool, never_stepped: bool)
             raise ValueError(f"Universal checkpoint: no fp32 weights for parameter '{name}' (expected {folder}/"
                              "fp32.pt). The checkpoint does not hold this model's parameters.")
         per_param[name] = files
-        check_muon_state(name, folder, files, is_muon, never_stepped)
     keys = {name: tuple(sorted(set(files) - {FP32, STEP})) for name, files in per_param.items()}
     if len(set(keys.values())) > 1:
         raise ValueError(f"Universal checkpoint: parameters of one ZeRO-3 sub-group hold different optimizer states: "
@@ -243,7 +227,8 @@ def _sub_group_plan(folders: Dict[str, str], is_muon: bool, never_stepped: bool)
 
 
 def _restore_param_groups(param_groups: List[dict], saved_groups: List[dict]) -> None:
-    """Set each parameter group's settings to the saved group's of the same index.
+    """Set each parameter group's settings (every key but ``params``) to the saved group's of the
+    same index.
 
     Raises:
         ValueError: the groups do not pair (``check_groups_pair``).
@@ -259,14 +244,20 @@ def restore_zero3_optimizer_state(optimizer, zero_dir: str, optim_sd: dict) -> N
     """Load the fp32 partitions, the optimizer states and the group settings of a universal
     checkpoint into a ZeRO-3 optimizer at its own world size.
 
-    Every sub-group's flat fp32 partition and each state its parameters hold in the checkpoint
-    (``momentum_buffer`` of Muon sub-groups, ``exp_avg``/``exp_avg_sq`` of Adam ones; copied into
-    the state's tensor where it has one of that size, so that it keeps its dtype and device) are
-    rebuilt from the parameters' folders, partitioned for this rank by upstream's
-    ``load_hp_checkpoint_state``; the step count is set where the checkpoint has one (for an
-    Adam sub-group of a checkpoint converted without per-parameter ``step.pt``, the step its
-    ``optimizer_state.pt`` holds, as upstream's loader did); each
-    optimizer parameter group gets the saved settings of the group with the same index.
+    Per sub-group, the flat fp32 partition and each state its parameters' folders hold are
+    rebuilt from those folders, partitioned for this rank by the optimizer's
+    ``load_hp_checkpoint_state``, and put in the optimizer's state of the flat partition: copied
+    into the tensor already there where it has the flat partition's size, so that it keeps its
+    dtype and device and every other reference to it (stage 3's
+    ``muon_momentum_buffer_partitioned_groups_flat`` under
+    ``save_muon_momentum_buffer_in_memory``) stays valid; else as a new fp32 tensor. The step is
+    set where the checkpoint has one. Each optimizer parameter group gets the settings of the
+    saved group with the same index.
+
+    A checkpoint without per-parameter ``step.pt`` (converted by a ``ds_to_universal`` that kept
+    only ``exp_avg`` and ``exp_avg_sq``) holds the step only in ``optimizer_state.pt``, rank 0's
+    optimizer state; a sub-group then gets the step of a saved sub-group that holds the same
+    states, so Adam's moments get theirs and a state saved without a step (a momentum) gets none.
 
     Args:
         optimizer: ``DeepSpeedZeroOptimizer_Stage3``.
@@ -274,15 +265,15 @@ def restore_zero3_optimizer_state(optimizer, zero_dir: str, optim_sd: dict) -> N
         optim_sd: the checkpoint's ``zero/optimizer_state.pt``.
 
     Raises:
-        ValueError: missing or misshapen state (see ``_sub_group_plan``, ``check_loaded_state``),
-            or parameter groups that do not match (``_restore_param_groups``).
+        ValueError: a parameter without a name in the model, missing or misshapen state (see
+            ``_sub_group_plan``, ``check_loaded_state``), or parameter groups that do not pair
+            (``_restore_param_groups``).
     """
     saved = optim_sd[OPTIMIZER_STATE_DICT]
-    never_stepped = not saved.get("state")
-    # Checkpoints converted before step.pt was written per parameter: the step every sub-group
-    # with one shares, from the first rank's optimizer state (where upstream took it from).
-    shared_step = next((state[STEP] for state in saved.get("state", {}).values() if STEP in state), None)
-    muon_sub_groups = optimizer.sub_groups_using_muon if getattr(optimizer, "use_muon", False) else None
+    saved_steps = {}
+    for state in saved.get("state", {}).values():
+        if STEP in state:
+            saved_steps.setdefault(frozenset(state) - {STEP}, state[STEP])
     for sub_group_id, params in enumerate(optimizer.fp16_groups):
         missing = [p for p in params if p not in optimizer.param_names]
         if missing:
@@ -290,8 +281,7 @@ def restore_zero3_optimizer_state(optimizer, zero_dir: str, optim_sd: dict) -> N
                              f"{sub_group_id} have no name in the model.")
         names = [optimizer.param_names[p] for p in params]
         folders = {name: os.path.join(zero_dir, name) for name in names}
-        is_muon = bool(muon_sub_groups and muon_sub_groups[sub_group_id])
-        keys, step = _sub_group_plan(folders, is_muon, never_stepped)
+        keys, step = _sub_group_plan(folders)
         fp32_partition = optimizer.fp32_partitioned_groups_flat[sub_group_id]
         for key in (FP32, *keys):
             flat = torch.zeros_like(fp32_partition)
@@ -306,16 +296,56 @@ def restore_zero3_optimizer_state(optimizer, zero_dir: str, optim_sd: dict) -> N
             state = optimizer.optimizer.state.setdefault(fp32_partition, {})
             current = state.get(key)
             if torch.is_tensor(current) and current.shape == flat.shape:
-                # In place: the Muon momentum may also be held elsewhere (the in-memory table of
-                # save_muon_momentum_buffer_in_memory) and keeps its dtype and device.
                 current.copy_(flat)
             else:
                 state[key] = flat
-        if step is None and not is_muon and keys:
-            step = shared_step
+        if step is None and keys:
+            step = saved_steps.get(frozenset(keys))
         if step is not None:
             optimizer.optimizer.state.setdefault(fp32_partition, {})[STEP] = step
     _restore_param_groups(optimizer.optimizer.param_groups, saved[PARAM_GROUPS])
+
+
+# Loading a universal checkpoint converted from ZeRO-3 at ZeRO stage 1 or 2
+
+
+def model_states_files(checkpoint_dir: str, mp_placeholder: str = "*") -> List[str]:
+    """The model-states files a stage-1/2 engine reads from a universal checkpoint converted from ZeRO-3.
+
+    The conversion copies the ZeRO-3 run's ``zero_pp_rank_<r>_mp_rank_<m>_model_states.pt``; a
+    stage-1/2 engine looks for ``mp_rank_<m>_model_states.pt`` and, finding none, fails with a
+    bare ``AssertionError`` (``SDLoaderBase.check_ckpt_list``). Universal loading takes the
+    weights from ``zero/`` and only metadata (``dp_world_size``, lr scheduler, step counters,
+    client state) from these files, which data-parallel rank 0's file holds like every other.
+
+    Args:
+        checkpoint_dir: ``<load_dir>/<tag>``.
+        mp_placeholder: the model-parallel rank, or ``*`` for every one.
+
+    Returns:
+        rank 0's files, one per model-parallel rank, sorted; empty if the folder has none.
+    """
+    return sorted(glob.glob(os.path.join(checkpoint_dir, f"zero_pp_rank_0_mp_rank_{mp_placeholder}_model_states.pt")))
+
+
+def checkpoint_version(state: dict) -> Optional[str]:
+    """The DeepSpeed version a stage-1/2 loader checks in a universal ``optimizer_state.pt``.
+
+    A conversion of a stage-1/2 checkpoint carries ``ds_version``; one of a ZeRO-3 checkpoint
+    carries the ZeRO-3 optimizer's state, which has none (``zero_stage`` 3). The check guards
+    against stage-1 checkpoints older than 0.3.17, which a ZeRO-3 one cannot be, so for it this
+    returns the installed version.
+
+    Returns:
+        ``ds_version``, or the installed version for a ZeRO-3 source, or None for anything else
+        without ``ds_version`` (the caller's assertion then refuses it).
+    """
+    from deepspeed.git_version_info import version
+    if state.get(DS_VERSION):
+        return state[DS_VERSION]
+    if int(state.get(ZERO_STAGE, 0)) == 3:
+        return version
+    return None
 
 
 # Regular checkpoints at another world size
@@ -340,7 +370,7 @@ def resize_error(saved_dp_world_size, current_dp_world_size, load_dir, tag):
         tag (str): the checkpoint's tag (its folder under ``load_dir``).
 
     Returns:
-        ZeRORuntimeException: for the caller to raise. Its message keeps upstream's text (both
+        ZeRORuntimeException: for the caller to raise. Its message keeps the engine's text (both
         world sizes) and adds the conversion command with this checkpoint's folders (shell-quoted)
         and the config setting that loads the result.
     """
@@ -394,8 +424,8 @@ def raise_if_saved_at_another_world_size(load_dir, tag, current_dp_world_size):
 
     Raises:
         ZeRORuntimeException: ``resize_error``'s, where the checkpoint's ZeRO-3 model-states files
-            show another world size. Otherwise returns None (e.g. a wrong tag, left to upstream's
-            error).
+            show another world size. Otherwise returns None (e.g. a wrong tag, left to the
+            engine's own error).
     """
     saved = saved_zero3_dp_world_size(os.path.join(os.fspath(load_dir), str(tag)))
     if saved is not None and saved != current_dp_world_size:

@@ -2,48 +2,45 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Loading a universal checkpoint of a Muon run at ZeRO stage 1 or 2 (``"checkpoint":
+"""Muon's momentum from a universal checkpoint at ZeRO stage 1 or 2 (``"checkpoint":
 {"load_universal": true}``), in particular one converted from ZeRO-3 (the format is described in
-``deepspeed.runtime.zero.muon.universal_checkpoint``).
+``deepspeed.checkpoint.zero3_universal``).
 
-Upstream's universal loader (``load_hp_checkpoint_state_from_checkpoint_dir``) restores every
+The stage-1/2 universal loader (``load_hp_checkpoint_state_from_checkpoint_dir``) restores every
 optimizer state file of a parameter's folder as this rank's fragment of the fp32 partition, so
 each state ends up in the *partition layout*: a flat tensor shaped like the group's fp32
 partition. That is right for Adam's ``exp_avg`` / ``exp_avg_sq`` and for Muon's momentum where
 the stage keeps it so, but not where ZeRO-1/2 keeps Muon's momentum itself:
 
-- ``DeepSpeedZeroOptimizer`` without optimizer offload (both bases; the update runs in
-  ``zero12_update``) keeps, per Muon parameter group, ``state[fp32 partition]
-  ["momentum_buffer"]``: the *whole* momentum of every parameter that overlaps the rank's
-  partition (``params_in_partition[group]``), flattened and concatenated in that order, so a
-  matrix split between two ranks has its full momentum on both (both run the same update on the
-  all-reduced gradient). Upstream's loader puts a partition-sized tensor there instead, which
-  the update would then read at the wrong offsets (or past its end). ``restore_momentum``
-  rebuilds the buffer from the checkpoint's per-parameter ``momentum_buffer.pt`` files.
+- ``DeepSpeedZeroOptimizer`` without optimizer offload keeps, per Muon parameter group,
+  ``state[fp32 partition]["momentum_buffer"]``: the *whole* momentum of every parameter that
+  overlaps the rank's partition (``params_in_partition[group]``), flattened and concatenated in
+  that order, so a matrix split between two ranks has its full momentum on both (both run the
+  same update on the all-reduced gradient). The loader puts a partition-sized tensor there
+  instead, which the update would then read at the wrong offsets (or past its end).
+  ``restore_momentum`` rebuilds the buffer from the checkpoint's per-parameter
+  ``momentum_buffer.pt`` files.
 - ``DeepSpeedZeroOptimizer`` with ``offload_optimizer`` and ``BF16_Optimizer`` (bf16 with
-  ``data_types.grad_accum_dtype`` fp32 at stage 1) of DeepSpeed 0.19.8 keep it in the partition
-  layout, and upstream's loader restores it as it is.
-- In DeepSpeed 0.19.7, stage 1/2 with ``offload_optimizer`` kept no momentum before patch 0012
-  (``zero12_update``, which now keeps it in the partition layout); restoring it there is not
-  tested, so loading refuses, naming the stage and the config key (``unsupported_reason``). Its
-  BF16_Optimizer with Muon is refused at ``deepspeed.initialize`` already.
+  ``data_types.grad_accum_dtype`` fp32 at stage 1) keep it in the partition layout, and the
+  loader restores it as it is.
+- Where the installed release's stage 1/2 with ``offload_optimizer`` has never been tested
+  restoring the momentum (``unsupported_reason``), loading refuses, naming the stage and the
+  config key.
 
 In every case a Muon parameter whose folder has no ``momentum_buffer.pt`` is refused rather than
 restarted from zero, and the checkpoint's parameter groups must pair with the engine's one to
-one with the same ``use_muon`` (upstream pairs them by position and copies every setting over).
-
-Stage 1/2 also read what a ZeRO-3 conversion does not hold in their form
-(``model_states_files``, ``checkpoint_version``).
+one with the same ``use_muon`` (the loader pairs them by position and copies every setting over):
+``universal_state_checks``.
 """
 
-import glob
 import os
 from typing import Dict, List, Optional
 
 import torch
 
-from deepspeed.runtime.zero.muon.universal_checkpoint import (FP32, MOMENTUM as MOMENTUM_KEY, STEP, check_groups_pair,
-                                                              check_muon_state, check_state_fits, state_files)
+from deepspeed.checkpoint.zero3_universal import FP32, STEP, check_state_fits, state_files
+from deepspeed.runtime.zero.muon.universal_state_checks import (MOMENTUM as MOMENTUM_KEY, check_muon_groups_pair,
+                                                                check_muon_state)
 
 OPTIMIZER_STATE_FILE = "optimizer_state.pt"
 """The universal checkpoint's global optimizer state, ``<checkpoint>/zero/optimizer_state.pt``."""
@@ -62,11 +59,15 @@ def _muon_group_indices(base_optimizer) -> List[int]:
     return [i for i, group in enumerate(base_optimizer.param_groups) if group.get("use_muon", False)]
 
 
-def _deepspeed_base_version() -> str:
-    """The installed DeepSpeed's release without local tags (``"0.19.8"`` for ``0.19.8+zero3muon``).
+OFFLOAD_UNTESTED_RELEASES = ("0.19.7", )
+"""Releases whose stage 1/2 with ``offload_optimizer`` is not tested restoring a checkpoint's Muon
+momentum: ``unsupported_reason`` refuses there rather than train on an unchecked momentum."""
 
-    Patch 0012 gives both bases the same offload momentum (``zero12_update``, partition layout),
-    so the code of the optimizer no longer tells them apart; the release does."""
+
+def _deepspeed_base_version() -> str:
+    """The installed DeepSpeed's release without local version labels (``"X.Y.Z"`` for
+    ``X.Y.Z+label``). Stage 1/2 under offload keep the momentum in the same layout on every
+    release, so only the release tells where restoring it is untested."""
     from packaging import version
     from deepspeed.git_version_info import version as deepspeed_version
     return version.parse(deepspeed_version).base_version
@@ -79,18 +80,21 @@ def unsupported_reason(zero_optimizer) -> Optional[str]:
         zero_optimizer: a ``DeepSpeedZeroOptimizer`` (stage 1/2) or a ``BF16_Optimizer``.
 
     Returns:
-        a sentence naming the stage and the config key for DeepSpeed 0.19.7's stage 1/2 with
-        ``offload_optimizer`` (restoring the momentum there is untested); None otherwise. (0.19.7 refuses Muon with its BF16_Optimizer at ``deepspeed.initialize``.)
+        a sentence naming the stage, the config key and the release for stage 1/2 with
+        ``offload_optimizer`` on a release of ``OFFLOAD_UNTESTED_RELEASES``; None otherwise (a
+        ``BF16_Optimizer`` that runs Muon keeps the momentum in the partition layout, which the
+        loader restores).
     """
     base = zero_optimizer.optimizer
     if not _is_muon(base) or not _muon_group_indices(base):
         return None
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     if isinstance(zero_optimizer, BF16_Optimizer):
-        return None  # 0.19.8 keeps the momentum (partition layout); 0.19.7 refuses Muon at initialize
-    if getattr(zero_optimizer, "cpu_offload", False) and _deepspeed_base_version() == "0.19.7":
+        return None
+    release = _deepspeed_base_version()
+    if getattr(zero_optimizer, "cpu_offload", False) and release in OFFLOAD_UNTESTED_RELEASES:
         return (f"{_stage_name(zero_optimizer)} with zero_optimization.offload_optimizer cannot restore a "
-                "checkpoint's Muon momentum in this DeepSpeed version (0.19.7). Load it without "
+                f"checkpoint's Muon momentum in this DeepSpeed version ({release}). Load it without "
                 "offload_optimizer, or at ZeRO stage 3.")
     return None
 
@@ -127,7 +131,7 @@ def check_before_load(zero_optimizer, checkpoint_folder) -> None:
 
     Raises:
         ValueError: ``unsupported_reason``; the checkpoint's parameter groups do not pair with
-            the engine's (``check_groups_pair``: the loader pairs them by position); a Muon
+            the engine's (``check_muon_groups_pair``: the loader pairs them by position); a Muon
             parameter's folder has no ``momentum_buffer.pt`` although the checkpoint holds
             optimizer state (one saved before the first step has none, and loads as a fresh
             start), or an Adam parameter's has one (``check_muon_state``).
@@ -140,7 +144,7 @@ def check_before_load(zero_optimizer, checkpoint_folder) -> None:
         raise ValueError(f"Cannot load the universal checkpoint {checkpoint_folder}: {reason}")
     zero_folder = os.path.join(checkpoint_folder, "zero")
     saved = torch.load(os.path.join(zero_folder, OPTIMIZER_STATE_FILE), map_location="cpu", weights_only=False)
-    check_groups_pair(base.param_groups, saved.get("param_groups", []))
+    check_muon_groups_pair(base.param_groups, saved.get("param_groups", []))
     never_stepped = _never_stepped(zero_optimizer, zero_folder)
     for group, lp_group in zip(base.param_groups, _lp_groups(zero_optimizer)):
         for lp in lp_group:
@@ -163,16 +167,16 @@ def _load_momentum(zero_folder, name, param) -> torch.Tensor:
 
 
 def restore_momentum(zero_optimizer, checkpoint_folder) -> None:
-    """After upstream's universal loader: put each Muon group's momentum in the layout the stage reads.
+    """After the stage's universal loader: put each Muon group's momentum in the layout the stage reads.
 
     For ``DeepSpeedZeroOptimizer`` without offload, per Muon group with parameters in this rank's
     partition, ``state[fp32 partition]["momentum_buffer"]`` becomes the fp32 concatenation of the
     whole saved momentum of ``params_in_partition[group]`` (``sum(numel)`` elements, on the
-    partition's device), and the partition-layout views upstream's loader linked into the
+    partition's device), and the partition-layout views the loader linked into the
     parameters' ``_hp_mapping.optim_fragment`` are dropped (they pointed at the replaced tensor;
     a fresh engine links none either, its momentum not being partition-shaped). A group with no
     parameter here, or a checkpoint saved before the first step, gets no momentum, as in a fresh
-    engine. Elsewhere (partition layout) upstream's loader already restored it; this only checks
+    engine. Elsewhere (partition layout) the loader already restored it; this only checks
     that it is there.
 
     Raises:
@@ -234,35 +238,3 @@ def momentum_by_name(zero_optimizer) -> Dict[str, torch.Tensor]:
                     out[zero_optimizer.param_names[lp]] = momentum.narrow(0, address.start,
                                                                           address.numel).float().cpu()
     return out
-
-
-def model_states_files(checkpoint_dir: str, mp_placeholder: str = "*") -> List[str]:
-    """The model-states files a stage-1/2 engine reads from a universal checkpoint converted from ZeRO-3.
-
-    The conversion copies the ZeRO-3 run's ``zero_pp_rank_<r>_mp_rank_<m>_model_states.pt``; a
-    stage-1/2 engine looks for ``mp_rank_<m>_model_states.pt`` and, finding none, fails with a
-    bare ``AssertionError`` (upstream ``SDLoaderBase.check_ckpt_list``). Universal loading takes
-    the weights from ``zero/`` and only metadata (``dp_world_size``, lr scheduler, step counters,
-    client state) from these files, which data-parallel rank 0's file holds like every other.
-
-    Returns:
-        rank 0's files, one per model-parallel rank, sorted; empty if the folder has none.
-    """
-    return sorted(glob.glob(os.path.join(checkpoint_dir, f"zero_pp_rank_0_mp_rank_{mp_placeholder}_model_states.pt")))
-
-
-def checkpoint_version(state: dict) -> Optional[str]:
-    """The DeepSpeed version a stage-1/2 loader checks in a universal ``optimizer_state.pt``.
-
-    A conversion of a stage-1/2 checkpoint carries ``ds_version``; one of a ZeRO-3 checkpoint
-    carries the ZeRO-3 optimizer's state, which has none (``zero_stage`` 3). The check guards
-    against stage-1 checkpoints older than 0.3.17, which a ZeRO-3 one cannot be, so for it this
-    returns the installed version. None for anything else without ``ds_version``.
-    """
-    from deepspeed.git_version_info import version
-    from deepspeed.checkpoint.constants import DS_VERSION, ZERO_STAGE
-    if state.get(DS_VERSION):
-        return state[DS_VERSION]
-    if int(state.get(ZERO_STAGE, 0)) == 3:
-        return version
-    return None
