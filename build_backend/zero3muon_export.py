@@ -39,6 +39,7 @@ Stdlib only, like the backend: ``dev.py`` imports this with the system Python, w
 import ast
 import fnmatch
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -111,18 +112,58 @@ class Group:
         return f"Group({self.key!r})"
 
 
-MUON = Group(
-    "muon", 1, "ZeRO-3 Muon: momentum and Newton-Schulz once per step at the accumulation boundary",
+SEAM = Group(
+    "muon-update-seam", 1, "Muon: muon_update as its elementwise momentum step and its Newton-Schulz half",
     patterns=(
-        # named one by one: universal_state_checks.py and zero12_universal_momentum.py belong to
-        # UNIVERSAL_MUON, __main__.py is never exported
-        "deepspeed/runtime/zero/muon/pipeline.py",
-        "deepspeed/runtime/zero/muon/momentum_math.py",
-        "deepspeed/runtime/zero/muon/owner_exchange.py",
+        "patches/*/0004-*.patch",
+        "tests/unit/runtime/zero/test_muon_update_split.py",
+    ),
+    notes={
+        "deepspeed/runtime/zero/muon/original_muon.py": {
+            "*":
+            "new `muon_ns_problem` (the matrix, or batch of matrices, Newton-Schulz runs on), "
+            "`muon_momentum_step_` (the elementwise momentum step and Nesterov blend) and `muon_orthogonalize`; "
+            "`muon_update` becomes their composition and computes what it did. A ZeRO partition can then run the "
+            "elementwise step where its gradient is and the orthogonalization where the whole matrix is.",
+            "0.19.7": " Also adds 0.19.8's `ns_compute_dtype` (the dtype each NS method computes in).",
+            "0.19.8": " `_per_head_orthogonalize` takes its shape check from `muon_ns_problem`.",
+        },
+    },
+    template="pr_muon_seam.md",
+)
+
+PLAN = Group(
+    "muon-owner-plan", 2, "Muon: the momentum step on a partition, Newton-Schulz on an owner rank, and the owner plan",
+    patterns=(
+        "deepspeed/runtime/zero/muon/momentum.py",
+        "deepspeed/runtime/zero/muon/newton_schulz.py",
         "deepspeed/runtime/zero/muon/owner_plan.py",
+        "tests/unit/runtime/zero/test_muon_owner_plan.py",
+        "tests/unit/runtime/zero/test_muon_newton_schulz.py",
+        "tests/unit/runtime/zero/newton_schulz_testing.py",
+    ),
+    notes={},
+    template="pr_muon_plan.md",
+    code_needs=("muon-update-seam", ),
+)
+
+CORE = Group(
+    "muon-pipeline", 3, "Muon: the owner exchange and its per-bucket pipeline, Newton-Schulz once per matrix",
+    patterns=(
+        "deepspeed/runtime/zero/muon/owner_exchange.py",
+        "deepspeed/runtime/zero/muon/pipeline.py",
+        "tests/unit/runtime/zero/test_muon_pipeline.py",
+    ),
+    notes={},
+    template="pr_muon_core.md",
+    code_needs=("muon-owner-plan", ),
+)
+
+MUON = Group(
+    "zero3-muon", 4, "ZeRO-3 Muon: momentum and Newton-Schulz once per step at the accumulation boundary",
+    patterns=(
         "deepspeed/runtime/zero/muon/zero3_update.py",
         "patches/*/0001-*.patch",
-        "patches/*/0004-*.patch",
         "tests/unit/runtime/zero/test_zero3_muon_*.py",
         "tests/unit/runtime/zero/zero3_muon_*.py",
     ),
@@ -146,21 +187,14 @@ MUON = Group(
             "correction in `_get_norm_groups`, and `muon_beta` / `muon_ns_method` (each parameter group's "
             "own `momentum` and `ns_method` are used).",
         },
-        "deepspeed/runtime/zero/muon/original_muon.py": {
-            "*":
-            "new `muon_ns_problem` (the matrix, or batch of matrices, Newton-Schulz runs on), "
-            "`muon_momentum_step_` (the elementwise momentum step and Nesterov blend) and `muon_orthogonalize`; "
-            "`muon_update` becomes their composition and computes what it did. The ZeRO-3 boundary update runs "
-            "the elementwise step on each rank's partition and the orthogonalization on the owner rank.",
-            "0.19.7": " Also adds 0.19.8's `ns_compute_dtype` (the dtype each NS method computes in).",
-            "0.19.8": " `_per_head_orthogonalize` takes its shape check from `muon_ns_problem`.",
-        },
     },
     template="pr_muon.md",
+    tests_need=("muon-owner-plan", ),
+    code_needs=("muon-update-seam", "muon-owner-plan", "muon-pipeline"),
 )
 
 GRAD_WINDOW = Group(
-    "grad-window", 4, "ZeRO-3: a parameter without gradient in part of an accumulation window",
+    "grad-window", 5, "ZeRO-3: a parameter without gradient in part of an accumulation window",
     patterns=(
         "patches/*/0002-*.patch",
         "tests/unit/runtime/zero/test_zero3_grad_partition_window.py",
@@ -178,7 +212,7 @@ GRAD_WINDOW = Group(
 )
 
 LOSS_SCALE = Group(
-    "loss-scale", 5, "ZeRO-3: unscale by the loss scale of the step's backward",
+    "loss-scale", 6, "ZeRO-3: unscale by the loss scale of the step's backward",
     patterns=(
         "patches/*/0003-*.patch",
         "tests/unit/runtime/zero/test_zero3_backward_loss_scale.py",
@@ -193,7 +227,7 @@ LOSS_SCALE = Group(
 )
 
 UNIVERSAL = Group(
-    "universal-checkpoint", 6, "ZeRO-3 universal checkpoints: every optimizer state, loaded per sub-group at any "
+    "universal-checkpoint", 7, "ZeRO-3 universal checkpoints: every optimizer state, loaded per sub-group at any "
     "world size",
     patterns=(
         "deepspeed/checkpoint/zero3_universal.py",
@@ -229,7 +263,7 @@ UNIVERSAL = Group(
         "(`zero3_universal.checkpoint_version`).",
     },
     template="pr_universal_checkpoint.md",
-    tests_need=("muon", ),
+    tests_need=("zero3-muon", ),
     texts_if={
         "engine_problem": (("patches/*/0008-*.patch",
                             "\n- A regular checkpoint loaded at another data-parallel world size is refused with a "
@@ -252,7 +286,7 @@ UNIVERSAL = Group(
 )
 
 UNIVERSAL_MUON = Group(
-    "universal-muon", 7, "Universal checkpoints of Muon runs: the Muon state checked, the ZeRO-1/2 momentum restored",
+    "universal-muon", 8, "Universal checkpoints of Muon runs: the Muon state checked, the ZeRO-1/2 momentum restored",
     patterns=(
         "deepspeed/runtime/zero/muon/universal_state_checks.py",
         "deepspeed/runtime/zero/muon/zero12_universal_momentum.py",
@@ -273,12 +307,12 @@ UNIVERSAL_MUON = Group(
         "the BF16 optimizer's universal-checkpoint loader runs the same checks and momentum restore as ZeRO-1/2.",
     },
     template="pr_universal_muon.md",
-    tests_need=("muon", "universal-checkpoint"),
+    tests_need=("zero3-muon", "universal-checkpoint"),
     code_needs=("universal-checkpoint", ),
 )
 
 SELECTION = Group(
-    "muon-selection", 8, "Muon: embeddings and tied heads on Adam, client Muon optimizers, the selection reported",
+    "muon-selection", 9, "Muon: embeddings and tied heads on Adam, client Muon optimizers, the selection reported",
     patterns=(
         "deepspeed/runtime/zero/muon/param_selection.py",
         "patches/*/0010-*.patch",
@@ -299,32 +333,32 @@ SELECTION = Group(
         "`engine.muon_selection`.",
     },
     template="pr_selection.md",
-    tests_need=("muon", ),
+    tests_need=("zero3-muon", ),
 )
 
 ZERO12_CLIPPING = Group(
-    "zero12-muon-clipping", 9, "ZeRO-1/2 Muon: clip the raw gradient before the momentum, as ZeRO-3 and PyTorch do",
+    "zero12-muon-clipping", 10, "ZeRO-1/2 Muon: clip the raw gradient before the momentum, as ZeRO-3 and PyTorch do",
     patterns=(
         "deepspeed/runtime/zero/muon/zero12_update.py",
         "patches/*/0012-*.patch",
-        "tests/unit/runtime/zero/test_zero12_muon_clipping.py",
+        "tests/unit/runtime/zero/test_zero12_muon_*.py",
     ),
     notes={
         "deepspeed/runtime/zero/stage_1_and_2.py":
         "creates `Zero12MuonUpdate` in `__init__` (`None` unless the optimizer is Muon); at the accumulation "
         "boundary `get_flat_partition` hands each Muon group's accumulated gradients to it instead of running "
         "`muon_update`, so the partition, the global norm and `get_global_grad_norm()` hold the raw gradient; "
-        "`step()` calls `step_group` right after `unscale_and_clip_grads`, which replaces the partition's Muon "
-        "slices by the update of the clipped gradient; upstream's Muon path there (the update in the reduction "
+        "`step()` calls `update_group` right after `unscale_and_clip_grads`, which replaces the partition's Muon "
+        "slices by the update of the clipped gradient (with `offload_optimizer` through the distributed core); upstream's Muon path there (the update in the reduction "
         "and, with offload, before the norm, with its all-gather helpers and momentum staging) is deleted.",
     },
-    template="pr_zero12_update.md",
-    tests_need=("muon", ),
-    code_needs=("muon", ),
+    template="pr_zero12_clipping.md",
+    tests_need=("zero3-muon", ),
+    code_needs=("muon-update-seam", "muon-owner-plan", "muon-pipeline"),
 )
 
 ALLGATHER_BACKPORT = Group(
-    "allgather-wait-backport", 10, "ZeRO-3: wait on every handle of a coalesced parameter all-gather (backport)",
+    "allgather-wait-backport", 11, "ZeRO-3: wait on every handle of a coalesced parameter all-gather (backport)",
     patterns=(
         "patches/*/0005-*.patch",
         "tests/unit/runtime/zero/test_zero3_allgather_coalesced_wait.py",
@@ -341,7 +375,7 @@ ALLGATHER_BACKPORT = Group(
     "0.19.7 build gathers parameters correctly on gloo; it is not proposed upstream.",
 )
 
-GROUPS = (MUON, GRAD_WINDOW, LOSS_SCALE, UNIVERSAL, UNIVERSAL_MUON, SELECTION, ZERO12_CLIPPING, ALLGATHER_BACKPORT)
+GROUPS = (SEAM, PLAN, CORE, MUON, GRAD_WINDOW, LOSS_SCALE, UNIVERSAL, UNIVERSAL_MUON, SELECTION, ZERO12_CLIPPING, ALLGATHER_BACKPORT)
 
 
 class ExportError(zb.BuildError):
@@ -489,8 +523,19 @@ def _deepspeed_imports(path):
 
 def code_imported_groups(group, owners, repo_root):
     """{other group key: [(module of ``group``, imported module of that group)]}: the other groups
-    whose new modules ``group``'s new modules import."""
+    whose new modules ``group``'s new modules import, and those whose patches add to an upstream
+    module they import (``original_muon.py``'s new functions, e.g.) where that module is patched by
+    exactly one group."""
     owner_of = {path: key for key, paths in owners.items() for path in paths}
+    patched_by = {}
+    for key, paths in owners.items():
+        for path in paths:
+            if path.startswith("patches/"):
+                for target in _patched_files(Path(repo_root) / path):
+                    patched_by.setdefault(target, set()).add(key)
+    for target, keys in patched_by.items():
+        if len(keys) == 1:
+            owner_of.setdefault(target, next(iter(keys)))
     needed = {}
     for path in owners.get(group.key, []):
         if not (path.startswith("deepspeed/") and path.endswith(".py")):
@@ -500,6 +545,11 @@ def code_imported_groups(group, owners, repo_root):
             if key is not None and key != group.key:
                 needed.setdefault(key, []).append((path, dep))
     return needed
+
+
+def _patched_files(patch):
+    """Repository paths of the upstream files a patch modifies (its ``diff --git`` lines)."""
+    return [m.group(1) for m in re.finditer(r"^diff --git a/(\S+) b/", Path(patch).read_text(), re.M)]
 
 
 def imported_groups(group, owners, repo_root):

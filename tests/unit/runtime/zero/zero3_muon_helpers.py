@@ -1005,3 +1005,28 @@ def max_relative_error(pairs):
         scale = np.linalg.norm(expected)
         worst = max(worst, float(np.linalg.norm(expected - recorded) / (scale if scale > 0 else 1.0)))
     return worst
+
+
+# A step whose inputs hold a nan (test_zero3_muon_non_finite_step.py, test_zero12_muon_non_finite_step.py)
+
+
+def momentum_tensors(engine):
+    """Every Muon momentum tensor in the optimizer state, cloned, in state order."""
+    return [
+        s["momentum_buffer"].detach().clone() for s in engine.optimizer.optimizer.state.values()
+        if "momentum_buffer" in s
+    ]
+
+
+def train_one_step(engine, step, poison=False):
+    """One optimizer step (gas 1) of MixedMLP on ``step_batch("mixed", step)``; with ``poison`` the
+    first input of every rank is nan, so every gradient is."""
+    x, y = step_batch("mixed", step)
+    mb = engine.train_micro_batch_size_per_gpu()
+    rank = engine.global_rank
+    x, y = x[rank * mb:(rank + 1) * mb].clone(), y[rank * mb:(rank + 1) * mb]
+    if poison:
+        x[0, 0] = float("nan")
+    loss = loss_fn(engine(x), y)
+    engine.backward(loss)
+    engine.step()
