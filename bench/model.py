@@ -1,21 +1,32 @@
 # Copyright (c) 2026 The zero3muon authors
 # SPDX-License-Identifier: Apache-2.0
-"""Analytical model of Muon's per-step cost under ZeRO-3: traffic and Newton-Schulz work per rank.
+"""Analytical model of Muon's per-step cost: traffic, Newton-Schulz work and exchange buffers per rank.
 
 Pure Python (no torch): the owner plan comes from the patch's own ``owner_plan.py``, loaded by
-path, so the model is the code, not a re-derivation of it.
+path, so the model is the code, not a re-derivation of it. The plan is the one the patch builds:
+``owner_plan.plan_within_budget`` (the largest bucket size up to ``reduce_bucket_size`` whose
+exchange buffers, ``2 * depth - 1`` slots of them, fit the rank's momentum partition).
 
 Traffic is counted as elements received by one rank per optimizer step, the convention of
 ``bench/worker.py`` (ring algorithms; a rank's own chunk is not received):
 
-- patched (owner-centric): per bucket, rank r owning partitions of total size ``S_r`` out of the
-  bucket's ``T`` receives ``(W-1) S_r`` forward and ``T - S_r`` back; plus one all-reduce of one
-  flag per matrix. Averaged over ranks that is ``2 P (W-1) / W^2`` (+ flags), the lower bound.
-- stock 0.19.8 (``_apply_muon_to_accumulated_grads`` then ``_muon_update_sub_group``, no
+- patched ZeRO-3 (owner-centric): every rank holds ``ceil(numel / W)`` elements of every matrix;
+  per bucket, the owner of a matrix receives every other rank's piece of it and each rank gets
+  its piece of the update back. Averaged over ranks that is ``2 P (W - 1) / W^2``, the lower bound
+  (no flags travel: a non-finite step is skipped before the update).
+- patched ZeRO-1/2 with optimizer offload: each rank holds the slice of the flat buffer its
+  partition covers; a matrix's owner is one of its holders, so only a matrix that straddles a
+  partition boundary travels (its other pieces to the owner, the update's pieces back), plus one
+  flag all-reduced per Muon group (``zero12_update``: ZeRO-1/2 do not always skip a non-finite
+  step). Without offload nothing of Muon's crosses ranks but that flag.
+- stock 0.19.8 ZeRO-3 (``_apply_muon_to_accumulated_grads`` then ``_muon_update_sub_group``, no
   offload): the gradients are all-gathered, then the momenta; then, in rounds of W matrices, the
   updates and the momenta are all-gathered again (padded to the round's largest matrix when the
   round is ragged): ``4 P (W-1) / W`` plus the padding of ragged rounds. With optimizer offload
   every rank runs NS on every matrix.
+- stock 0.19.8 ZeRO-1/2 with offload (``_apply_muon_updates_cpu_offload``): per batch of matrices,
+  each rank packs its partition's pieces of the gradients and the momenta and all-gathers them
+  (``2 (W - 1)`` times the largest rank's Muon elements), so every rank orthogonalizes every matrix.
 - stock 0.19.7: the same per-round exchange inside the reduce path, on every micro-step.
 
 NS work is the plan's cost model (``newton_schulz_cost``, multiply-adds of one NS run), summed per
@@ -48,24 +59,163 @@ DEFAULT_BUCKET = 500_000_000  # DeepSpeed's default zero_optimization.reduce_buc
 LLAMA_7B = [(4096, 4096)] * 4 * 32 + [(11008, 4096), (11008, 4096), (4096, 11008)] * 32
 
 
-def specs_for(shapes: Sequence[Tuple[int, ...]], world_size: int) -> List:
-    return [owner_plan.MatrixSpec(tuple(s), math.ceil(math.prod(s) / world_size)) for s in shapes]
+DEFAULT_DEPTH = 2  # pipeline.DEFAULT_DEPTH: the patch's default pipeline_depth
 
 
-def patched_traffic(shapes, world_size, bucket_numel=DEFAULT_BUCKET) -> List[float]:
-    """Elements received per rank per optimizer step by the owner-centric exchange (one entry per
-    rank), flag all-reduce included."""
-    specs = specs_for(shapes, world_size)
+def muon_order(shapes) -> List[Tuple[int, ...]]:
+    """The order the optimizer keeps a Muon group's matrices in, which the flat buffers (ZeRO-1/2),
+    the sub-groups and the owner plan's buckets (ZeRO-3) follow: upstream ``MuonWithAuxAdam`` sorts
+    them by ``param.size()`` descending (stable), as tuples compare. Every function below takes
+    shapes in any order and uses this one."""
+    return sorted((tuple(s) for s in shapes), reverse=True)
+
+
+def slots_for_depth(depth: int) -> int:
+    """``pipeline.slots_for_depth`` (that module imports torch): exchange-buffer slots at ``depth``."""
+    return 2 * depth - 1
+
+
+def specs_for(shapes: Sequence[Tuple[int, ...]], ns_method: str = "gram") -> List:
+    """The owner plan's ``MatrixSpec`` of each 2-D shape (one Newton-Schulz problem of its own shape)."""
+    return [owner_plan.MatrixSpec(tuple(s), ns_method) for s in shapes]
+
+
+def zero3_pieces(shapes, world_size) -> List[Tuple[int, ...]]:
+    """ZeRO-3: every rank holds ``ceil(numel / W)`` elements of every matrix (zero-padded); in
+    ``muon_order``."""
+    return [(math.ceil(math.prod(s) / world_size), ) * world_size for s in muon_order(shapes)]
+
+
+def zero3_plan(shapes, world_size, bucket_numel=DEFAULT_BUCKET, depth=DEFAULT_DEPTH):
+    """The owner plan ``Zero3MuonUpdate`` builds for one sub-group of these matrices."""
+    return owner_plan.plan_within_budget(specs_for(muon_order(shapes)), zero3_pieces(shapes, world_size), world_size,
+                                         bucket_numel, slots_for_depth(depth))
+
+
+def zero12_layout(shapes, world_size) -> Tuple[int, List[Tuple[int, ...]]]:
+    """ZeRO-1/2's flat buffer of one parameter group: the matrices concatenated in order, padded
+    at the end to a multiple of ``2 W`` (``nccl_start_alignment_factor`` x W; no
+    ``parameter_alignment``), rank ``r`` holding ``[r * size, (r + 1) * size)``.
+
+    Returns:
+        ``(partition_size, pieces)``: per matrix (``muon_order``) the elements each rank holds of it.
+    """
+    shapes = muon_order(shapes)
+    total = sum(math.prod(s) for s in shapes)
+    alignment = 2 * world_size
+    size = math.ceil(total / alignment) * alignment // world_size
+    pieces, start = [], 0
+    for s in shapes:
+        end = start + math.prod(s)
+        pieces.append(tuple(max(0, min(end, (r + 1) * size) - max(start, r * size)) for r in range(world_size)))
+        start = end
+    return size, pieces
+
+
+def straddling(shapes, world_size) -> Tuple[int, int]:
+    """``(matrices, elements)`` of the matrices that straddle a ZeRO-1/2 partition boundary."""
+    _, pieces = zero12_layout(shapes, world_size)
+    split = [math.prod(s) for s, p in zip(muon_order(shapes), pieces) if sum(1 for n in p if n) > 1]
+    return len(split), sum(split)
+
+
+def zero12_plan(shapes, world_size, bucket_numel=DEFAULT_BUCKET, depth=DEFAULT_DEPTH):
+    """The owner plan ``Zero12MuonUpdate`` builds under optimizer offload (owners among holders)."""
+    _, pieces = zero12_layout(shapes, world_size)
+    holders = [[r for r, n in enumerate(p) if n] for p in pieces]
+    return owner_plan.plan_within_budget(specs_for(muon_order(shapes)), pieces, world_size, bucket_numel,
+                                         slots_for_depth(depth), holders=holders)
+
+
+def exchange_traffic(plan, pieces) -> List[float]:
+    """Elements each rank receives per step in the owner exchange of ``plan`` (own pieces excluded):
+    as owner every other rank's piece of the matrices it owns, and back its piece of every matrix
+    another rank owns."""
+    w = plan.world_size
+    received = [0.0] * w
+    for bucket in plan.buckets:
+        for j in bucket:
+            owner = plan.owners[j]
+            received[owner] += sum(pieces[j]) - pieces[j][owner]
+            for r in range(w):
+                if r != owner:
+                    received[r] += pieces[j][r]
+    return received
+
+
+def patched_traffic(shapes, world_size, bucket_numel=DEFAULT_BUCKET, depth=DEFAULT_DEPTH) -> List[float]:
+    """ZeRO-3: elements received per rank per optimizer step by the owner-centric exchange (one
+    entry per rank)."""
     if world_size == 1:
         return [0.0]
-    plan = owner_plan.plan_owners(specs, world_size, bucket_numel)
-    received = [2 * (world_size - 1) * len(specs) / world_size] * world_size  # finite flags
-    for bucket in plan.buckets:
-        total = sum(specs[j].partition_numel for j in bucket)
-        for r in range(world_size):
-            owned = sum(specs[j].partition_numel for j in bucket if plan.owners[j] == r)
-            received[r] += (world_size - 1) * owned + total - owned
+    return exchange_traffic(zero3_plan(shapes, world_size, bucket_numel, depth), zero3_pieces(shapes, world_size))
+
+
+def zero12_traffic(shapes, world_size, offload, groups=1, bucket_numel=DEFAULT_BUCKET,
+                   depth=DEFAULT_DEPTH) -> List[float]:
+    """Patched ZeRO-1/2: Muon elements received per rank per optimizer step: under offload the
+    exchange of the straddling matrices, plus (with or without offload) one int32 flag
+    all-reduced per Muon group (``groups``)."""
+    if world_size == 1:
+        return [0.0]
+    flags = [2 * (world_size - 1) / world_size * groups] * world_size
+    if not offload:
+        return flags
+    _, pieces = zero12_layout(shapes, world_size)
+    moved = exchange_traffic(zero12_plan(shapes, world_size, bucket_numel, depth), pieces)
+    return [a + b for a, b in zip(moved, flags)]
+
+
+def reserved_numel(plan, pieces, depth=DEFAULT_DEPTH) -> List[int]:
+    """Exchange-buffer elements each rank reserves for ``plan`` (``owner_plan.reserved_numel``)."""
+    return owner_plan.reserved_numel(plan, pieces, slots_for_depth(depth))
+
+
+def zero3_reserved_numel(shapes, world_size, bucket_numel=DEFAULT_BUCKET, depth=DEFAULT_DEPTH) -> List[int]:
+    """ZeRO-3: exchange-buffer elements each rank reserves (fp32: 4 bytes each), next to its
+    momentum partition of ``sum(zero3_pieces)`` elements."""
+    return reserved_numel(zero3_plan(shapes, world_size, bucket_numel, depth), zero3_pieces(shapes, world_size), depth)
+
+
+def stock_zero12_offload_traffic(shapes, world_size, momentum=True) -> float:
+    """Stock 0.19.8 ZeRO-1/2 with offload: Muon elements received per rank per step. One batch of
+    at most 64 MiB / (2 x 4 bytes) matrix elements at a time (fp32), each rank's pieces of the
+    gradients and (``momentum``: once it exists) the momenta packed into chunks of the largest
+    rank's share and all-gathered, ``(W - 1) / W`` of the gathered output received."""
+    w = world_size
+    if w == 1:
+        return 0.0
+    buffers = 2 if momentum else 1
+    max_buffer_bytes = 64 * 1024 * 1024
+    _, pieces = zero12_layout(shapes, w)
+    numels = [math.prod(s) for s in muon_order(shapes)]
+    batches, batch, batch_numel = [], [], 0
+    for j, n in enumerate(numels):  # _muon_param_batches
+        if batch and batch_numel + n > max_buffer_bytes // (2 * 4):
+            batches.append(batch)
+            batch, batch_numel = [], 0
+        batch.append(j)
+        batch_numel += n
+    if batch:
+        batches.append(batch)
+    received = 0.0
+    for batch in batches:
+        max_rank = max(sum(pieces[j][r] for j in batch) for r in range(w))
+        chunk = min(max_rank, max(1, max_buffer_bytes // ((w + 1) * buffers * 4)))
+        rounds = math.ceil(max_rank / chunk)
+        received += rounds * chunk * buffers * w * (w - 1) / w
     return received
+
+
+def zero12_ns_calls(shapes, world_size, offload, build="patched") -> int:
+    """Newton-Schulz calls per optimizer step summed over ranks at ZeRO-1/2: without offload every
+    rank orthogonalizes each matrix of its partition (a straddling one on every holder), on both
+    builds; with offload the patch once per matrix (on its owner), stock 0.19.8 every matrix on
+    every rank."""
+    if offload:
+        return len(shapes) * (world_size if build == "stock" else 1)
+    _, pieces = zero12_layout(shapes, world_size)
+    return sum(sum(1 for n in p if n) for p in pieces)
 
 
 def stock_0198_traffic(shapes, world_size, bucket_numel=DEFAULT_BUCKET) -> float:
@@ -74,7 +224,7 @@ def stock_0198_traffic(shapes, world_size, bucket_numel=DEFAULT_BUCKET) -> float
     w = world_size
     if w == 1:
         return 0.0
-    numels = [math.prod(s) for s in shapes]
+    numels = [math.prod(s) for s in muon_order(shapes)]
     received = 0.0
     for bucket in owner_plan.make_buckets(numels, bucket_numel):
         sizes = [numels[j] for j in bucket]
@@ -97,11 +247,10 @@ def lower_bound(shapes, world_size) -> float:
 def ns_work(shapes, world_size, mode: str, bucket_numel=DEFAULT_BUCKET) -> List[float]:
     """NS cost (multiply-adds) per rank per optimizer step. ``mode``: ``patched``,
     ``stock`` (0.19.8 round-robin) or ``stock-offload`` (every matrix on every rank)."""
-    specs = specs_for(shapes, world_size)
+    specs = specs_for(muon_order(shapes))
     costs = [owner_plan.newton_schulz_cost(s) for s in specs]
     if mode == "patched":
-        plan = owner_plan.plan_owners(specs, world_size, bucket_numel)
-        return list(plan.load())
+        return list(zero3_plan(shapes, world_size, bucket_numel).load())
     if mode == "stock-offload":
         return [sum(costs)] * world_size
     per_rank = [0.0] * world_size
@@ -113,13 +262,18 @@ def ns_work(shapes, world_size, mode: str, bucket_numel=DEFAULT_BUCKET) -> List[
 
 
 def summary(shapes, world_sizes: Sequence[int]) -> List[Dict]:
-    """One row per W: traffic / P (patched mean and max, bound, stock 0.19.8) and NS work per
-    rank relative to one NS of everything (patched max, stock max, stock offload)."""
+    """One row per W: traffic / P (patched mean and max, bound, stock 0.19.8), NS work per
+    rank relative to one NS of everything (patched max, stock max, stock offload), and the
+    patch's ZeRO-3 memory kept between steps over AdamW's two moments on the same partition
+    (``kept_over_adamw_max``: ``(momentum + reserved buffers) / (2 x momentum)`` on the rank where
+    it is largest; at most 1 where the buffers fit the budget)."""
     p = sum(math.prod(s) for s in shapes)
-    total_cost = sum(owner_plan.newton_schulz_cost(s) for s in specs_for(shapes, 1))
+    total_cost = sum(owner_plan.newton_schulz_cost(s) for s in specs_for(shapes))
     rows = []
     for w in world_sizes:
         traffic = patched_traffic(shapes, w)
+        momentum = [sum(p[r] for p in zero3_pieces(shapes, w)) for r in range(w)]
+        reserved = zero3_reserved_numel(shapes, w)
         rows.append(
             dict(world_size=w,
                  patched_mean=sum(traffic) / w / p,
@@ -128,5 +282,6 @@ def summary(shapes, world_sizes: Sequence[int]) -> List[Dict]:
                  stock_0198=stock_0198_traffic(shapes, w) / p,
                  ns_patched_max=max(ns_work(shapes, w, "patched")) / total_cost,
                  ns_stock_max=max(ns_work(shapes, w, "stock")) / total_cost,
-                 ns_stock_offload=1.0))
+                 ns_stock_offload=1.0,
+                 kept_over_adamw_max=max((m + b) / (2 * m) for m, b in zip(momentum, reserved))))
     return rows

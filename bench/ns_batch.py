@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Newton-Schulz on k same-shape matrices: one batched call against k calls, by matrix size.
 
-The measurement behind ``momentum_math.CPU_BATCH_MAX_ELEMENTS`` (which sizes an owner batches by
+The measurement behind ``newton_schulz.CPU_BATCH_MAX_ELEMENTS`` (which sizes an owner batches by
 default on the CPU). Run under a build's Python, e.g.::
 
     DS_ACCELERATOR=cpu python bench/ns_batch.py --threads 1

@@ -83,7 +83,8 @@ def time_vs_gas(results, path):
             pts = sorted(((r["gas"], r) for r in rows
                          if r["build"] == build and r["world_size"] == w and r["workload"] == wl and r["dtype"] == "fp32"
                          and not r["offload"] and r.get("reduce_bucket_size") is None
-                          and r.get("optimizer", "muon") == "muon" and r.get("batch_ns") is not False),
+                          and r.get("optimizer", "muon") == "muon" and r.get("batch_ns") is not False
+                          and r.get("stage", 3) == 3),
                          key=lambda p: p[0])
             if not pts:
                 continue
@@ -112,7 +113,7 @@ def _net_label(net):
 
 def ratio_vs_w(results, path):
     """Boundary micro-step time patched / stock 0.19.8 against W, one panel per link (no limit
-    first) and per patched build's line per Muon workload: median of the per-repeat ratios, error
+    first) and per patched build's line per ZeRO-3 Muon workload: median of the per-repeat ratios, error
     bars min-max (repeat i paired with repeat i). Returns False when no workload has both builds."""
     rows = results["rows"]
     nets = [n for n in results.get("nets", [""])]
@@ -122,7 +123,7 @@ def ratio_vs_w(results, path):
         for r in rows:
             if (r.get("net") or "") != net or not r["build"].startswith("patched") or r["world_size"] < 2:
                 continue
-            if r.get("optimizer", "muon") != "muon":
+            if r.get("optimizer", "muon") != "muon" or r.get("stage", 3) != 3:  # ZeRO-3 workloads
                 continue
             ref = next((x for x in rows if x["build"] == REFERENCE and (x.get("net") or "") == net
                         and x["world_size"] == r["world_size"] and x["name"] == r["name"]), None)

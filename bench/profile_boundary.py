@@ -1,6 +1,6 @@
 # Copyright (c) 2026 The zero3muon authors
 # SPDX-License-Identifier: Apache-2.0
-"""Profile the patched build's Muon boundary update (``Zero3MuonUpdate.apply``) with torch's profiler.
+"""Profile the patched build's Muon boundary update (``Zero3MuonUpdate.update_gradient``) with torch's profiler.
 
 Run under a build's Python with ``torch.distributed.run`` (W ranks, gloo, ``DS_ACCELERATOR=cpu``):
 
@@ -8,7 +8,7 @@ Run under a build's Python with ``torch.distributed.run`` (W ranks, gloo, ``DS_A
 
 Trains the workload (``bench/worker.py``'s models and config) for ``--warmup`` optimizer steps, then
 profiles ``--steps`` more and prints, on rank 0, the operators of the boundary update sorted by
-self CPU time and the share of ``apply`` spent in Newton-Schulz and in the all-to-alls (the rest is
+self CPU time and the share of ``update_gradient`` spent in Newton-Schulz and in the all-to-alls (the rest is
 what the lean-step work removes). ``--export DIR`` also writes a Chrome trace per rank.
 """
 
@@ -43,14 +43,14 @@ def main():
     model = worker.build_model(args.workload)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=worker.ds_config(cfg, world_size))
-    boundary = engine.optimizer.muon_update
-    apply = boundary.apply
+    update = engine.optimizer.zero3_muon
+    update_gradient = update.update_gradient
 
-    def profiled_apply(sub_group_id):
-        with record_function("muon_update.update_gradient"):
-            return apply(sub_group_id)
+    def profiled_update_gradient(sub_group_id):
+        with record_function("zero3_muon.update_gradient"):
+            return update_gradient(sub_group_id)
 
-    boundary.apply = profiled_apply
+    update.update_gradient = profiled_update_gradient
     # Newton-Schulz kernels, labelled where the owner calls them
     from deepspeed.runtime.zero.muon import original_muon
     for name in NS_OPS:
@@ -79,13 +79,13 @@ def main():
     events = prof.key_averages()
     total = {e.key: e for e in events}
     if rank == 0:
-        apply_us = total["muon_update.update_gradient"].cpu_time_total
+        update_us = total["zero3_muon.update_gradient"].cpu_time_total
         ns_us = sum(total[k].cpu_time_total for k in NS_OPS if k in total)
         a2a = [e for e in events if "all_to_all" in e.key]
         a2a_us = max((e.cpu_time_total for e in a2a), default=0.0)
-        print(f"W={world_size} {args.workload} gas={args.gas}: apply {apply_us / args.steps / 1e3:.1f} ms per step, "
-              f"Newton-Schulz {ns_us / apply_us:.1%}, all-to-all {a2a_us / apply_us:.1%}, "
-              f"rest {(apply_us - ns_us - a2a_us) / apply_us:.1%}")
+        print(f"W={world_size} {args.workload} gas={args.gas}: update_gradient {update_us / args.steps / 1e3:.1f} ms "
+              f"per step, Newton-Schulz {ns_us / update_us:.1%}, all-to-all {a2a_us / update_us:.1%}, "
+              f"rest {(update_us - ns_us - a2a_us) / update_us:.1%}")
         print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     if args.export:
         Path(args.export).mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,13 @@ Workloads (``bench/worker.py``): chains of bias-free Linear layers, every matrix
 4 matrices each: ``sq256`` (256x256), ``rect256`` (384x256 / 256x384), ``sq1024``, ``rect1024``
 (768x1024 / 1024x768); ``llama``: one Llama-shaped layer set (d x d q/k/v/o, f x d gate/up, d x f
 down; sizes in ``bench/worker.py``), with Newton-Schulz batched or one matrix at a time
-(``batch_ns``, patched builds), and AdamW runs (``optimizer: adamw``) as the step-time reference. All fp32 with ``gradient_clipping: 0``, ``reduce_scatter: false`` (stock
+(``batch_ns``, patched builds), and AdamW runs (``optimizer: adamw``) as the step-time reference;
+``decoder12`` (a GPT-shaped decoder, 12 matrices, 1,052,676 elements): Muon against AdamW at ZeRO-3
+(optimizer memory kept between steps and at the peak of ``step()``, targets <= AdamW on each build)
+and Muon at ZeRO-1 and ZeRO-2 with and without ``offload_optimizer: cpu`` (Muon traffic and NS
+calls; ``--grid memory`` runs only these). Variants of the patch (``pipeline_depth``, ``batch_ns``)
+are constructor arguments of its Muon update: the worker replaces the engine's with one built
+with them. All fp32 with ``gradient_clipping: 0``, ``reduce_scatter: false`` (stock
 refuses the default ``true`` with Muon; the patched build accepts both) and
 ``stage3_param_persistence_threshold: 0``; TorchDynamo off (NS eager on every build).
 """
@@ -30,6 +36,7 @@ refuses the default ``true`` with Muon; the patched build accepts both) and
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -69,21 +76,30 @@ BOUNDARY_TARGET_NET = {2: 0.6, 4: 0.4}
 MEMORY_TARGET_BUCKETS = 3.0  # boundary peak tensor bytes <= 3x the largest bucket's exchange bytes
 BATCH_NS_TARGET = 0.8  # batched NS time per step <= 0.8x one matrix at a time (llama)
 SAME_RESULTS_TOLERANCE = 1e-5  # relative loss difference, batched vs one-by-one NS
-MUON_ADAMW = ("sq1024-gas4-fp32", "llama-gas4-fp32", "sq1024-gas1-fp32")  # Muon workloads with an AdamW twin
+MUON_ADAMW = ("sq1024-gas4-fp32", "llama-gas4-fp32", "sq1024-gas1-fp32", "decoder12-gas2-fp32")  # with an AdamW twin
+DECODER12 = [(513, 171), (171, 171), (684, 171), (171, 684)] * 3  # bench/worker.py's decoder12 (DECODERS)
+LLAMA = ([(256, 256)] * 4 + [(688, 256)] * 2 + [(256, 688)]) * 4  # bench/worker.py's llama (LLAMAS)
+MODEL_SHAPES = dict(SHAPES, decoder12=DECODER12, llama=LLAMA)  # workload -> Muon matrix shapes, for bench/model.py
+KEPT_TARGET = 1.0  # Muon's optimizer memory kept between steps <= AdamW's on the same model
+PEAK_TARGET = 1.0  # Muon's optimizer memory at the peak of step() <= AdamW's
+ZERO12_TRAFFIC_TARGET = 1.0  # patched ZeRO-1/2 offload: Muon elements summed over ranks <= 2x straddling elements
 BATCH_NS_PAIR = ("llama-gas4-fp32-ns-batched", "llama-gas4-fp32-ns-onebyone")  # patched only: batch_ns True / False
 SMALL_BATCH_NS_PAIR = ("llama64-gas4-fp32-ns-batched", "llama64-gas4-fp32-ns-onebyone")  # the same, 64-wide
 # Fields kept per repeat (seconds, then bytes); the row's value is their median.
 TIMING_KEYS = ("boundary_time", "boundary_step_time", "step_time", "micro_time", "ns_seconds_per_step")
 MEMORY_KEYS = ("boundary_peak_bytes", "alloc_boundary_bytes", "alloc_peak_bytes", "alloc_peak_step_bytes",
-               "retained_muon_bytes")
+               "retained_muon_bytes", "optimizer_state_bytes", "kept_bytes", "step_peak_bytes", "alloc_live_bytes",
+               "alloc_live_kept_bytes")
 NO_NET = ""  # the net label of runs without a network limit
 
 
-def workload_config(name, workload, gas, steps, warmup, dtype="fp32", offload=False, only=None, patched=None, **extra):
+def workload_config(name, workload, gas, steps, warmup, dtype="fp32", offload=False, only=None, patched=None,
+                    stage=3, **extra):
     """One workload config as ``bench/worker.py`` reads it, plus two driver-only keys:
     ``only`` ("patched": run on patched builds only) and ``patched`` (keys merged into the config
-    on patched builds, e.g. ``batch_ns``, which stock builds do not know)."""
-    cfg = dict(name=name, workload=workload, stage=3, gas=gas, dtype=dtype, offload=offload, micro_batch=2,
+    on patched builds, e.g. ``batch_ns`` or ``pipeline_depth``, constructor arguments of the
+    patch's Muon update that stock builds do not have)."""
+    cfg = dict(name=name, workload=workload, stage=stage, gas=gas, dtype=dtype, offload=offload, micro_batch=2,
                steps=steps, warmup=warmup, **extra)
     if only:
         cfg["only"] = only
@@ -94,7 +110,7 @@ def workload_config(name, workload, gas, steps, warmup, dtype="fp32", offload=Fa
 
 def llama_and_adamw(steps, warmup):
     """The Llama-shaped workload at gas 4 on every build (patched: the default batching of
-    Newton-Schulz, ``momentum_math.batches``), on patched builds also with every same-shape
+    Newton-Schulz, ``newton_schulz.batches``), on patched builds also with every same-shape
     problem batched and with one matrix at a time (the batched-NS target's pair; the same for the
     64-wide ``llama64``, whose problems the CPU batches by default), and the AdamW
     twins of sq1024 and llama at gas 4 on every build (the Muon / AdamW step-time ratio)."""
@@ -113,6 +129,26 @@ def llama_and_adamw(steps, warmup):
     ]
 
 
+def memory_and_zero12(steps, warmup):
+    """On every build, at gas 2: the GPT-shaped ``decoder12`` (12 matrices, 1,052,676 elements) at
+    ZeRO-3 with Muon and with AdamW (the memory targets: optimizer memory kept between steps and at
+    the peak of ``step()``, with the allocator's whole-engine count, ``lifetime_memory``); then
+    ``decoder12`` and ``llama`` (28 matrices; one of them straddles the partition boundary at W=2,
+    where decoder12's boundary falls between two matrices) with Muon at ZeRO-1 and ZeRO-2, with and
+    without ``offload_optimizer: cpu`` (Muon traffic and NS calls)."""
+    out = [
+        workload_config("decoder12-gas2-fp32", "decoder12", 2, steps, warmup, optimizer="muon", lifetime_memory=True),
+        workload_config("decoder12-gas2-fp32-adamw", "decoder12", 2, steps, warmup, optimizer="adamw",
+                        lifetime_memory=True),
+    ]
+    for wl in ("decoder12", "llama"):
+        for stage in (1, 2):
+            for offload in (False, True):
+                out.append(workload_config(f"{wl}-zero{stage}-gas2-fp32{'-offload' if offload else ''}", wl, 2, steps,
+                                           warmup, offload=offload, stage=stage, optimizer="muon"))
+    return out
+
+
 def grid(kind: str, steps: int, warmup: int):
     """Workload configs of one launch.
 
@@ -120,13 +156,16 @@ def grid(kind: str, steps: int, warmup: int):
     gas 1 and CPU offload for each, gas 16 and bf16 for the ~256 workloads (stock 0.19.7 runs
     Newton-Schulz gas times per step: gas 16 on the 1024 workloads alone would take longer than
     the rest), plus ``llama_and_adamw``; ``full``: the full product plus ``llama_and_adamw``;
-    ``quick``: sq256 only, gas 1/4, fp32 and offload (a smoke run); ``net`` (the grid of a
+    ``quick``: sq256 only, gas 1/4, fp32 and offload (a smoke run); ``memory``: only
+    ``memory_and_zero12`` (which ``default`` and ``full`` hold too); ``net`` (the grid of a
     ``--net`` run): sq1024 and rect1024 at gas 1 (fp32), and sq1024's AdamW twin (at gas 1: over
     an emulated link the parameter all-gathers of every micro-step take seconds, so gas 4 would
     quadruple the run for the same boundary step).
     Raises ValueError for another kind."""
-    if kind not in ("default", "full", "quick", "net"):
+    if kind not in ("default", "full", "quick", "memory", "net"):
         raise ValueError(f"unknown grid {kind!r}")
+    if kind == "memory":
+        return memory_and_zero12(steps, warmup)
     if kind == "net":
         points = [(w, 1, "fp32", False) for w in ("sq1024", "rect1024")]
     else:
@@ -145,7 +184,7 @@ def grid(kind: str, steps: int, warmup: int):
         for w, g, d, o in points
     ]
     if kind in ("default", "full"):
-        configs += llama_and_adamw(steps, warmup)
+        configs += llama_and_adamw(steps, warmup) + memory_and_zero12(steps, warmup)
     if kind == "net":
         configs.append(workload_config("sq1024-gas1-fp32-adamw", "sq1024", 1, steps, warmup, optimizer="adamw"))
     return configs
@@ -175,16 +214,19 @@ def select_builds(pythons, net):
     return builds
 
 
+OVERLAP_DEPTHS = {"overlap": 2, "serial": 1}  # pipeline_depth of the overlap comparison's pair
+
+
 def overlap_grid(steps, warmup):
-    """Patched builds only: the exchange overlapped with NS or not, with buckets small enough to
-    make several (2 matrices, then 1 matrix, per bucket)."""
+    """Patched builds only: the exchange overlapped with NS (``pipeline_depth`` 2, the default) or
+    not (1), with ``reduce_bucket_size`` 2 and 1 matrices (the patch may pick smaller buckets, to
+    fit its buffers in the momentum partition)."""
     out = []
     for bucket in (2 * 1024 * 1024, 1024 * 1024):
-        for overlap in (True, False):
+        for kind, depth in OVERLAP_DEPTHS.items():
             out.append(
-                workload_config(f"sq1024-gas1-bucket{bucket // 1024}k-{'overlap' if overlap else 'serial'}",
-                                "sq1024", 1, steps, warmup, only="patched", reduce_bucket_size=bucket,
-                                overlap=overlap))
+                workload_config(f"sq1024-gas1-bucket{bucket // 1024}k-{kind}", "sq1024", 1, steps, warmup,
+                                only="patched", reduce_bucket_size=bucket, patched={"pipeline_depth": depth}))
     return out
 
 
@@ -336,6 +378,10 @@ def is_muon(row):
     return row.get("optimizer", "muon") == "muon" and bool(row.get("muon_elements"))
 
 
+def is_zero3(row):
+    return row.get("stage", 3) == 3
+
+
 def lower_bound(row):
     """2P(W-1)/W^2 elements for the row's P Muon elements (``model.lower_bound`` from the row's count)."""
     w = row["world_size"]
@@ -474,8 +520,9 @@ def main(argv=None):
                    help="a build's Python (dev.py bench passes patched-0.19.8 and stock-0.19.8; "
                    "with --all-bases 0.19.7's too)")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--grid", choices=("default", "full", "quick"), default="default",
-                   help="workloads (ignored with --net, which runs the net grid)")
+    p.add_argument("--grid", choices=("default", "full", "quick", "memory"), default="default",
+                   help="workloads (ignored with --net, which runs the net grid); memory: only the decoder12 rows "
+                   "(ZeRO-3 Muon and AdamW memory, ZeRO-1/2 Muon traffic and NS calls), which default and full hold too")
     p.add_argument("--repeats", type=int, default=5,
                    help="interleaved launches per build, world size and link (medians and min-max over them); "
                    "a launch of the default grid took 50 to 65 s at W=2 on 2 shared cores, so the default run "
@@ -560,7 +607,7 @@ def report(results, errors, builds, args, configs, extra, out, elapsed, links, d
           "traffic run on both builds; the micro-step also carries the parameter all-gathers, the same on both).\n")
     print("Per optimizer step and rank. NS: Newton-Schulz calls summed over ranks (micro: on non-boundary "
           "micro-steps). Muon recv: Muon elements received per rank (mean over ranks; micro-steps included), "
-          "/bound: over 2P(W-1)/W^2. Times (ms): median [min-max] over repeats, slowest rank; boundary: the "
+          "/bound: over 2P(W-1)/W^2 (ZeRO-3 rows). Times (ms): median [min-max] over repeats, slowest rank; boundary: the "
           "boundary micro-step, step(): engine.step() in it, step: the optimizer step (every micro-step). RSS: "
           "resident memory of the boundary micro-step above its start; tensor: peak live tensor bytes of step() "
           "at the boundary above its start plus retained (Muon buffers kept across steps); MiB, largest over "
@@ -577,6 +624,10 @@ def report(results, errors, builds, args, configs, extra, out, elapsed, links, d
             print()
             print_ratio_table(results, builds, net, w, names)
             print()
+            if print_memory_table(results, builds, net, w, names):
+                print()
+            if print_zero12_table(results, builds, net, w, names):
+                print()
             lines += target_lines(results, builds, net, w, names, links, errors)
     print("=== targets ===")
     for line in lines:
@@ -606,7 +657,7 @@ def print_results_table(results, errors, builds, net, w, names):
             table.append([
                 name, build, f"{r['ns_calls_per_step']:.0f}/{r['muon_matrices']}", f"{r['ns_calls_micro_per_step']:.0f}",
                 f"{muon_traffic(r) / r['muon_elements']:.3f} P" if muon else "-",
-                f"{muon_traffic(r) / lower_bound(r):.3f}" if muon else "-",
+                f"{muon_traffic(r) / lower_bound(r):.3f}" if muon and is_zero3(r) else "-",
                 fmt_spread(r, "boundary_time", 1e3), fmt_spread(r, "boundary_step_time", 1e3),
                 fmt_spread(r, "step_time", 1e3), fmt_spread(r, "ns_seconds_per_step", 1e3),
                 fmt(mib(r.get("boundary_peak_bytes")), ".1f"), fmt(mib(r.get("alloc_boundary_bytes")), ".1f"),
@@ -614,6 +665,95 @@ def print_results_table(results, errors, builds, net, w, names):
             ])
     print_table(["workload", "build", "NS/matrices", "NS micro", "Muon recv", "/bound", "boundary ms", "step() ms",
                  "step ms", "NS ms", "RSS MiB", "tensor MiB", "retained MiB", "bucket MiB"], table)
+
+
+def print_memory_table(results, builds, net, w, names):
+    """Muon against AdamW on the same model (ZeRO-3 workloads with an ``-adamw`` twin): the
+    optimizer's memory kept between steps and at the peak of ``step()``, MiB, largest rank, median
+    [min-max] over repeats, and the paired ratio. Returns whether anything was printed."""
+    rows = []
+    for build in builds:
+        for name, muon, adamw in adamw_pairs(results, net, build, w, names):
+            for opt, r in (("Muon", muon), ("AdamW", adamw)):
+                rows.append([name, build, opt, fmt(mib(r.get("optimizer_state_bytes")), ".3f"),
+                             fmt(mib(r.get("retained_muon_bytes")), ".3f"), fmt_spread(r, "kept_bytes", 2**-20, ".3f"),
+                             fmt_spread(r, "alloc_peak_step_bytes", 2**-20, ".3f"),
+                             fmt_spread(r, "step_peak_bytes", 2**-20, ".3f"), fmt(mib(r.get("alloc_live_bytes")), ".3f"),
+                             fmt(mib(r.get("alloc_live_kept_bytes")), ".3f"),
+                             "" if r is adamw else fmt_ratio(ratio_spread(muon, adamw, "kept_bytes"), ".3f"),
+                             "" if r is adamw else fmt_ratio(ratio_spread(muon, adamw, "step_peak_bytes"), ".3f")])
+            diff = {k: paired_differences(muon, adamw, k) for k in ("kept_bytes", "alloc_live_bytes", "alloc_live_kept_bytes")}
+            if diff["alloc_live_bytes"]:
+                rows.append([name, build, "Muon-AdamW", "", ""] +
+                            [diff["kept_bytes"].format(".3f", 2**-20) if diff["kept_bytes"] else "-", "", ""] +
+                            [diff[k].format(".3f", 2**-20) if diff[k] else "-"
+                             for k in ("alloc_live_bytes", "alloc_live_kept_bytes")] + ["", ""])
+    if not rows:
+        return False
+    print(f"Optimizer memory, Muon vs AdamW on the same model, W={w} (MiB, largest rank; state: tensors of the "
+          "optimizer state, by introspection; buffers: the exchange buffers (patched) or all-gather cache (stock) "
+          "kept across steps; kept = state + buffers; step() = allocator peak of engine.step() above its start; "
+          "peak = kept + step(); live: allocator bytes allocated in initialize and in the warm-up steps' step() and "
+          "live at their end, whatever holds them; kept then: kept at that moment, by introspection; Muon-AdamW: "
+          "differences over paired repeats, live against kept then: what the allocator sees beyond the "
+          "introspection (a repeat can hold a parameter-sized block more, on either side: a copy ZeRO-3's "
+          "initialize gathered)):")
+    print_table(["workload", "build", "optimizer", "state", "buffers", "kept", "step()", "peak", "live", "kept then",
+                 "kept ratio", "peak ratio"], rows)
+    return True
+
+
+def paired_differences(numerator_row, denominator_row, key):
+    """Median and min-max of ``numerator_row[key] - denominator_row[key]`` over paired repeats."""
+    a, b = per_repeat(numerator_row, key), per_repeat(denominator_row, key)
+    return spread([a[i] - b[i] for i in sorted(set(a) & set(b))])
+
+
+def print_zero12_table(results, builds, net, w, names):
+    """ZeRO-1/2 Muon rows: Muon elements received per rank per step (mean, busiest, by collective),
+    summed over ranks, against the model and the straddling matrices; NS calls per step summed over
+    ranks; the other traffic (gradient reduction, parameter all-gathers) for comparison. Returns
+    whether anything was printed."""
+    rows = []
+    for name, build, r in zero12_rows(results, builds, net, w, names):
+        patched, shapes = build.startswith("patched"), MODEL_SHAPES.get(r["workload"])
+        predicted = ns_model = None
+        if shapes:
+            if patched:
+                predicted = sum(model.zero12_traffic(shapes, w, r.get("offload")))
+            elif r.get("offload"):
+                predicted = model.stock_zero12_offload_traffic(shapes, w) * w
+            ns_model = model.zero12_ns_calls(shapes, w, r.get("offload"), "patched" if patched else "stock")
+        collectives = ", ".join(f"{c} {v:.0f}" for c, v in (r.get("muon_elements_by_collective") or {}).items()) or "-"
+        rows.append([name, build, f"{fmt(r.get('muon_straddling_matrices'), '.0f')} / "
+                     f"{fmt(r.get('muon_straddling_elements'), '.0f')}", f"{muon_traffic(r):.0f}",
+                     f"{r['muon_elements_boundary_max'] + r['muon_elements_micro_max']:.0f}",
+                     f"{zero12_summed_traffic(r):.0f}", fmt(predicted, ".0f"), collectives,
+                     f"{r['ns_calls_per_step']:.0f}/{r['muon_matrices']}", fmt(ns_model, ".0f"),
+                     f"{r['ns_calls_micro_per_step']:.0f}",
+                     f"{r.get('other_elements_boundary_mean', 0) + r.get('other_elements_micro_mean', 0):.0f}",
+                     fmt_spread(r, "step_time", 1e3), fmt(mib(r.get("kept_bytes")), ".2f")])
+    if not rows:
+        return False
+    print(f"ZeRO-1/2 Muon at W={w}, per optimizer step: straddling = Muon matrices crossing a partition boundary / "
+          "their elements; Muon recv per rank (mean, busiest) and summed over ranks, model = bench/model.py's "
+          "prediction of the sum (patched: owner exchange + one flag per group; stock offload: the all-gathers); "
+          "by collective: per rank mean; NS summed over ranks / matrices (model), micro: on non-boundary "
+          "micro-steps; other: the rest of the traffic per rank (gradient reduction, parameter all-gathers); "
+          "step ms; kept: optimizer state + Muon buffers, MiB, largest rank")
+    print_table(["workload", "build", "straddling", "Muon recv mean", "busiest", "summed", "model", "by collective",
+                 "NS/matrices", "NS model", "NS micro", "other recv", "step ms", "kept MiB"], rows)
+    ratio_rows = []
+    for name, build, r in zero12_rows(results, builds, net, w, names):
+        ref = results.get((net, REFERENCE, w, name))
+        if build.startswith("patched") and ref:
+            ratio_rows.append([name, build, f"{muon_traffic(r) / muon_traffic(ref):.4f}" if muon_traffic(ref) else "-",
+                               f"{r['ns_calls_per_step'] / ref['ns_calls_per_step']:.2f}" if ref["ns_calls_per_step"]
+                               else "-", fmt_ratio(ratio_spread(r, ref, "step_time"))])
+    if ratio_rows:
+        print(f"ZeRO-1/2 patched / {REFERENCE} at W={w}:")
+        print_table(["workload", "build", "Muon recv", "NS calls", "step time"], ratio_rows)
+    return True
 
 
 def print_ratio_table(results, builds, net, w, names):
@@ -674,13 +814,16 @@ def target_lines(results, builds, net, w, names, links, errors=None):
     build present, against stock 0.19.8 (``errors``: why a workload has no row, for reasons)."""
     out = []
     rate_text = "" if net == NO_NET else f" link {links.describe(net, w).split(',')[0].replace('link ', '')}"
-    muon_names = [n for n in names if any(is_muon(r) for (nt, b, ww, nn), r in results.items()
-                                           if nt == net and ww == w and nn == n)]
+    # the ZeRO-3 targets; the ZeRO-1/2 rows have their own (zero12_lines)
+    muon_names = [
+        n for n in names
+        if any(is_muon(r) and is_zero3(r) for (nt, b, ww, nn), r in results.items() if nt == net and ww == w and nn == n)
+    ]
     for build in builds:
         if not build.startswith("patched"):
             continue
         mine = {n: results.get((net, build, w, n)) for n in names}
-        mine = {n: r for n, r in mine.items() if r}
+        mine = {n: r for n, r in mine.items() if r and is_zero3(r)}
         if not mine:
             continue
         pair = f"{build}/{REFERENCE}"
@@ -707,7 +850,100 @@ def target_lines(results, builds, net, w, names, links, errors=None):
         if net == NO_NET:
             out += batch_ns_lines(results, net, build, w, names, errors)
             out += traffic_lines(mine, build, w)
+    out += kept_memory_lines(results, builds, net, w, names, rate_text)
+    if net == NO_NET:
+        out += zero12_lines(results, builds, net, w, names)
     return out + muon_adamw_lines(results, builds, net, w, rate_text)
+
+
+def target_with_figures(name, value, met, figures, spec=".2f"):
+    """``target_line`` with the figures behind it in parentheses whether met or MISSED."""
+    line = target_line(name, value, met, figures, spec=spec)
+    return f"{line} ({figures})" if met and value is not None else line
+
+
+def adamw_pairs(results, net, build, w, names):
+    """``(name, Muon row, AdamW row)`` of every ZeRO-3 Muon workload of ``names`` whose
+    ``-adamw`` twin ran on ``build`` too."""
+    out = []
+    for name in names:
+        muon, adamw = results.get((net, build, w, name)), results.get((net, build, w, name + "-adamw"))
+        if muon and adamw and is_muon(muon) and is_zero3(muon):
+            out.append((name, muon, adamw))
+    return out
+
+
+def kept_memory_lines(results, builds, net, w, names, rate_text=""):
+    """The memory targets against AdamW, per build (patched and stock) and Muon workload with an
+    AdamW twin: the optimizer's memory kept between steps (``kept_bytes``: state plus the buffers
+    kept across steps) and at the peak of ``step()`` (``step_peak_bytes``), Muon / AdamW on the
+    same model, median of the per-repeat ratios (range in the reason), each <= 1. A ratio nobody
+    measured is MISSED."""
+    out = []
+    for build in builds:
+        for name, muon, adamw in adamw_pairs(results, net, build, w, names):
+            for key, limit, what in (("kept_bytes", KEPT_TARGET, "optimizer memory kept between steps"),
+                                     ("step_peak_bytes", PEAK_TARGET, "optimizer memory at the peak of step()")):
+                sp = ratio_spread(muon, adamw, key)
+                reason = (f"Muon {fmt(mib(muon.get(key)), '.2f')} MiB vs AdamW {fmt(mib(adamw.get(key)), '.2f')} MiB; "
+                          f"Muon: state {fmt(mib(muon.get('optimizer_state_bytes')), '.2f')} + buffers "
+                          f"{fmt(mib(muon.get('retained_muon_bytes')), '.2f')}"
+                          + (f" + step() above its start {fmt(mib(muon.get('alloc_peak_step_bytes')), '.2f')}"
+                             if key == "step_peak_bytes" else "")
+                          + f" MiB; per-repeat ratios {sp.low:.3f}-{sp.high:.3f} over {sp.n}" if sp else
+                          "not measured: no " + key + " in both rows")
+                out.append(target_with_figures(f"{what} Muon/AdamW {build} {name} W={w}{rate_text} <= {limit:g}",
+                                               sp.median if sp else None, sp is not None and sp.median <= limit, reason,
+                                               spec=".3f"))
+    return out
+
+
+def zero12_rows(results, builds, net, w, names):
+    """``(name, build, row)`` of the ZeRO-1/2 Muon rows."""
+    return [(n, b, results[(net, b, w, n)]) for n in names for b in builds
+            if (net, b, w, n) in results and not is_zero3(results[(net, b, w, n)]) and is_muon(results[(net, b, w, n)])]
+
+
+def zero12_summed_traffic(row):
+    """Muon elements received per optimizer step, summed over ranks (micro-steps included)."""
+    return muon_traffic(row) * row["world_size"]
+
+
+def zero12_lines(results, builds, net, w, names):
+    """ZeRO-1/2 Muon, per patched build and row: with offload, the elements the owner exchange
+    (all-to-all) delivers per step summed over ranks at most twice the elements of the straddling
+    matrices (each goes to one of its holders and back; the one flag per group all-reduced beside
+    it is in the detail's total), and NS calls per step summed over ranks equal to the Muon matrices;
+    without offload, NS on every holder of a matrix and no Muon traffic but one flag per group.
+    Information lines: stock 0.19.8 on the same rows."""
+    out = []
+    for name, build, r in zero12_rows(results, builds, net, w, names):
+        where = f"{build} {name} W={w}"
+        summed, straddle = zero12_summed_traffic(r), r.get("muon_straddling_elements")
+        ns, matrices = r["ns_calls_per_step"], r["muon_matrices"]
+        detail = (f"Muon recv {summed:.0f} elements per step summed over ranks (per rank mean "
+                  f"{muon_traffic(r):.0f}, busiest {r['muon_elements_boundary_max'] + r['muon_elements_micro_max']:.0f}); "
+                  f"straddling {fmt(r.get('muon_straddling_matrices'), '.0f')} matrices, {fmt(straddle, '.0f')} "
+                  f"elements; NS {ns:.0f} per step for {matrices} matrices")
+        if not build.startswith("patched"):
+            out.append(f"  info {where}: {detail}")
+            continue
+        if r.get("offload"):
+            exchanged = (r.get("muon_elements_by_collective") or {}).get("all_to_all_single", 0.0) * r["world_size"]
+            if straddle is None:
+                value = None
+            else:
+                value = exchanged / (2 * straddle) if straddle else (0.0 if exchanged == 0 else math.inf)
+            out.append(target_with_figures(f"ZeRO-1/2 offload Muon exchange (all-to-all) recv summed over ranks / (2 x "
+                                           f"straddling elements) {where} <= {ZERO12_TRAFFIC_TARGET:g}", value,
+                                           value is not None and value <= ZERO12_TRAFFIC_TARGET,
+                                           f"exchange {exchanged:.0f} elements; {detail}", spec=".3f"))
+            out.append(target_line(f"ZeRO-1/2 offload NS calls per step summed over ranks {where} = Muon matrices "
+                                   f"({matrices})", ns, ns == matrices and not r["ns_calls_micro_per_step"], detail,
+                                   spec=".0f"))
+        else:
+            out.append(f"  info {where}: {detail}")
+    return out
 
 
 def memory_lines(results, net, build, w, muon_names, mine, pair, rate_text):
@@ -818,41 +1054,48 @@ def traffic_lines(mine, build, w):
 
 
 def print_model(results, builds, world_sizes):
-    print("=== model check: measured Muon recv per rank / bench/model.py (fp32, gas 4, no offload) ===")
+    print("=== model check: measured Muon recv per rank / bench/model.py (ZeRO-3, fp32, gas 4 (decoder12: 2), "
+          "no offload) ===")
     rows = []
+    checked = {f"{wl}-gas4-fp32": shapes for wl, shapes in SHAPES.items()}
+    checked.update({"llama-gas4-fp32": LLAMA, "decoder12-gas2-fp32": DECODER12})
     for w in world_sizes:
-        for wl, shapes in SHAPES.items():
+        for name, shapes in checked.items():
             for build, predict in (("patched-0.19.8", lambda: sum(model.patched_traffic(shapes, w)) / w),
                                    ("patched-0.19.7", lambda: sum(model.patched_traffic(shapes, w)) / w),
                                    ("stock-0.19.8", lambda: model.stock_0198_traffic(shapes, w))):
-                r = results.get((NO_NET, build, w, f"{wl}-gas4-fp32"))
+                r = results.get((NO_NET, build, w, name))
                 if r:
-                    rows.append([w, wl, build, f"{muon_traffic(r):.0f}", f"{predict():.0f}",
+                    rows.append([w, name.split("-")[0], build, f"{muon_traffic(r):.0f}", f"{predict():.0f}",
                                  f"{muon_traffic(r) / predict():.4f}"])
     print_table(["W", "workload", "build", "measured", "model", "ratio"], rows)
     print()
     print("=== model: Llama-2 7B projections (224 Muon matrices, P = 6.48e9), default reduce_bucket_size ===")
-    print("traffic: Muon elements received per rank per step / P; NS work: busiest rank's share of all NS work")
+    print("traffic: Muon elements received per rank per step / P; NS work: busiest rank's share of all NS work; "
+          "kept/AdamW: the patch's momentum + exchange buffers over AdamW's two moments on the same partition "
+          "(pipeline_depth 2), largest over ranks")
     rows = [[r["world_size"], f"{r['bound']:.4g}", f"{r['patched_mean']:.4g}", f"{r['patched_max']:.4g}",
              f"{r['stock_0198']:.4g}", f"{r['stock_0198'] / r['patched_max']:.1f}", f"{r['ns_patched_max']:.4g}",
-             f"{r['ns_stock_max']:.4g}", "1"] for r in model.summary(model.LLAMA_7B, MODEL_WS)]
+             f"{r['ns_stock_max']:.4g}", "1", f"{r['kept_over_adamw_max']:.3f}"]
+            for r in model.summary(model.LLAMA_7B, MODEL_WS)]
     print_table(["W", "bound", "patched mean", "patched max", "stock 0.19.8", "stock/patched max", "NS patched",
-                 "NS stock", "NS stock offload"], rows)
+                 "NS stock", "NS stock offload", "kept/AdamW"], rows)
     print()
 
 
 def print_overlap(results, builds, world_sizes, extra):
-    print("=== overlap: exchange of bucket k+1 in flight while the owner orthogonalizes bucket k ===")
+    print("=== overlap: pipeline_depth 2 (the next bucket's exchange in flight while the owner orthogonalizes) "
+          "against 1 (serial) ===")
     rows = []
     for w in world_sizes:
         for build in builds:
             if not build.startswith("patched"):
                 continue
             for c in extra:
-                if not c["overlap"]:
+                if not c["name"].endswith("-overlap"):
                     continue
                 on = results.get((NO_NET, build, w, c["name"]))
-                off = results.get((NO_NET, build, w, c["name"].replace("overlap", "serial")))
+                off = results.get((NO_NET, build, w, c["name"][:-len("overlap")] + "serial"))
                 if on and off:
                     rows.append([w, build, c["name"].rsplit("-", 1)[0], f"{off['boundary_time'] * 1e3:.0f}",
                                  f"{on['boundary_time'] * 1e3:.0f}", f"{on['boundary_time'] / off['boundary_time']:.2f}",

@@ -24,11 +24,14 @@ all-gather ``(W-1)/W`` of the output; reduce-scatter ``(W-1)`` times the output;
 non-source ranks.
 
 Config keys (one dict per workload; ``run_bench.grid`` builds them): ``name``, ``workload`` (a
-key of ``WORKLOADS`` or ``LLAMAS``), ``stage``, ``gas``, ``dtype`` (``fp32``/``bf16``), ``offload``,
-``micro_batch``, ``steps`` (measured), ``warmup``; optional ``reduce_bucket_size``, ``optimizer``
-(``muon`` default, ``adamw``), ``overlap`` and ``batch_ns`` (set on the patch's
-``muon_update`` where it has that attribute; ``None`` leaves the default), ``memory_step``
-(default True), ``save_weights``.
+key of ``WORKLOADS``, ``LLAMAS`` or ``DECODERS``), ``stage``, ``gas``, ``dtype`` (``fp32``/``bf16``),
+``offload``, ``micro_batch``, ``steps`` (measured), ``warmup``; optional ``reduce_bucket_size``,
+``optimizer`` (``muon`` default, ``adamw``), ``pipeline_depth`` and ``batch_ns`` (constructor
+arguments of the patch's Muon update: where either is given and not ``None``, the engine's
+``optimizer.zero3_muon`` (ZeRO-3) or ``optimizer.zero12_muon`` (ZeRO-1/2) is replaced by a new
+one built with them, ``configure_muon_update``; a build without such an object or argument is left
+as it is), ``memory_step`` (default True), ``lifetime_memory`` (default False: see
+``alloc_live_bytes``), ``save_weights``.
 
 Writes one JSON line per finished workload to ``--out`` (rank 0) and prints ``START name`` /
 ``DONE name`` so the driver can tell which workload a crash or hang hit. A row holds the config's
@@ -51,16 +54,38 @@ optimizer step (all its micro-steps), times in seconds, sizes in bytes:
 - ``boundary_peak_bytes``: resident-set (or device allocator) peak of the boundary micro-step
   above its start, slowest rank, median over steps (measured during the timed steps).
 - ``alloc_peak_bytes`` / ``alloc_peak_step_bytes``: allocator peak above the start of the extra
-  step's boundary micro-step / of its ``engine.step()``; ``retained_muon_bytes``: what the Muon
-  path keeps allocated across steps (``retained_muon_bytes``); ``alloc_boundary_bytes``:
+  step's boundary micro-step / of its ``engine.step()``; ``retained_muon_bytes``: the exchange
+  buffers the Muon path keeps allocated across steps (``retained_muon_bytes``); ``alloc_boundary_bytes``:
   ``alloc_peak_step_bytes + retained_muon_bytes`` per rank. Max over ranks; None without
   ``memory_step`` (and the last two where the retained bytes are unknown, stock 0.19.7).
+- ``optimizer_state_bytes``: bytes of the tensors the optimizer keeps in its state between steps
+  (``optimizer_state_bytes``: Muon's momentum and the auxiliary Adam's moments, or AdamW's two
+  moments); ``kept_bytes``: ``optimizer_state_bytes + retained_muon_bytes``, the optimizer's memory
+  kept between steps; ``step_peak_bytes``: ``kept_bytes + alloc_peak_step_bytes``, the optimizer's
+  memory at the peak of ``engine.step()`` (kept memory plus what the step allocates above its
+  start). Per rank, then max over ranks (after the extra step; None where a part is unknown).
+- ``alloc_live_bytes`` (``lifetime_memory`` configs only, else None): the CPU allocator's bytes
+  allocated inside ``deepspeed.initialize`` or inside ``engine.step()`` of the warm-up steps and
+  still live at their end (``torch.profiler`` memory events: partitions, flat buffers, optimizer
+  state, exchange buffers: what the engine sets up and what its steps keep; not what forward and
+  backward allocate, such as gathered parameters, whose number alive at a given moment varies;
+  ZeRO-3's initialize gathers every parameter once to register its hooks, and now and then one
+  such copy is still alive at the end: a parameter-sized block of noise); max over ranks; ``alloc_live_kept_bytes``: ``kept_bytes`` by introspection at that same moment
+  (the end of the warm-up steps; stock 0.19.8's all-gather cache can differ there from later
+  steps). Muon minus AdamW of the two must agree: the allocator checks the introspection.
+- ``muon_straddling_matrices`` / ``muon_straddling_elements`` (ZeRO-1/2, else None): the Muon
+  matrices whose flat-buffer range crosses a partition boundary (``param_to_partition_ids``) and
+  their elements.
+- ``muon_elements_by_collective``: per collective (``all_to_all_single``, ``all_gather_into_tensor``,
+  ...) that delivered any, the Muon elements received per rank per step, mean over ranks.
 - ``loss_last``: rank 0's loss on the last measured boundary micro-step.
-- ``boundary_settings``: ``overlap`` / ``batch_ns`` as the patch's boundary ran them, for those
-  it has (rank 0; None on stock or without Muon): a config key the build lacks is not applied.
+- ``boundary_settings``: ``pipeline_depth`` / ``batch_ns`` as the patch's Muon update ran them
+  (from its pipelines; ``pipeline_depth`` None where no pipeline runs, ZeRO-1/2 without offload),
+  and ``muon_buckets``, the buckets of its plans (rank 0; None on stock or without Muon).
 - ``muon_stats``: the patch's ``ExchangeStats`` on rank 0 after the measured steps (None on stock);
-  ``bucket_bound_bytes``: the patch's ``bucket_exchange_bytes()`` (its two exchange buffers for
-  its largest bucket), max over ranks (None on stock).
+  ``bucket_bound_bytes``: the fp32 bytes of the patch's two exchange buffers for its largest
+  bucket (send and receive, from its pipelines' layouts), max over ranks (None on stock or where
+  no pipeline runs).
 """
 
 import argparse
@@ -75,6 +100,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 import deepspeed
 import deepspeed.comm as ds_comm
@@ -98,7 +124,14 @@ LLAMAS = {"llama": dict(hidden=256, intermediate=688, layers=4), "llama64": dict
 """The Llama-shaped workloads' shapes: per layer q, k, v, o (hidden x hidden), gate and up
 (intermediate x hidden), down (hidden x intermediate), as in a small Llama without embeddings;
 ``llama64`` has problems small enough for the CPU to gain from batching them
-(``momentum_math.CPU_BATCH_MAX_ELEMENTS``)."""
+(``newton_schulz.CPU_BATCH_MAX_ELEMENTS``)."""
+DECODERS = {"decoder12": dict(hidden=171, layers=3)}
+"""GPT-shaped decoders (``DecoderShaped``): per layer the fused attention input (3 hidden x hidden),
+its output (hidden x hidden), the MLP's up (4 hidden x hidden) and down (hidden x 4 hidden)
+projections. ``decoder12``: 12 Muon matrices, 1,052,676 elements, the memory and ZeRO-1/2 rows of
+the benchmark (a 12-matrix decoder of about 1.05M elements, as in the review issue, whose own
+shapes are not in the repository: these are GPT-2's proportions). At ZeRO-1/2 its W=2 partition
+boundary falls between two matrices (Muon orders them by size), at W=4 three matrices straddle."""
 
 
 def _is_muon_caller() -> bool:
@@ -185,6 +218,8 @@ class CommCounter:
                 kind = "muon" if _is_muon_caller() else "other"
                 self.totals[(kind, "elements")] += elements
                 self.totals[(kind, "bytes")] += elements * like.element_size()
+                if kind == "muon":
+                    self.totals[(f"muon:{name}", "elements")] += elements
             return method(*args, **kwargs)
 
         return counted
@@ -262,10 +297,44 @@ class LlamaShaped(torch.nn.Module):
         return x
 
 
+class DecoderShaped(torch.nn.Module):
+    """A GPT-shaped decoder's Muon matrices (``DECODERS``) under a residual forward that uses each:
+    per layer, with ``n`` a weightless RMS norm, ``q, k, v = attn(n(x))`` split in three, ``x + o(
+    silu(q) * k + v)``, then ``x + down(gelu(up(n(x))))``. No embeddings, no heads, no softmax.
+    Input and output ``[batch, hidden]``."""
+
+    def __init__(self, hidden, layers):
+        super().__init__()
+        linear = lambda a, b: torch.nn.Linear(a, b, bias=False)  # noqa: E731
+        self.hidden = hidden
+        self.layers = torch.nn.ModuleList(
+            torch.nn.ModuleDict(
+                dict(attn=linear(hidden, 3 * hidden),
+                     o=linear(hidden, hidden),
+                     up=linear(hidden, 4 * hidden),
+                     down=linear(4 * hidden, hidden))) for _ in range(layers))
+
+    def forward(self, x):
+        norm = lambda t: torch.nn.functional.rms_norm(t, (t.shape[-1], ))  # noqa: E731
+        for m in self.layers:
+            q, k, v = m["attn"](norm(x)).split(self.hidden, dim=-1)
+            x = x + m["o"](torch.nn.functional.silu(q) * k + v)
+            x = x + m["down"](torch.nn.functional.gelu(m["up"](norm(x))))
+        return x
+
+
+def decoder_shapes(workload):
+    """The weight shapes of a ``DECODERS`` workload, in parameter order."""
+    h, layers = DECODERS[workload]["hidden"], DECODERS[workload]["layers"]
+    return [(3 * h, h), (h, h), (4 * h, h), (h, 4 * h)] * layers
+
+
 def io_dims(workload):
     """``(input features, output features)`` of a workload's model."""
     if workload in LLAMAS:
         return LLAMAS[workload]["hidden"], LLAMAS[workload]["hidden"]
+    if workload in DECODERS:
+        return DECODERS[workload]["hidden"], DECODERS[workload]["hidden"]
     return WORKLOADS[workload][0], WORKLOADS[workload][-1]
 
 
@@ -273,6 +342,9 @@ def build_model(workload):
     if workload in LLAMAS:
         torch.manual_seed(1234)
         return LlamaShaped(**LLAMAS[workload])
+    if workload in DECODERS:
+        torch.manual_seed(1234)
+        return DecoderShaped(**DECODERS[workload])
     dims = WORKLOADS[workload]
 
     class Chain(torch.nn.Module):
@@ -347,16 +419,159 @@ def batch(cfg, step, micro, rank, world_size, dim, device, dtype):
     return x[sl].to(device, dtype), y[sl].to(device, dtype)
 
 
+PATCH_UPDATE_ATTRS = ("zero3_muon", "muon_update", "zero12_muon")
+"""Where the patched ZeRO optimizers keep their Muon update: ``zero3_muon`` (ZeRO-3,
+``zero3_update.Zero3MuonUpdate``; ``muon_update`` in builds of the patch before that name),
+``zero12_muon`` (ZeRO-1/2, ``zero12_update.Zero12MuonUpdate``); ``None`` there without Muon."""
+
+
+def patch_update(optimizer):
+    """``(attribute, object)`` of the patch's Muon update on a ZeRO optimizer, ``(attribute, None)``
+    where the patched optimizer has it unset (not Muon), ``(None, None)`` on a stock build."""
+    for attr in PATCH_UPDATE_ATTRS:
+        value = getattr(optimizer, attr, False)
+        if value is None or hasattr(value, "reserved_bytes"):
+            return attr, value
+    return None, None
+
+
+def configure_muon_update(optimizer, cfg):
+    """Rebuild the patch's Muon update with the config's ``pipeline_depth`` / ``batch_ns``.
+
+    Both are constructor arguments of ``Zero3MuonUpdate`` and ``Zero12MuonUpdate``: the object
+    the optimizer built at initialization (with the defaults) is dropped first, so that its
+    exchange buffers are freed before the new one reserves its own, and the new one takes its
+    place. Arguments ``None`` or absent from the config, or that the build's class does not take,
+    leave it as it is; so does a build without the object (stock). Call on every rank (the
+    constructor checks the plans with a collective).
+
+    Returns:
+        the update object in use (None on stock or without Muon).
+    """
+    attr, update = patch_update(optimizer)
+    if update is None:
+        return None
+    cls = type(update)
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: cfg[k] for k in ("pipeline_depth", "batch_ns") if cfg.get(k) is not None and k in accepted}
+    if not kwargs:
+        return update
+    setattr(optimizer, attr, None)
+    del update
+    new = cls(optimizer, **kwargs)
+    setattr(optimizer, attr, new)
+    return new
+
+
+def update_settings(update):
+    """What the patch's Muon update runs with: ``pipeline_depth`` and ``batch_ns`` of its pipelines
+    (``pipeline_depth`` None where none runs: ZeRO-1/2 without offload, whose ``batch_ns`` is the
+    object's) and ``muon_buckets``, the buckets of its plans."""
+    pipelines = list(getattr(update, "pipelines", {}).values())
+    first = pipelines[0] if pipelines else None
+    return dict(pipeline_depth=first.depth if first else None,
+                batch_ns=first.batch_ns if first else getattr(update, "batch_ns", None),
+                muon_buckets=sum(len(p.plan.buckets) for p in pipelines))
+
+
+def bucket_exchange_bytes(update):
+    """fp32 bytes of the two exchange buffers (send and receive) of the patch's largest bucket on
+    this rank, from its pipelines' layouts; None without a pipeline."""
+    sizes = [(layout.send_numel + layout.recv_numel) * 4 for p in getattr(update, "pipelines", {}).values()
+             for layout in p.layouts]
+    return max(sizes) if sizes else None
+
+
 def retained_muon_bytes(optimizer):
-    """Bytes the Muon path keeps allocated from one optimizer step to the next, by introspection:
-    the patch's ``muon_update.retained_bytes()`` (0 where the build has no such method, or
-    without Muon), else stock 0.19.8's all-gather cache (``_muon_allgather_buffer_bytes``, up to
-    256 MiB); ``None`` on a build with neither (stock 0.19.7)."""
-    if hasattr(optimizer, "muon_update"):
-        boundary = optimizer.muon_update
-        return int(boundary.retained_bytes()) if hasattr(boundary, "retained_bytes") else 0
+    """Bytes the Muon path keeps allocated from one optimizer step to the next besides the
+    optimizer state, by introspection: the patch's exchange buffers (``reserved_bytes()`` of its
+    Muon update, reserved at initialization; 0 without Muon), else stock 0.19.8's all-gather cache
+    (``_muon_allgather_buffer_bytes``, up to 256 MiB, ZeRO-3 and ZeRO-1/2); ``None`` on a build
+    with neither (stock 0.19.7)."""
+    attr, update = patch_update(optimizer)
+    if attr is not None:
+        return 0 if update is None else int(update.reserved_bytes())
     cached = getattr(optimizer, "_muon_allgather_buffer_bytes", None)
     return None if cached is None else int(cached)
+
+
+def optimizer_state_bytes(optimizer):
+    """Bytes of the tensors the optimizer keeps between steps as its state, by introspection:
+    every tensor in the base optimizer's ``state`` (Muon's ``momentum_buffer``, the auxiliary
+    Adam's or AdamW's ``exp_avg`` / ``exp_avg_sq``, tensor ``step`` counters), plus ZeRO-3's
+    in-memory Muon momentum table (``muon_momentum_buffer_partitioned_groups_flat``, with
+    ``save_muon_momentum_buffer_in_memory``). Counted per storage (a tensor's whole storage, each
+    storage once). Optimizer state swapped to NVMe is not in memory and not counted."""
+    storages = {}
+
+    def add(t):
+        if torch.is_tensor(t):
+            storage = t.untyped_storage()
+            storages[(t.device.type, storage.data_ptr())] = storage.nbytes()
+
+    base = getattr(optimizer, "optimizer", optimizer)
+    for state in base.state.values():
+        for value in state.values():
+            add(value)
+    for value in (getattr(optimizer, "muon_momentum_buffer_partitioned_groups_flat", None) or {}).values():
+        add(value)
+    return sum(storages.values())
+
+
+def straddling_muon(optimizer):
+    """``(matrices, elements)`` of the Muon parameters whose range of the ZeRO-1/2 flat buffer
+    crosses a partition boundary (DeepSpeed's ``param_to_partition_ids``); ``(None, None)`` at
+    ZeRO-3."""
+    ids = getattr(optimizer, "param_to_partition_ids", None)
+    groups = getattr(optimizer, "bit16_groups", None)
+    if ids is None or groups is None:
+        return None, None
+    matrices = elements = 0
+    for i, group in enumerate(groups):
+        for param in group:
+            if getattr(param, "use_muon", False) and len(ids[i][optimizer.get_param_id(param)]) > 1:
+                matrices += 1
+                elements += param.numel()
+    return matrices, elements
+
+
+INIT_MARK = "zero3muon_bench::initialize"
+WARMUP_STEP_MARK = "zero3muon_bench::warmup_engine_step"
+
+
+def kept_now(optimizer):
+    """``optimizer_state_bytes + retained_muon_bytes`` at this moment (None where the retained
+    bytes are unknown)."""
+    retained = retained_muon_bytes(optimizer)
+    return None if retained is None else optimizer_state_bytes(optimizer) + retained
+
+
+def live_bytes(prof, marks):
+    """Bytes of the CPU allocator's blocks allocated inside any occurrence of the
+    ``record_function`` regions ``marks`` while ``prof`` ran (``profile_memory=True``) and not
+    freed by its end (the event walk of ``profiled_peaks``)."""
+    from torch._C._profiler import _EventType
+    events, windows = [], []
+    nodes = list(prof.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        if node.tag == _EventType.Allocation:
+            if node.extra_fields.device.type == "cpu":
+                events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+        elif node.name in marks:
+            windows.append((node.start_time_ns, node.end_time_ns))
+        nodes.extend(node.children)
+    events.sort(key=lambda e: e[0])
+    live = {}
+    for t, ptr, size in events:
+        if size > 0:
+            if any(t0 <= t <= t1 for t0, t1 in windows):
+                live[ptr] = size
+            else:
+                live.pop(ptr, None)  # the address is reused by a block not counted
+        else:
+            live.pop(ptr, None)
+    return sum(live.values())
 
 
 BOUNDARY_MARK = "zero3muon_bench::boundary_micro_step"
@@ -427,13 +642,21 @@ def profiled_peaks(prof, marks):
 
 def run_workload(cfg, ns, comm, peak):
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    lifetime = alloc_live = live_kept = None
     model = build_model(cfg["workload"])
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=ds_config(cfg, world_size))
-    boundary = getattr(engine.optimizer, "muon_update", None)
-    for key in ("overlap", "batch_ns"):
-        if boundary is not None and cfg.get(key) is not None and hasattr(boundary, key):
-            setattr(boundary, key, cfg[key])
+    if cfg.get("lifetime_memory"):
+        # the allocations of initialize and of every step() to the end of the warm-up steps
+        # (see alloc_live_bytes)
+        lifetime = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+        lifetime.__enter__()
+    with record_function(INIT_MARK) if lifetime is not None else contextlib.nullcontext():
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config(cfg, world_size))
+        update = configure_muon_update(engine.optimizer, cfg)
+    if lifetime is not None and cfg["warmup"] == 0:  # no warm-up step: the engine as built
+        lifetime.__exit__(None, None, None)
+        alloc_live, lifetime = live_bytes(lifetime, (INIT_MARK, )), None
+        live_kept = kept_now(engine.optimizer)
     device = engine.device
     acc = get_accelerator()
     dtype = torch.bfloat16 if cfg.get("dtype") == "bf16" else torch.float32
@@ -461,7 +684,8 @@ def run_workload(cfg, ns, comm, peak):
                 loss = torch.nn.functional.mse_loss(engine(x).float(), y.float())
                 engine.backward(loss)
                 t1 = time.perf_counter()
-                engine.step()
+                with record_function(WARMUP_STEP_MARK) if lifetime is not None else contextlib.nullcontext():
+                    engine.step()
                 acc.synchronize()
                 t2 = time.perf_counter()
             traffic = _diff(comm.snapshot(), c0)
@@ -475,16 +699,17 @@ def run_workload(cfg, ns, comm, peak):
         rec.update(ns_kernel_calls=ns.calls - ns_kernel_calls0, ns_seconds=ns.seconds - ns_seconds0)
         if step >= cfg["warmup"]:
             steps.append(rec)
-    result = dict(steps=steps)
-    # what the patch's boundary actually ran with (a key it lacks is not applied)
-    result["boundary_settings"] = None if boundary is None else {
-        key: getattr(boundary, key)
-        for key in ("overlap", "batch_ns") if hasattr(boundary, key)
-    }
-    if boundary is not None:
-        result["muon_stats"] = dict(vars(boundary.stats))
-        result["bucket_bound_bytes"] = (boundary.bucket_exchange_bytes()
-                                        if hasattr(boundary, "bucket_exchange_bytes") else None)
+        if lifetime is not None and step == cfg["warmup"] - 1:
+            lifetime.__exit__(None, None, None)
+            alloc_live, lifetime = live_bytes(lifetime, (INIT_MARK, WARMUP_STEP_MARK)), None
+            live_kept = kept_now(engine.optimizer)
+    result = dict(steps=steps, alloc_live_bytes=alloc_live, alloc_live_kept_bytes=live_kept)
+    # what the patch's Muon update actually ran with (an argument the build lacks is not applied)
+    result["boundary_settings"] = None if update is None else update_settings(update)
+    if update is not None:
+        result["muon_stats"] = dict(vars(update.stats))
+        result["bucket_bound_bytes"] = bucket_exchange_bytes(update)
+    result["muon_straddling_matrices"], result["muon_straddling_elements"] = straddling_muon(engine.optimizer)
     if cfg.get("save_weights"):
         result["weights"] = gathered_weights(engine)
     muon_params = [p for p in engine.module.parameters() if getattr(p, "use_muon", False)]
@@ -505,7 +730,9 @@ def allocator_memory_step(engine, cfg, forward_backward):
     ``step()``) and ``alloc_peak_step_bytes`` (``engine.step()`` alone); then
     ``retained_muon_bytes`` (see ``retained_muon_bytes``) and ``alloc_boundary_bytes``, the step's
     peak plus what Muon keeps across steps (allocated before the step starts, so the step's peak
-    cannot see it); ``None`` where the retained bytes are unknown.
+    cannot see it); ``None`` where the retained bytes are unknown. Then, after the step,
+    ``optimizer_state_bytes``, ``kept_bytes`` (state plus retained buffers) and ``step_peak_bytes``
+    (kept plus the step's peak above its start).
 
     On the CPU the whole optimizer step runs under ``torch.profiler`` with ``profile_memory``, so
     that blocks allocated on an earlier micro-step of the step and freed on the boundary one count
@@ -547,10 +774,14 @@ def allocator_memory_step(engine, cfg, forward_backward):
     retained = retained_muon_bytes(engine.optimizer)
     out["retained_muon_bytes"] = retained
     out["alloc_boundary_bytes"] = None if retained is None else out["alloc_peak_step_bytes"] + retained
+    out["optimizer_state_bytes"] = state = optimizer_state_bytes(engine.optimizer)
+    out["kept_bytes"] = None if retained is None else state + retained
+    out["step_peak_bytes"] = None if retained is None else state + retained + out["alloc_peak_step_bytes"]
     return out
 
 
-MEMORY_FIELDS = ("alloc_peak_bytes", "alloc_peak_step_bytes", "retained_muon_bytes", "alloc_boundary_bytes")
+MEMORY_FIELDS = ("alloc_peak_bytes", "alloc_peak_step_bytes", "retained_muon_bytes", "alloc_boundary_bytes",
+                 "optimizer_state_bytes", "kept_bytes", "step_peak_bytes", "alloc_live_bytes", "alloc_live_kept_bytes")
 
 
 def summarize(cfg, per_rank):
@@ -602,6 +833,18 @@ def summarize(cfg, per_rank):
     row["muon_stats"] = per_rank[0].get("muon_stats")
     row["boundary_settings"] = per_rank[0].get("boundary_settings")
     row["bucket_bound_bytes"] = max((r.get("bucket_bound_bytes") or 0) for r in per_rank) or None
+    row["muon_straddling_matrices"] = per_rank[0].get("muon_straddling_matrices")
+    row["muon_straddling_elements"] = per_rank[0].get("muon_straddling_elements")
+    collectives = sorted({k[0].split(":", 1)[1] for r in per_rank for s in r["steps"]
+                          for t in [s["boundary_traffic"], *s["micro_traffic"]] for k in t if k[0].startswith("muon:")})
+    by_collective = {
+        c: statistics.mean(
+            statistics.mean(traffic(r["steps"][s], "boundary", f"muon:{c}", "elements") +
+                            traffic(r["steps"][s], "micro", f"muon:{c}", "elements") for s in range(n_steps))
+            for r in per_rank)
+        for c in collectives
+    }
+    row["muon_elements_by_collective"] = {c: v for c, v in by_collective.items() if v}
     for key in MEMORY_FIELDS:
         values = [r.get(key) for r in per_rank]
         row[key] = None if None in values else max(values)

@@ -10,9 +10,14 @@ before the measured region. Then the worker runs the ``tiny`` workload at W=2 an
 fields must be present and consistent: ``engine.step()`` on the boundary micro-step must show at
 least the full fp32 gradient of the largest matrix (the Newton-Schulz input every build
 materializes there; 0 if the profiler's events were missed), the whole micro-step at least as
-much, and ``alloc_boundary_bytes`` must add the retained bytes. On stock DeepSpeed 0.19.8 (when its
-venv exists) ``retained_muon_bytes`` must equal what its all-gather cache holds for one bucket:
-a local buffer of the rank's partitions and a receive buffer W times as large.
+much, ``alloc_boundary_bytes`` must add the retained bytes, ``kept_bytes`` the optimizer state
+and ``step_peak_bytes`` the step's peak. On the patched build the state is the fp32 momentum
+partition and the retained bytes are the exchange buffers ``bench/model.py`` predicts from the
+patch's plan (default ``pipeline_depth`` 2 and, rebuilt through the constructor, 1), and the
+allocator's count of what ``initialize`` and the steps left alive differs from AdamW's by exactly
+the introspected difference. On stock DeepSpeed 0.19.8 (when its venv exists)
+``retained_muon_bytes`` must equal what its all-gather cache holds for one bucket: a local buffer
+of the rank's partitions and a receive buffer W times as large.
 """
 
 import json
@@ -27,6 +32,7 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
+import model  # noqa: E402
 from unit.runtime.zero.zero3_muon_helpers import free_port  # noqa: E402
 
 TINY = [(36, 20), (20, 36), (36, 20)]  # bench/worker.py's "tiny" workload
@@ -56,10 +62,14 @@ def test_profiled_peaks_counts_known_frees_only():
         worker.profiled_peaks(prof, ("absent", ))
 
 
-def run_worker(python, tmp_path, world_size=2):
-    configs = [dict(name="tiny", workload="tiny", stage=3, gas=2, dtype="fp32", offload=False, micro_batch=1, steps=1,
-                    warmup=1)]
-    (tmp_path / "c.json").write_text(json.dumps(configs))
+def tiny(**extra):
+    return dict(dict(name="tiny", workload="tiny", stage=3, gas=2, dtype="fp32", offload=False, micro_batch=1, steps=1,
+                     warmup=1), **extra)
+
+
+def run_worker(python, tmp_path, world_size=2, configs=None):
+    """The rows of one worker launch (the default: ``tiny`` alone, returned as one row)."""
+    (tmp_path / "c.json").write_text(json.dumps(configs or [tiny()]))
     out = tmp_path / "rows.jsonl"
     env = dict(os.environ, DS_ACCELERATOR="cpu", TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([
@@ -74,23 +84,52 @@ def run_worker(python, tmp_path, world_size=2):
                           env=env,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    return json.loads(out.read_text())
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    return rows if configs else rows[0]
 
 
 def check_memory_fields(row):
     largest_grad = 4 * max(math.prod(s) for s in TINY)  # fp32
-    for key in ("alloc_peak_bytes", "alloc_peak_step_bytes", "retained_muon_bytes", "alloc_boundary_bytes"):
+    for key in ("alloc_peak_bytes", "alloc_peak_step_bytes", "retained_muon_bytes", "alloc_boundary_bytes",
+                "optimizer_state_bytes", "kept_bytes", "step_peak_bytes"):
         assert isinstance(row[key], int) and row[key] >= 0, (key, row[key])
-    assert row["alloc_peak_step_bytes"] >= largest_grad, row
+    if row["optimizer"] == "muon":
+        assert row["alloc_peak_step_bytes"] >= largest_grad, row
     assert row["alloc_peak_bytes"] >= row["alloc_peak_step_bytes"], row
     assert row["alloc_boundary_bytes"] == row["alloc_peak_step_bytes"] + row["retained_muon_bytes"]
+    assert row["kept_bytes"] == row["optimizer_state_bytes"] + row["retained_muon_bytes"]
+    assert row["step_peak_bytes"] == row["kept_bytes"] + row["alloc_peak_step_bytes"]
 
 
 def test_memory_fields_patched(tmp_path):
-    row = run_worker(sys.executable, tmp_path)
-    check_memory_fields(row)
-    assert row["optimizer"] == "muon" and row["ns_calls_per_step"] == row["ns_kernel_calls_per_step"] == len(TINY) and row["ns_seconds_per_step"] > 0
-    assert row["boundary_settings"]["overlap"] is True  # the patch's default
+    world_size = 2
+    muon, serial, adamw = run_worker(sys.executable, tmp_path, world_size, [
+        tiny(lifetime_memory=True),
+        tiny(name="tiny-depth1", pipeline_depth=1, batch_ns=False),
+        tiny(name="tiny-adamw", optimizer="adamw", lifetime_memory=True)
+    ])
+    for row in (muon, serial, adamw):
+        check_memory_fields(row)
+    assert muon["optimizer"] == "muon" and muon["ns_calls_per_step"] == muon["ns_kernel_calls_per_step"] == len(TINY)
+    assert muon["ns_seconds_per_step"] > 0
+    assert muon["boundary_settings"]["pipeline_depth"] == 2 and muon["boundary_settings"]["batch_ns"] is None
+    assert serial["boundary_settings"]["pipeline_depth"] == 1 and serial["boundary_settings"]["batch_ns"] is False
+    # the fp32 momentum partition, and the exchange buffers the plan reserves (largest rank)
+    momentum = 4 * sum(math.ceil(math.prod(s) / world_size) for s in TINY)
+    for row, depth in ((muon, 2), (serial, 1)):
+        assert row["optimizer_state_bytes"] == momentum
+        assert row["retained_muon_bytes"] == 4 * max(model.zero3_reserved_numel(TINY, world_size, depth=depth))
+    assert serial["retained_muon_bytes"] < muon["retained_muon_bytes"]
+    assert adamw["retained_muon_bytes"] == 0 and adamw["optimizer_state_bytes"] >= 2 * momentum
+    # the allocator: what initialize and the steps left alive, Muon against AdamW, is the introspected
+    # difference, up to a few scalar tensors that live outside the state (norms, 8 bytes each) and one
+    # gathered parameter: ZeRO-3's initialize all-gathers every parameter once (to register its
+    # gradient hooks), and now and then one of those gathered copies is still alive at the end,
+    # on either side
+    live = muon["alloc_live_bytes"] - adamw["alloc_live_bytes"]
+    kept = muon["alloc_live_kept_bytes"] - adamw["alloc_live_kept_bytes"]
+    assert abs(live - kept) <= 256 + 4 * max(math.prod(s) for s in TINY), (live, kept)
+    assert muon["alloc_live_kept_bytes"] == muon["kept_bytes"]  # the patch keeps the same from the first step on
 
 
 @pytest.mark.skipif(not STOCK_PYTHON.exists(), reason=f"no stock DeepSpeed venv at {STOCK_PYTHON} "
@@ -103,3 +142,4 @@ def test_memory_fields_stock_count_the_allgather_cache(tmp_path):
     # cached (local, receive) pair, fp32
     local = sum(math.ceil(math.prod(s) / world_size) for s in TINY)
     assert row["retained_muon_bytes"] == 4 * (local + world_size * local)
+    assert row["optimizer_state_bytes"] == 4 * local  # its momentum partition, fp32 in an fp32 run

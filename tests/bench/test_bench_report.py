@@ -400,3 +400,67 @@ def test_batched_ns_targets_missed_with_the_error_when_llama_did_not_run():
     batched = [TARGET.match(line) for line in lines if line.startswith("target batched NS")]
     assert len(batched) == 2
     assert all(m["value"] == "-" and m["verdict"] == "MISSED" and "KeyError: 'llama'" in m["reason"] for m in batched)
+
+
+def test_memory_against_adamw_and_zero12_targets():
+    w, mib = 2, 2**20
+    name = "decoder12-gas2-fp32"
+
+    def mem(build, optimizer, state, buffers, step, repeats=2):
+        r = fake_row(name + ("-adamw" if optimizer == "adamw" else ""), build, w, [1.0] * repeats, optimizer=optimizer,
+                     stage=3, optimizer_state_bytes=state, retained_muon_bytes=buffers)
+        for key, value in (("kept_bytes", state + buffers), ("step_peak_bytes", state + buffers + step),
+                           ("alloc_peak_step_bytes", step)):
+            r[key], r[key + "_per_repeat"] = value, [value] * repeats
+        return r
+
+    def zero12(build, offload, by_collective, ns, straddling=(1, 117000)):
+        per_rank = sum(by_collective.values())
+        return fake_row(f"llama-zero2-gas2-fp32{'-offload' if offload else ''}", build, w, [1.0], stage=2,
+                        offload=offload, muon_matrices=28, ns_calls_per_step=ns, muon_elements_boundary_mean=per_rank,
+                        muon_elements_boundary_max=per_rank, muon_elements_by_collective=by_collective,
+                        muon_straddling_matrices=straddling[0], muon_straddling_elements=straddling[1])
+
+    results = {
+        ("", "patched-0.19.8", w, name): mem("patched-0.19.8", "muon", 2 * mib, 2 * mib, 3 * mib),
+        ("", "patched-0.19.8", w, name + "-adamw"): mem("patched-0.19.8", "adamw", 4 * mib, 0, 2 * mib),
+        ("", "stock-0.19.8", w, name): mem("stock-0.19.8", "muon", 2 * mib, 6 * mib, 3 * mib),
+        ("", "stock-0.19.8", w, name + "-adamw"): mem("stock-0.19.8", "adamw", 4 * mib, 0, 2 * mib),
+        ("", "patched-0.19.8", w, "llama-zero2-gas2-fp32-offload"): zero12(
+            "patched-0.19.8", True, {"all_to_all_single": 58000.0, "all_reduce": 1.0}, 28),
+        ("", "stock-0.19.8", w, "llama-zero2-gas2-fp32-offload"): zero12(
+            "stock-0.19.8", True, {"all_gather_into_tensor": 3e6}, 56),
+        ("", "patched-0.19.8", w, "llama-zero2-gas2-fp32"): zero12("patched-0.19.8", False, {"all_reduce": 1.0}, 29),
+    }
+    names = [name, name + "-adamw", "llama-zero2-gas2-fp32-offload", "llama-zero2-gas2-fp32"]
+    lines = run_bench.target_lines(results, ["stock-0.19.8", "patched-0.19.8"], "", w, names, run_bench.Links(None))
+    by_name = {TARGET.match(line)["name"]: TARGET.match(line) for line in lines if line.startswith("target ")}
+    kept = by_name[f"optimizer memory kept between steps Muon/AdamW patched-0.19.8 {name} W=2 <= 1"]
+    assert (kept["value"], kept["verdict"]) == ("1.000", "met") and "state 2.00 + buffers 2.00" in kept["reason"]
+    peak = by_name[f"optimizer memory at the peak of step() Muon/AdamW patched-0.19.8 {name} W=2 <= 1"]
+    assert (peak["value"], peak["verdict"]) == ("1.167", "MISSED")  # (4 + 3) / (4 + 2)
+    stock = by_name[f"optimizer memory kept between steps Muon/AdamW stock-0.19.8 {name} W=2 <= 1"]
+    assert (stock["value"], stock["verdict"]) == ("2.000", "MISSED")
+    # the ZeRO-1/2 rows stay out of the ZeRO-3 targets
+    assert not any("llama-zero2" in (m["reason"] or "") for n, m in by_name.items() if "ZeRO-1/2" not in n)
+    exchange = next(m for n, m in by_name.items() if n.startswith("ZeRO-1/2 offload Muon exchange"))
+    assert (exchange["value"], exchange["verdict"]) == (f"{58000 * 2 / (2 * 117000):.3f}", "met")
+    ns = next(m for n, m in by_name.items() if n.startswith("ZeRO-1/2 offload NS calls"))
+    assert (ns["value"], ns["verdict"]) == ("28", "met")
+    info = [line for line in lines if line.startswith("  info stock-0.19.8 llama-zero2-gas2-fp32-offload")]
+    assert info and "NS 56 per step for 28 matrices" in info[0]
+    assert run_bench.print_memory_table(results, ["stock-0.19.8", "patched-0.19.8"], "", w, names)
+    assert run_bench.print_zero12_table(results, ["stock-0.19.8", "patched-0.19.8"], "", w, names)
+
+
+def test_memory_grid_and_pipeline_depth_variants():
+    names = [c["name"] for c in run_bench.grid("memory", 1, 1)]
+    assert names[:2] == ["decoder12-gas2-fp32", "decoder12-gas2-fp32-adamw"]
+    assert {f"{wl}-zero{s}-gas2-fp32{o}" for wl in ("decoder12", "llama") for s in (1, 2) for o in ("", "-offload")} \
+        <= set(names)
+    assert set(names) <= {c["name"] for c in run_bench.grid("default", 1, 1)}
+    overlap = run_bench.overlap_grid(1, 1)
+    patched = {c["name"]: c for c in run_bench.configs_for("patched-0.19.8", overlap)}
+    assert {c["pipeline_depth"] for n, c in patched.items() if n.endswith("-overlap")} == {2}
+    assert {c["pipeline_depth"] for n, c in patched.items() if n.endswith("-serial")} == {1}
+    assert not run_bench.configs_for("stock-0.19.8", overlap)
