@@ -12,12 +12,11 @@ matrix as on the whole, so every ZeRO stage runs it where the gradient is (a ZeR
 a ZeRO-1/2 partition under optimizer offload, or the whole matrix), and the momentum never
 travels. ``newton_schulz`` holds the other half.
 
-A step whose gradients are not finite never reaches the update: ZeRO-3 skips it (as it skips an
-overflow) before the sub-group loop, and ZeRO-1/2 agree one flag per group (``zero12_update``),
-so no per-matrix flag travels.
+The step assumes a finite gradient: a step whose gradients are not finite never reaches it
+(ZeRO-3 skips such a step before the sub-group loop, as it skips an overflow; ZeRO-1/2 agree one
+flag per group, ``zero12_update``), so no per-matrix flag travels.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -70,19 +69,3 @@ def momentum_step(grad: torch.Tensor, momentum: torch.Tensor, settings: MuonSett
         torch.lerp(grad, momentum, settings.momentum, out=out)
     else:
         out.copy_(momentum)
-
-
-def step_is_finite(norms) -> bool:
-    """Whether a step's gradient norms are all finite and valid (ZeRO reports an invalid one as -1).
-
-    Args:
-        norms: a norm (0-d tensor or float) or a list of per-group norms, as the ZeRO optimizer
-            computed them over all ranks.
-
-    Returns:
-        bool; reading a tensor waits for it on the host, once per step.
-    """
-    if isinstance(norms, (list, tuple)):
-        return all(step_is_finite(n) for n in norms)
-    value = float(norms)
-    return math.isfinite(value) and value >= 0

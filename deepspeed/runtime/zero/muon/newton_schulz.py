@@ -72,7 +72,7 @@ CPU_BATCH_MAX_ELEMENTS = 96 * 96
 default. With one CPU thread per rank (fp32), 8 problems in one call took 0.62x the time of 8
 calls at 64x64 and 0.84x at 96x96, but 1.13x at 256x256 and 1.25x at 1024x1024: once one matrix
 keeps a core busy, the batched matmul is the slower kernel. On an accelerator a batch saves
-kernel launches and fills the device, so every size is batched there (see docs/performance.md)."""
+kernel launches and fills the device, so every size is batched there."""
 
 
 def batches(rows: int, cols: int, device: torch.device) -> bool:
@@ -93,7 +93,9 @@ def orthogonalize(matrices: Sequence[torch.Tensor],
     are batched over leading dimensions (expert groups and per-head Muon use that already), and
     each problem of the batch is normalized and iterated on its own, so the batch changes no
     problem's math; the matmuls may run with another blocking. A matrix alone in its group runs
-    upstream's ``muon_orthogonalize`` exactly as ``muon_update`` does.
+    upstream's ``muon_orthogonalize`` exactly as ``muon_update`` does. A 4-D convolution filter is
+    always alone: upstream scales it by its kernel's last two dimensions, not by its problem's rows
+    and columns, which a batch of problems would apply.
 
     Args:
         matrices: the whole NS inputs (each of its parameter's ``ds_shape``), not modified.
@@ -111,7 +113,9 @@ def orthogonalize(matrices: Sequence[torch.Tensor],
     for k, (spec, matrix) in enumerate(zip(specs, matrices)):
         _, rows, cols = spec.ns_problem
         grouped = batches(rows, cols, matrix.device) if batch is None else batch
-        groups.setdefault((rows, cols) if grouped else k, []).append(k)
+        # A 4-D conv filter alone: upstream scales it by its kernel's (kh, kw), not by its problem's.
+        conv = len(spec.shape) == 4 and not spec.is_expert_group
+        groups.setdefault((rows, cols) if grouped and not conv else k, []).append(k)
     updates: List[torch.Tensor] = [None] * len(matrices)
     for members in groups.values():
         if len(members) == 1:

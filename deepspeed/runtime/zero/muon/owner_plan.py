@@ -269,7 +269,8 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
     The budget of rank ``r`` is the elements it holds (``sum(pieces[j][r])``, the size of its
     momentum partition): then Muon's state and buffers together take no more memory than Adam's
     two moments would. Bucket sizes tried: ``max_bucket_numel`` (``reduce_bucket_size``), then the
-    sizes of the first k matrices together, by bisection; where none fits (one matrix alone is
+    sizes of the first k matrices together, by bisection (a fitting size; the largest one wherever
+    the buffers grow monotonically with the bucket size, as they almost always do); where none fits (one matrix alone is
     larger than the budget allows), every matrix gets a bucket of its own.
 
     Args:
@@ -293,16 +294,19 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
         return all(n <= b for n, b in zip(reserved_numel(candidate, pieces, slots), budget))
 
     # Candidate sizes: the first k matrices' total for every k (each gives a different bucketing),
-    # at most max_bucket_numel; the buffers grow with the bucket size, so search by bisection.
+    # at most max_bucket_numel. The buffers grow with the bucket size but, with LPT owners, not
+    # strictly monotonically: bisection returns a size that fits, not always the largest one.
     candidates, total = [], 0
     for spec in specs:
         total += spec.numel
         if total > max_bucket_numel:
             break
         candidates.append(total)
+    if max_bucket_numel > total:
+        whole = plan(max_bucket_numel)
+        if fits(whole):
+            return whole
     best = plan(1)  # every matrix alone: the least the pipeline can reserve
-    if max_bucket_numel > total and fits(plan(max_bucket_numel)):
-        return plan(max_bucket_numel)
     lo, hi = 0, len(candidates) - 1
     while lo <= hi:
         mid = (lo + hi) // 2

@@ -29,7 +29,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.muon import original_muon
-from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings, step_is_finite
+from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings
 from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec
 from deepspeed.runtime.zero.muon.owner_exchange import ExchangeStats, OwnerExchange
 from deepspeed.runtime.zero.muon.owner_plan import plan_within_budget
@@ -224,17 +224,6 @@ class Zero3MuonUpdate:
             if in_memory:
                 opt.muon_momentum_buffer_partitioned_groups_flat[sub_group_id] = momentum
         return momentum
-
-    @staticmethod
-    def skips_step(norm_groups) -> bool:
-        """Whether ``step()`` must skip this step before the sub-group loop: some sub-group's
-        gradient norm is not finite (ZeRO-3 reports that as -1). For a release whose ``step()``
-        does not already skip such a step; the momentum must not take a non-finite gradient in.
-
-        Args:
-            norm_groups: the per-sub-group norms ``_get_norm_groups()`` returned.
-        """
-        return not step_is_finite(list(norm_groups))
 
     def reserved_bytes(self) -> int:
         """Bytes of exchange buffer this rank keeps between steps, over all Muon sub-groups."""

@@ -8,8 +8,8 @@ Each simulated rank runs ``MuonPipeline.run`` in its own thread on its pieces of
 and momentum, in the ZeRO-3 layout (every rank a ``ceil(numel / W)`` partition of each matrix,
 zero padded) and in the ZeRO-1/2 offload layout (the flat buffer cut into W equal partitions, so
 most matrices lie on one rank). A fake ``all_to_all_single`` matches the ranks' n-th collectives,
-checks that they agree (what rank s sends to rank d is what rank d expects from rank s) and
-routes the buffers. Every rank's gradient pieces must become its pieces of upstream's update of
+checks that they agree (what rank s sends to rank d is what rank d expects from rank s), routes
+the buffers, and checks that no rank writes what it sends before it has waited for the collective. Every rank's gradient pieces must become its pieces of upstream's update of
 the whole matrix, and its momentum pieces upstream's momentum, bit for bit (one Newton-Schulz
 call per matrix, as upstream), at every pipeline depth; the collectives must be the documented
 ones in the same order on every rank; traffic must meet the owner-centric bound (ZeRO-3) or stay
@@ -58,7 +58,7 @@ class FakeAllToAll:
                 if len(self.posted[n]) == self.world_size:
                     self._route(n)
                     self.cond.notify_all()
-            handle = _Handle(self, n)
+            handle = _Handle(self, n, input, input.clone())
             if async_op:
                 return handle
             handle.wait()
@@ -83,14 +83,19 @@ class FakeAllToAll:
 
 
 class _Handle:
+    """Completes when collective ``n`` has been routed. ``wait`` also checks that the rank did not
+    write the input it sent between issuing the collective and waiting for it (a real all-to-all
+    may still be reading it): the input must equal what it held when the collective was issued."""
 
-    def __init__(self, fake, n):
-        self.fake, self.n = fake, n
+    def __init__(self, fake, n, input, snapshot):
+        self.fake, self.n, self.input, self.snapshot = fake, n, input, snapshot
 
     def wait(self):
         with self.fake.cond:
             if not self.fake.cond.wait_for(lambda: self.n in self.fake.done, timeout=TIMEOUT):
                 raise TimeoutError(f"collective {self.n} never completed: the ranks issued different collectives")
+        if not torch.equal(self.input, self.snapshot):
+            self.fake.errors.append(f"collective {self.n}: its input was written before the collective was waited for")
 
 
 def _specs():
