@@ -724,27 +724,36 @@ def relations(group, prs):
     which are independent of it, which it needs for its tests, which need it for theirs."""
     others = [p.group for p in prs if p.group is not group]
     needs = [g for g in others if g.key in group.tests_need]
+    code_needs = [g for g in others if g.key in group.code_needs]
     code_needed_by = [g for g in others if group.key in g.code_needs]
     needed_by = [g for g in others if group.key in g.tests_need and g not in code_needed_by]
-    independent = [g for g in others if g not in needs and g not in needed_by and g not in code_needed_by]
+    independent = [g for g in others if g not in needs + code_needs + needed_by + code_needed_by]
     out = []
     if independent:
         verb = "is" if len(independent) == 1 else "are"
         out.append(f"Pull request{'s' if len(independent) > 1 else ''} {_named(independent)} of this export "
                    f"{verb} independent of this one.")
-    code_needs = [g for g in others if g.key in group.code_needs]
     tests_only = [g for g in needs if g not in code_needs]
+
+    def named(groups):  # ("pull request 1 (a)", "that one") or ("pull requests 1 (a) and 2 (b)", "those")
+        many = len(groups) > 1
+        return f"pull request{'s' if many else ''} {_named(groups)}", "those" if many else "that one"
+
     if code_needs:
-        helpers = " and its tests that one's test helpers" if all(g in needs for g in code_needs) else ""
-        out.append(f"Its code imports modules of pull request {_named(code_needs)}{helpers}: it is stacked on that "
-                   f"one and goes in after it.")
+        (what, them), many = named(code_needs), len(code_needs) > 1
+        helpers = ""
+        if all(g in needs for g in code_needs):
+            helpers = " and its tests their test helpers" if many else " and its tests that one's test helpers"
+        out.append(f"Its code imports modules of {what}{helpers}: it is stacked on {them} and goes in after "
+                   f"{'them' if many else 'it'}.")
         if tests_only:
-            out.append(f"Its tests also import test helpers of pull request {_named(tests_only)} and run with that "
-                       f"one applied too.")
+            what, them = named(tests_only)
+            out.append(f"Its tests also import test helpers of {what} and run with {them} applied too.")
     elif needs:
+        what, them = named(needs)
         out.append(f"Its code and patches apply alone and use nothing of the other pull requests, but its tests "
-                   f"import test helpers of pull request {_named(needs)}: it is stacked on that one for its tests, "
-                   f"which run with both applied.")
+                   f"import test helpers of {what}: it is stacked on {them} for its tests, which run with "
+                   f"{'all' if len(needs) > 1 else 'both'} applied.")
     if needed_by:
         many = len(needed_by) > 1
         out.append(f"Pull request{'s' if many else ''} {_named(needed_by)} appl{'y' if many else 'ies'} without this "

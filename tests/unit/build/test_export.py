@@ -10,10 +10,13 @@ Two parts:
   report) plus the exported tests; the pull requests together touch exactly the combined diff's
   files; every description covers every file of its diff. Set DS_ZERO3MUON_EXPORT_REPO to a
   checkout to run this part on it instead (e.g. a merge candidate).
-- On a small fake release and project built in tmp_path: the membership rules, and inputs that
+- On a small fake release and project built in tmp_path (a file or two for every pull request of
+  the split Muon change: seam, plan, pipeline, ZeRO-3 binding): the membership rules, and inputs that
   must stop the export (a file no pull request claims, a file two claim, a pull request whose
   patch needs another's context, one without a test, a modified file without a note, tests
-  importing another pull request's test file undeclared in ``tests_need``, or a stale declaration).
+  importing another pull request's test file undeclared in ``tests_need``, or a stale declaration;
+  the same for modules and ``code_needs``, where importing an upstream module that exactly one
+  group's patches modify depends on that group, and one that two groups' patches modify on neither).
 
 Unpacking a release writes ~3000 files, so the real part does it only where a whole tree matters
 (the export itself, the build's tree, the ``git apply`` targets). ``patch`` runs on a tree holding
@@ -129,8 +132,13 @@ def case(request, tmp_path_factory):
 
 def _run(cmd, cwd, stdin=None):
     with open(stdin, "rb") if stdin else open(os.devnull, "rb") as f:
-        return subprocess.run([str(c) for c in cmd], cwd=cwd, env=zb._git_env(cwd), stdin=f,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.run([str(c) for c in cmd],
+                              cwd=cwd,
+                              env=zb._git_env(cwd),
+                              stdin=f,
+                              stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT,
+                              text=True)
 
 
 def _files(tree):
@@ -149,38 +157,69 @@ def _repo_file(root, rel):
 
 # --------------------------------------------------------------------------- the real export
 
+MUON_DIR = "deepspeed/runtime/zero/muon"
+ZERO_TESTS = "tests/unit/runtime/zero"
+SEAM_KEYS = ("muon-update-seam", "muon-owner-plan", "muon-pipeline")  # the core the bindings' code imports
+
 
 def test_layout_and_membership(case):
     result = case.result
-    assert [p.stem for p in result.pull_requests] == ["1-muon", "4-grad-window", "5-loss-scale",
-                                                     "6-universal-checkpoint", "7-universal-muon",
-                                                     "8-muon-selection", "9-zero12-muon-clipping"]
-    assert sorted(p.name for p in result.out_dir.iterdir()) == sorted(
-        f"{p.stem}.{ext}" for p in result.pieces for ext in ("diff", "md"))
+    assert [p.stem for p in result.pull_requests] == [
+        "1-muon-update-seam", "2-muon-owner-plan", "3-muon-pipeline", "4-zero3-muon", "5-grad-window", "6-loss-scale",
+        "7-universal-checkpoint", "8-universal-muon", "9-muon-selection", "10-zero12-muon-clipping"
+    ]
+    assert sorted(p.name for p in result.out_dir.iterdir()) == sorted(f"{p.stem}.{ext}" for p in result.pieces
+                                                                      for ext in ("diff", "md"))
     # every file that could go upstream is in exactly one pull request or backport, or never exported
     sources = [p for piece in [*result.pull_requests, *result.backports] for p in piece.sources]
     assert len(sources) == len(set(sources))
     never = [p for p in ze.candidate_files(case.base, REPO) if p not in sources]
-    unpatched_backports = [g for g in ze.GROUPS if not g.pull_request and g.key not in
-                           {b.group.key for b in result.backports}]
+    unpatched_backports = [
+        g for g in ze.GROUPS if not g.pull_request and g.key not in {b.group.key
+                                                                     for b in result.backports}
+    ]
     for path in never:  # excluded, or a backport's test on a base where it has no patch
         assert (any(ze.fnmatch.fnmatchcase(path, pat) for pat in ze.NEVER_EXPORTED)
                 or any(g.matches(path) for g in unpatched_backports)), path
     assert set(sources) | set(never) == set(ze.candidate_files(case.base, REPO))
     for path in ("tests/unit/common.py", "tests/conftest.py", *ze.PROJECT_ONLY):
         assert path not in case.result.combined.paths
-    assert not [p for p in result.combined.paths if p.startswith(("tests/unit/build/", "tests/examples/",
-                                                                     "tests/bench/"))]
+    assert not [
+        p for p in result.combined.paths if p.startswith(("tests/unit/build/", "tests/examples/", "tests/bench/"))
+    ]
     by_key = {p.group.key: p for p in result.pull_requests}
-    muon_tests = [p for p in by_key["muon"].sources if p.startswith("tests/")]
+
+    def patches(*numbers):  # repository paths of this base's patches with these numbers
+        return [f"patches/{case.base}/{p.name}" for p in zb.list_patches(case.base, REPO) if p.name[:4] in numbers]
+
+    # the split Muon pull request: the seam (0004 and its test), the plan's and the pipeline's modules
+    # and tests, and the ZeRO-3 binding (zero3_update, 0001, the ZeRO-3 Muon tests and their helpers)
+    assert by_key["muon-update-seam"].sources == [*patches("0004"), f"{ZERO_TESTS}/test_muon_update_split.py"]
+    assert by_key["muon-owner-plan"].sources == [
+        f"{MUON_DIR}/momentum.py", f"{MUON_DIR}/newton_schulz.py", f"{MUON_DIR}/owner_plan.py",
+        f"{ZERO_TESTS}/newton_schulz_testing.py", f"{ZERO_TESTS}/test_muon_newton_schulz.py",
+        f"{ZERO_TESTS}/test_muon_owner_plan.py"
+    ]
+    assert by_key["muon-pipeline"].sources == [
+        f"{MUON_DIR}/owner_exchange.py", f"{MUON_DIR}/pipeline.py", f"{ZERO_TESTS}/test_muon_pipeline.py"
+    ]
+    zero3_muon = by_key["zero3-muon"].sources
+    assert [p for p in zero3_muon if not p.startswith("tests/")] == [f"{MUON_DIR}/zero3_update.py", *patches("0001")]
+    muon_tests = [p for p in zero3_muon if p.startswith("tests/")]
     assert muon_tests and all(Path(p).name.startswith(("test_zero3_muon_", "zero3_muon_")) for p in muon_tests)
-    assert [p for p in by_key["grad-window"].sources if p.startswith("tests/")] == [
-        "tests/unit/runtime/zero/test_zero3_grad_partition_window.py"]
-    assert [p for p in by_key["loss-scale"].sources if p.startswith("tests/")] == [
-        "tests/unit/runtime/zero/test_zero3_backward_loss_scale.py"]
-    patch_numbers = {key: sorted(Path(p).name[:4] for p in piece.sources if p.startswith("patches/"))
-                     for key, piece in by_key.items()}
-    assert patch_numbers["muon"] in (["0001"], ["0001", "0004"])
+    assert muon_tests == sorted(
+        p.relative_to(REPO).as_posix() for pattern in ("test_zero3_muon_*.py", "zero3_muon_*.py")
+        for p in (REPO / ZERO_TESTS).glob(pattern))
+    assert [p for p in by_key["grad-window"].sources
+            if p.startswith("tests/")] == ["tests/unit/runtime/zero/test_zero3_grad_partition_window.py"]
+    assert [p for p in by_key["loss-scale"].sources
+            if p.startswith("tests/")] == ["tests/unit/runtime/zero/test_zero3_backward_loss_scale.py"]
+    patch_numbers = {
+        key: sorted(Path(p).name[:4] for p in piece.sources if p.startswith("patches/"))
+        for key, piece in by_key.items()
+    }
+    assert patch_numbers["muon-update-seam"] == ["0004"] and patch_numbers["zero3-muon"] == ["0001"]
+    assert patch_numbers["muon-owner-plan"] == patch_numbers["muon-pipeline"] == []
     assert patch_numbers["grad-window"] == ["0002"] and patch_numbers["loss-scale"] == ["0003"]
     # generic: 0006 (ds_to_universal), 0007 (stage3's universal loader), 0008 (the resize error), 0009
     # (ZeRO-3 sources at ZeRO-1/2); Muon's: 0013 (its state checks, its ZeRO-1/2 momentum)
@@ -190,41 +229,92 @@ def test_layout_and_membership(case):
     universal = by_key["universal-checkpoint"].sources
     assert [p for p in universal if p.startswith("deepspeed/")] == ["deepspeed/checkpoint/zero3_universal.py"]
     assert [p for p in universal if p.startswith("tests/")] == sorted(
-        p.relative_to(REPO).as_posix() for p in [*checkpoint_tests.glob("test_zero3_universal*.py"),
-                                                 checkpoint_tests / "zero3_universal_helpers.py"])
+        p.relative_to(REPO).as_posix()
+        for p in [*checkpoint_tests.glob("test_zero3_universal*.py"), checkpoint_tests / "zero3_universal_helpers.py"])
     universal_muon = by_key["universal-muon"].sources
     assert [p for p in universal_muon if p.startswith("deepspeed/")] == [
-        "deepspeed/runtime/zero/muon/universal_state_checks.py", "deepspeed/runtime/zero/muon/zero12_universal_momentum.py"]
+        "deepspeed/runtime/zero/muon/universal_state_checks.py",
+        "deepspeed/runtime/zero/muon/zero12_universal_momentum.py"
+    ]
     assert [p for p in universal_muon if p.startswith("tests/")] == sorted(
         p.relative_to(REPO).as_posix() for p in checkpoint_tests.glob("test_universal_checkpoint_muon*.py"))
-    assert not [p for p in by_key["muon"].sources if "universal" in p]
-    # the muon pull request's modules: every module of ours under muon/ but the wheel report and the
+    split = ("muon-update-seam", "muon-owner-plan", "muon-pipeline", "zero3-muon")
+    assert not [p for key in split for p in by_key[key].sources if "universal" in p]
+    # the four split pull requests' modules: every module of ours under muon/ but the wheel report and the
     # other pull requests' (universal_state_checks, zero12_universal_momentum, param_selection, zero12_update)
-    muon_dir = REPO / "deepspeed/runtime/zero/muon"
-    assert sorted(p for p in by_key["muon"].sources if p.startswith("deepspeed/")) == sorted(
+    muon_dir = REPO / MUON_DIR
+    assert sorted(p for key in split for p in by_key[key].sources if p.startswith("deepspeed/")) == sorted(
         p.relative_to(REPO).as_posix() for p in muon_dir.glob("*.py")
         if p.name not in ("__main__.py", "param_selection.py", "zero12_update.py", "universal_state_checks.py",
                           "zero12_universal_momentum.py") and not p.name.startswith("_build_info"))
     assert sorted(by_key["muon-selection"].sources) == sorted([
-        "deepspeed/runtime/zero/muon/param_selection.py", *(f"patches/{case.base}/{p.name}"
-                                                            for p in zb.list_patches(case.base, REPO)
-                                                            if p.name[:4] in ("0010", "0011")),
-        "tests/unit/runtime/zero/test_muon_param_selection.py"])
-    # stacking: the universal, universal-muon and selection pull requests' tests import the muon tests'
-    # helpers; universal-muon's also the universal one's, whose module its code imports
-    assert {g.key: g.code_needs for g in ze.GROUPS if g.pull_request and g.code_needs} == {
-        "universal-muon": ("universal-checkpoint", ), "zero12-muon-clipping": ("muon", )}
-    assert {g.key: g.tests_need for g in ze.GROUPS if g.pull_request} == {
-        "muon": (), "grad-window": (), "loss-scale": (), "universal-checkpoint": ("muon", ),
-        "universal-muon": ("muon", "universal-checkpoint"), "muon-selection": ("muon", ),
-        "zero12-muon-clipping": ("muon", )}
+        "deepspeed/runtime/zero/muon/param_selection.py", *patches("0010", "0011"),
+        "tests/unit/runtime/zero/test_muon_param_selection.py"
+    ])
+    assert [p for p in by_key["zero12-muon-clipping"].sources
+            if not p.startswith("tests/")] == [f"{MUON_DIR}/zero12_update.py", *patches("0012")]
+    assert [p for p in by_key["zero12-muon-clipping"].sources if p.startswith("tests/")
+            ] == sorted(p.relative_to(REPO).as_posix() for p in (REPO / ZERO_TESTS).glob("test_zero12_muon_*.py"))
+    # stacking: the plan's code imports original_muon.py as the seam patches it, the pipeline's the plan's
+    # modules, the two bindings all three; the ZeRO-3 binding's tests import the plan's NS test helpers, the
+    # universal, universal-muon, selection and ZeRO-1/2 pull requests' tests the ZeRO-3 Muon tests' helpers;
+    # universal-muon's also the universal one's, whose module its code imports
+    assert {
+        g.key: g.code_needs
+        for g in ze.GROUPS if g.pull_request and g.code_needs
+    } == {
+        "muon-owner-plan": ("muon-update-seam", ),
+        "muon-pipeline": ("muon-owner-plan", ),
+        "zero3-muon": SEAM_KEYS,
+        "universal-muon": ("universal-checkpoint", ),
+        "zero12-muon-clipping": SEAM_KEYS
+    }
+    assert {
+        g.key: g.tests_need
+        for g in ze.GROUPS if g.pull_request
+    } == {
+        "muon-update-seam": (),
+        "muon-owner-plan": (),
+        "muon-pipeline": (),
+        "zero3-muon": ("muon-owner-plan", ),
+        "grad-window": (),
+        "loss-scale": (),
+        "universal-checkpoint": ("zero3-muon", ),
+        "universal-muon": ("zero3-muon", "universal-checkpoint"),
+        "muon-selection": ("zero3-muon", ),
+        "zero12-muon-clipping": ("zero3-muon", )
+    }
     owners = {p.group.key: p.sources for p in result.pull_requests}
+    assert {dep
+            for _, dep in ze.imported_groups(ze.MUON, owners, REPO)["muon-owner-plan"]
+            } == {"tests/unit/runtime/zero/newton_schulz_testing.py"}
     assert "tests/unit/runtime/zero/zero3_muon_helpers.py" in {
-        dep for _, dep in ze.imported_groups(ze.UNIVERSAL, owners, REPO)["muon"]}
+        dep
+        for _, dep in ze.imported_groups(ze.UNIVERSAL, owners, REPO)["zero3-muon"]
+    }
     assert "tests/unit/checkpoint/zero3_universal_helpers.py" in {
-        dep for _, dep in ze.imported_groups(ze.UNIVERSAL_MUON, owners, REPO)["universal-checkpoint"]}
+        dep
+        for _, dep in ze.imported_groups(ze.UNIVERSAL_MUON, owners, REPO)["universal-checkpoint"]
+    }
     assert "deepspeed/checkpoint/zero3_universal.py" in {
-        dep for _, dep in ze.code_imported_groups(ze.UNIVERSAL_MUON, owners, REPO)["universal-checkpoint"]}
+        dep
+        for _, dep in ze.code_imported_groups(ze.UNIVERSAL_MUON, owners, REPO)["universal-checkpoint"]
+    }
+    # original_muon.py is upstream's; only the seam's patch changes it, so importing it needs the seam
+    original = f"{MUON_DIR}/original_muon.py"
+    assert ze.code_imported_groups(ze.PLAN, owners, REPO) == {
+        "muon-update-seam": [(f"{MUON_DIR}/newton_schulz.py", original)]
+    }
+    assert {dep
+            for _, dep in ze.code_imported_groups(ze.CORE, owners, REPO)["muon-owner-plan"]
+            } == {f"{MUON_DIR}/momentum.py", f"{MUON_DIR}/newton_schulz.py", f"{MUON_DIR}/owner_plan.py"}
+    for binding in (ze.MUON, ze.ZERO12_CLIPPING):
+        imported = ze.code_imported_groups(binding, owners, REPO)
+        assert sorted(imported) == sorted(SEAM_KEYS), binding
+        assert {dep for _, dep in imported["muon-update-seam"]} == {original}, binding
+        assert {dep
+                for _, dep in imported["muon-pipeline"]
+                } == {f"{MUON_DIR}/owner_exchange.py", f"{MUON_DIR}/pipeline.py"}, binding
     backport_patches = [Path(p).name[:4] for b in result.backports for p in b.sources if p.startswith("patches/")]
     assert backport_patches == (["0005"] if any(p.name.startswith("0005-")
                                                 for p in zb.list_patches(case.base, REPO)) else [])
@@ -241,7 +331,10 @@ def test_each_pull_request_applies_alone_and_gives_its_files(case):
             if not rel.startswith("patches/"):
                 assert got[rel] == _repo_file(REPO, rel), (pr.stem, rel)
         for patch in (REPO / rel for rel in pr.sources if rel.startswith("patches/")):
-            touched = {line.split()[2][2:] for line in patch.read_text().splitlines() if line.startswith("diff --git ")}
+            touched = {
+                line.split()[2][2:]
+                for line in patch.read_text().splitlines() if line.startswith("diff --git ")
+            }
             assert touched <= set(pr.paths), (pr.stem, patch.name)
 
 
@@ -257,8 +350,8 @@ def test_combined_gives_the_built_tree_plus_the_tests(case):
     assert sorted(got) == sorted(built), "file sets differ: " + repr(set(got) ^ set(built))
     differ = [rel for rel in got if got[rel] != built[rel]]
     assert not differ, f"contents or executable bit differ from the build's tree: {differ}"
-    exported_tests = sorted(p for piece in [*case.result.pull_requests, *case.result.backports]
-                            for p in piece.sources if p.startswith("tests/"))
+    exported_tests = sorted(p for piece in [*case.result.pull_requests, *case.result.backports] for p in piece.sources
+                            if p.startswith("tests/"))
     assert sorted(tests) == exported_tests
     assert all(tests[rel] == _repo_file(REPO, rel) for rel in tests)
     changed = sorted(rel for rel in {**got, **tests} if pristine.get(rel) != {**got, **tests}[rel])
@@ -286,7 +379,8 @@ def test_patch_p1_gives_the_same_files(case):
         dry = _run(["patch", "-p1", "--dry-run", "--batch"], tree, stdin=piece.diff_path)
         assert dry.returncode == 0, (piece.stem, dry.stdout)
         res = _run(["patch", "-p1", "--batch", "--no-backup-if-mismatch"], tree, stdin=piece.diff_path)
-        assert res.returncode == 0 and "fuzz" not in res.stdout and "offset" not in res.stdout, (piece.stem, res.stdout)
+        assert res.returncode == 0 and "fuzz" not in res.stdout and "offset" not in res.stdout, (piece.stem,
+                                                                                                 res.stdout)
         got = _files(tree)
         assert sorted(got) == sorted(piece.paths)
         applied = case.apply(piece)
@@ -294,8 +388,11 @@ def test_patch_p1_gives_the_same_files(case):
 
 
 def test_diffs_are_plain_text_with_repo_relative_paths(case):
-    ours = {p.relative_to(REPO).as_posix() for p in (REPO / "deepspeed").rglob("*")
-            if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo")}
+    ours = {
+        p.relative_to(REPO).as_posix()
+        for p in (REPO / "deepspeed").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo")
+    }
     assert set(ze.PROJECT_ONLY) <= ours
     for piece in case.result.pieces:
         data = piece.diff_path.read_bytes()
@@ -312,8 +409,11 @@ def test_diffs_are_plain_text_with_repo_relative_paths(case):
         assert len(headers) == len(piece.name_status)
         # new files: exactly the piece's new modules and tests; modified: exactly what its patches touch
         patches = [REPO / rel for rel in piece.sources if rel.startswith("patches/")]
-        patched = {line.split()[2][2:] for patch in patches for line in patch.read_text().splitlines()
-                   if line.startswith("diff --git ")}
+        patched = {
+            line.split()[2][2:]
+            for patch in patches
+            for line in patch.read_text().splitlines() if line.startswith("diff --git ")
+        }
         status = dict((path, st) for st, path in piece.name_status)
         new = {p for p in piece.sources if not p.startswith("patches/")}
         assert {p for p, st in status.items() if st == "A"} == new
@@ -350,8 +450,8 @@ def test_descriptions_cover_every_file(case):
         assert text.startswith(f"# {title}\n" if title else "# ")
         assert "${" not in text and "$base" not in text
         assert f"v{case.base}" in text and f"{piece.stem}.diff" in text and case.sha in text
-        for section in ("## Files changed", "## Testing") + (("## Problem", "## Fix", "## Behaviour changes",
-                                                               "## Compatibility") if piece.group else ()):
+        for section in ("## Files changed", "## Testing") + (
+            ("## Problem", "## Fix", "## Behaviour changes", "## Compatibility") if piece.group else ()):
             assert section in text, (piece.stem, section)
         for status, path in piece.name_status:
             line = next((line for line in text.splitlines() if line.startswith(f"- `{path}`")), None)
@@ -364,38 +464,102 @@ def test_descriptions_cover_every_file(case):
                 assert Path(rel).name in text
             if Path(rel).name.startswith("test_") and piece.group:
                 assert text.count(f"`{rel}`") >= 2, f"{piece.text_path.name}: {rel} not in its Testing section"
-    muon = case.result.pull_requests[0]
-    assert ("per_head_muon" in muon.text_path.read_text()) == (case.base != "0.19.7")
     texts = {pr.group.key: " ".join(pr.text_path.read_text().split()) for pr in case.result.pull_requests}
-    heads = {pr.group.key: " ".join(pr.diff_path.read_text().split("diff --git ")[0].split())
-             for pr in case.result.pull_requests}
-    stacked = "tests import test helpers of pull request 1 (muon): it is stacked on that one for its tests"
-    needed = ("Pull requests 6 (universal-checkpoint), 7 (universal-muon) and 8 (muon-selection) apply without this "
-              "one, but their tests import this one's test helpers")
-    code_stacked = "Its code imports modules of pull request 1 (muon) and its tests that one's test helpers"
-    universal_stacked = ("Its code imports modules of pull request 6 (universal-checkpoint) and its tests that one's "
+    heads = {
+        pr.group.key: " ".join(pr.diff_path.read_text().split("diff --git ")[0].split())
+        for pr in case.result.pull_requests
+    }
+    assert ("per_head_muon" in texts["zero3-muon"]) == (case.base != "0.19.7")
+    # the seam's note on original_muon.py, per base: 0.19.8's NS compute dtype backported to 0.19.7, the
+    # per-head shape check of 0.19.8
+    assert ("`ns_compute_dtype`" in texts["muon-update-seam"]) == (case.base == "0.19.7")
+    assert ("`_per_head_orthogonalize`" in texts["muon-update-seam"]) == (case.base != "0.19.7")
+    numbered = {g.key: f"{g.number} ({g.key})" for g in ze.GROUPS}
+
+    def prs(*keys, start=False):  # "pull request 1 (a)", "pull requests 1 (a), 2 (b) and 3 (c)"
+        names = [numbered[k] for k in keys]
+        text = ("pull request " if len(names) == 1 else
+                "pull requests ") + (names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1])
+        return text[0].upper() + text[1:] if start else text
+
+    stacked = f"tests import test helpers of {prs('zero3-muon')}: it is stacked on that one for its tests"
+    needed = (f"{prs('universal-checkpoint', 'universal-muon', 'muon-selection', 'zero12-muon-clipping', start=True)} "
+              "apply without this one, but their tests import this one's test helpers")
+    core_stacked = f"Its code imports modules of {prs(*SEAM_KEYS)}: it is stacked on those and goes in after them."
+    plan_stacked = f"Its code imports modules of {prs('muon-update-seam')}: it is stacked on that one and goes in after it."
+    pipeline_stacked = (f"Its code imports modules of {prs('muon-owner-plan')}: it is stacked on that one and goes in "
+                        "after it.")
+    zero12_tests = f"Its tests also import test helpers of {prs('zero3-muon')} and run with that one applied too."
+    universal_stacked = (f"Its code imports modules of {prs('universal-checkpoint')} and its tests that one's "
                          "test helpers: it is stacked on that one and goes in after it. Its tests also import test "
-                         "helpers of pull request 1 (muon)")
-    assert "Pull request 9 (zero12-muon-clipping) imports this one's modules" in texts["muon"]
-    assert "Pull request 7 (universal-muon) imports this one's modules" in texts["universal-checkpoint"]
+                         f"helpers of {prs('zero3-muon')}")
+    imported_by = {
+        "muon-update-seam": prs("muon-owner-plan", "zero3-muon", "zero12-muon-clipping", start=True),
+        "muon-owner-plan": prs("muon-pipeline", "zero3-muon", "zero12-muon-clipping", start=True),
+        "muon-pipeline": prs("zero3-muon", "zero12-muon-clipping", start=True),
+        "universal-checkpoint": prs("universal-muon", start=True),
+    }
+    for key, who in imported_by.items():
+        verb = "import" if who.startswith("Pull requests") else "imports"
+        sentence = f"{who} {verb} this one's modules (stacked on this one)."
+        assert sentence in texts[key] and sentence in heads[key], (key, sentence)
     for key, text in [*texts.items(), *heads.items()]:
         assert (stacked in text) == (key in ("universal-checkpoint", "muon-selection")), key
-        assert (code_stacked in text) == (key == "zero12-muon-clipping"), key
+        assert (core_stacked in text) == (key in ("zero3-muon", "zero12-muon-clipping")), key
+        assert (plan_stacked in text) == (key == "muon-owner-plan"), key
+        assert (pipeline_stacked in text) == (key == "muon-pipeline"), key
+        assert (zero12_tests in text) == (key in ("zero12-muon-clipping", "universal-muon")), key
         assert (universal_stacked in text) == (key == "universal-muon"), key
-        assert (needed in text) == (key == "muon"), key
+        assert (needed in text) == (key == "zero3-muon"), key
+        assert ("apply without this one" in text or "applies without this one" in text) == (key == "zero3-muon"), key
+        assert ("import this one's modules" in text or "imports this one's modules" in text) == (key
+                                                                                                 in imported_by), key
         assert "two other pull requests" not in text
-    assert ("Pull requests 1 (muon), 5 (loss-scale), 6 (universal-checkpoint), 7 (universal-muon), 8 (muon-selection) "
-            "and 9 (zero12-muon-clipping) of this export are independent") in texts["grad-window"]
-    assert ("Pull requests 1 (muon), 4 (grad-window), 6 (universal-checkpoint), 7 (universal-muon), 8 (muon-selection) "
-            "and 9 (zero12-muon-clipping) of this export are independent") in texts["loss-scale"]
-    assert "Pull requests 4 (grad-window) and 5 (loss-scale) of this export are independent" in texts["muon"]
+    # which pull requests each says are independent of it: those it needs nothing of, for code or tests,
+    # and that need nothing of it
+    independent = {
+        "muon-update-seam":
+        ("muon-pipeline", "grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection"),
+        "muon-owner-plan": ("grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection"),
+        "muon-pipeline":
+        ("muon-update-seam", "grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection"),
+        "zero3-muon": ("grad-window", "loss-scale"),
+        "grad-window":
+        tuple(k for k in numbered if k not in ("grad-window", "allgather-wait-backport")),
+        "loss-scale":
+        tuple(k for k in numbered if k not in ("loss-scale", "allgather-wait-backport")),
+        "universal-checkpoint": (*SEAM_KEYS, "grad-window", "loss-scale", "muon-selection", "zero12-muon-clipping"),
+        "universal-muon": (*SEAM_KEYS, "grad-window", "loss-scale", "muon-selection", "zero12-muon-clipping"),
+        "muon-selection":
+        (*SEAM_KEYS, "grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "zero12-muon-clipping"),
+        "zero12-muon-clipping":
+        ("grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection"),
+    }
+    assert sorted(independent) == sorted(texts)
+    for key, others in independent.items():
+        sentence = f"{prs(*others, start=True)} of this export are independent of this one."
+        for text in (texts[key], heads[key]):
+            assert sentence in text, (key, sentence)
+            assert text.count("of this export are independent of this one") == 1, key
     assert "KeyError: 'exp_avg'" in texts["universal-checkpoint"] and "#8608" in texts["universal-checkpoint"]
     combined = case.result.combined.text_path.read_text()
     for pr in case.result.pull_requests:
         assert f"**{pr.group.title}**: `{pr.stem}.diff`" in combined
-    stacked_groups = [g for g in ze.GROUPS if g.pull_request and "muon" in g.tests_need and "muon" not in g.code_needs]
-    assert " ".join(combined.split()).count("Its tests import test helpers of pull request 1 (muon)") == len(stacked_groups)
-    assert " ".join(combined.split()).count("Its code imports modules of pull request 6 (universal-checkpoint)") == 1
+    flat = " ".join(combined.split())
+    for g in ze.GROUPS:
+        if not g.pull_request:
+            continue
+        code = [o for o in ze.GROUPS if o.pull_request and g.key in o.code_needs]
+        tests_only = [o for o in ze.GROUPS if o.pull_request and g.key in o.tests_need and g.key not in o.code_needs]
+        assert flat.count(f"Its code imports modules of pull request {numbered[g.key]}: stacked on that one.") == len(
+            code), g.key
+        assert flat.count(f"Its tests import test helpers of pull request {numbered[g.key]}: stacked on that one for "
+                          "its tests.") == len(tests_only), g.key
+    assert flat.count("Its code imports modules of pull request 1 (muon-update-seam)") == 3
+    assert flat.count("Its code imports modules of pull request 2 (muon-owner-plan)") == 3
+    assert flat.count("Its code imports modules of pull request 3 (muon-pipeline)") == 2
+    assert flat.count("Its tests import test helpers of pull request 4 (zero3-muon)") == 4
+    assert flat.count("Its code imports modules of pull request 7 (universal-checkpoint)") == 1
     for bp in case.result.backports:
         assert bp.group.title in combined and "0.19.8 already" in combined
 
@@ -446,8 +610,13 @@ def test_dev_py_export_command(tmp_path, tmp_path_factory):
     env.pop(zb.ENV_BASE, None)
     (tmp_path / "PR_DESCRIPTION.md").write_text("from the single-diff layout")  # an earlier export's
     (tmp_path / "notes.txt").write_text("not ours")
-    res = subprocess.run([sys.executable, str(REPO / "dev.py"), "export", "--out", str(tmp_path)], cwd=tmp_path,
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    res = subprocess.run([sys.executable, str(REPO / "dev.py"), "export", "--out",
+                          str(tmp_path)],
+                         cwd=tmp_path,
+                         env=env,
+                         stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE,
+                         text=True)
     assert res.returncode == 0, res.stderr
     for piece in case.result.pieces:
         diff, text = tmp_path / f"{piece.stem}.diff", tmp_path / f"{piece.stem}.md"
@@ -458,8 +627,12 @@ def test_dev_py_export_command(tmp_path, tmp_path_factory):
         assert text.read_text() == piece.text_path.read_text()
     assert not (tmp_path / "PR_DESCRIPTION.md").exists() and (tmp_path / "notes.txt").exists()
 
-    bad = subprocess.run([sys.executable, str(REPO / "dev.py"), "export", "--base", "0.0.1"], cwd=tmp_path,
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    bad = subprocess.run([sys.executable, str(REPO / "dev.py"), "export", "--base", "0.0.1"],
+                         cwd=tmp_path,
+                         env=env,
+                         stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE,
+                         text=True)
     assert bad.returncode != 0 and "unknown base '0.0.1'" in bad.stderr
 
 
@@ -477,10 +650,20 @@ UPSTREAM = {
     "deepspeed/checkpoint/ds_to_universal.py": "exp_avg = state['exp_avg']\n",
 }
 UNIVERSAL_TEST = "tests/unit/checkpoint/test_zero3_universal.py"
+# the new modules of each split Muon pull request in the fake project
+FAKE_MODULES = {
+    "muon-update-seam": [],
+    "muon-owner-plan": ["deepspeed/runtime/zero/muon/newton_schulz.py", "deepspeed/runtime/zero/muon/owner_plan.py"],
+    "muon-pipeline": ["deepspeed/runtime/zero/muon/pipeline.py"],
+    "zero3-muon": ["deepspeed/runtime/zero/muon/zero3_update.py"],
+}
 
 
 def _make_diff(rel, old, new, context=1):
-    lines = difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True), f"a/{rel}", f"b/{rel}",
+    lines = difflib.unified_diff(old.splitlines(keepends=True),
+                                 new.splitlines(keepends=True),
+                                 f"a/{rel}",
+                                 f"b/{rel}",
                                  n=context)
     return f"diff --git a/{rel} b/{rel}\n" + "".join(lines)
 
@@ -514,33 +697,72 @@ def fake_project(tmp_path, extra=None, drop=()):
     files = {
         "pyproject.toml": (f'[tool.zero3muon]\nversion = "0.0.1"\ndefault-base = "{FAKE_BASE}"\n\n'
                            f'[tool.zero3muon.sdist-sha256]\n"{FAKE_BASE}" = "{sha}"\n'),
-        "deepspeed/runtime/zero/muon/owner_plan.py": _doc_module("The owner plan."),
-        "deepspeed/runtime/zero/muon/__main__.py": _doc_module("This project's wheel report."),
-        f"{patches}/0001-zero3-muon-boundary-update.patch": _stage3_patch((3, "muon wiring")),
-        f"{patches}/0002-zero3-grad-partition-first-use-in-window.patch": _stage3_patch((10, "first use")),
-        f"{patches}/0003-zero3-unscale-by-backward-loss-scale.patch": _stage3_patch((17, "backward scale")),
-        f"{patches}/0004-muon-update-split.patch": _make_diff(
-            "deepspeed/runtime/zero/muon/original_muon.py", UPSTREAM["deepspeed/runtime/zero/muon/original_muon.py"],
-            "def muon_update():\n    return elementwise()\n"),
-        f"{patches}/0005-zero3-allgather-coalesced-wait-every-handle.patch": _make_diff(
-            "deepspeed/runtime/zero/partition_parameters.py", "handle.wait()\n", "for h in handles:\n    h.wait()\n"),
-        f"{patches}/0006-checkpoint-universal-zero3-every-optimizer-state.patch": _make_diff(
-            "deepspeed/checkpoint/ds_to_universal.py", UPSTREAM["deepspeed/checkpoint/ds_to_universal.py"],
-            "states = every_state()\n"),
-        f"{patches}/0007-zero3-universal-load-optimizer-state-per-sub-group.patch": _stage3_patch((24, "per sub-group")),
-        "deepspeed/checkpoint/zero3_universal.py": _doc_module("ZeRO-3 universal checkpoints of any optimizer."),
-        UNIVERSAL_TEST: _doc_module("Convert, then resume at another world size.") +
+        # the split Muon change: the seam (0004 and its test), the plan (its modules, importing original_muon.py
+        # as the seam patches it; its tests and NS test helpers), the pipeline (importing the plan's module),
+        # the ZeRO-3 binding (importing all three; 0001; its tests and helpers, importing the plan's helpers)
+        "deepspeed/runtime/zero/muon/owner_plan.py":
+        _doc_module("The owner plan."),
+        "deepspeed/runtime/zero/muon/newton_schulz.py":
+        _doc_module("Newton-Schulz on the owner.") + "from deepspeed.runtime.zero.muon import original_muon\n",
+        "deepspeed/runtime/zero/muon/pipeline.py":
+        _doc_module("The per-bucket pipeline.") + "from deepspeed.runtime.zero.muon.owner_plan import OwnerPlan\n",
+        "deepspeed/runtime/zero/muon/zero3_update.py":
+        _doc_module("ZeRO-3's binding.") + "from deepspeed.runtime.zero.muon import original_muon\n"
+        "from deepspeed.runtime.zero.muon.owner_plan import OwnerPlan\n"
+        "from deepspeed.runtime.zero.muon.pipeline import MuonPipeline\n",
+        "deepspeed/runtime/zero/muon/__main__.py":
+        _doc_module("This project's wheel report."),
+        f"{patches}/0001-zero3-muon-boundary-update.patch":
+        _stage3_patch((3, "muon wiring")),
+        f"{patches}/0002-zero3-grad-partition-first-use-in-window.patch":
+        _stage3_patch((10, "first use")),
+        f"{patches}/0003-zero3-unscale-by-backward-loss-scale.patch":
+        _stage3_patch((17, "backward scale")),
+        f"{patches}/0004-muon-update-split.patch":
+        _make_diff("deepspeed/runtime/zero/muon/original_muon.py",
+                   UPSTREAM["deepspeed/runtime/zero/muon/original_muon.py"],
+                   "def muon_update():\n    return elementwise()\n"),
+        f"{patches}/0005-zero3-allgather-coalesced-wait-every-handle.patch":
+        _make_diff("deepspeed/runtime/zero/partition_parameters.py", "handle.wait()\n",
+                   "for h in handles:\n    h.wait()\n"),
+        f"{patches}/0006-checkpoint-universal-zero3-every-optimizer-state.patch":
+        _make_diff("deepspeed/checkpoint/ds_to_universal.py", UPSTREAM["deepspeed/checkpoint/ds_to_universal.py"],
+                   "states = every_state()\n"),
+        f"{patches}/0007-zero3-universal-load-optimizer-state-per-sub-group.patch":
+        _stage3_patch((24, "per sub-group")),
+        "deepspeed/checkpoint/zero3_universal.py":
+        _doc_module("ZeRO-3 universal checkpoints of any optimizer."),
+        UNIVERSAL_TEST:
+        _doc_module("Convert, then resume at another world size.") +
         "from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun\n",
-        "tests/conftest.py": "",
-        "tests/unit/common.py": _doc_module("Local stand-in of DeepSpeed's unit.common."),
-        "tests/unit/build/test_export.py": "",
-        "tests/examples/test_demo.py": "",
-        "tests/bench/test_bench_counting.py": "",
-        "tests/unit/runtime/zero/test_zero3_muon_gas.py": _doc_module("Muon under accumulation."),
-        "tests/unit/runtime/zero/zero3_muon_helpers.py": _doc_module("Helpers of the Muon tests."),
-        "tests/unit/runtime/zero/test_zero3_grad_partition_window.py": _doc_module("Partitions in a window."),
-        "tests/unit/runtime/zero/test_zero3_backward_loss_scale.py": _doc_module("The backward's loss scale."),
-        "tests/unit/runtime/zero/test_zero3_allgather_coalesced_wait.py": _doc_module("Every handle waited on."),
+        "tests/conftest.py":
+        "",
+        "tests/unit/common.py":
+        _doc_module("Local stand-in of DeepSpeed's unit.common."),
+        "tests/unit/build/test_export.py":
+        "",
+        "tests/examples/test_demo.py":
+        "",
+        "tests/bench/test_bench_counting.py":
+        "",
+        "tests/unit/runtime/zero/test_muon_update_split.py":
+        _doc_module("muon_update as its two halves."),
+        "tests/unit/runtime/zero/test_muon_owner_plan.py":
+        _doc_module("The owner plan."),
+        "tests/unit/runtime/zero/newton_schulz_testing.py":
+        _doc_module("Newton-Schulz test helpers."),
+        "tests/unit/runtime/zero/test_muon_pipeline.py":
+        _doc_module("The pipeline, bucket by bucket."),
+        "tests/unit/runtime/zero/test_zero3_muon_gas.py":
+        _doc_module("Muon under accumulation."),
+        "tests/unit/runtime/zero/zero3_muon_helpers.py":
+        _doc_module("Helpers of the Muon tests.") + "from unit.runtime.zero.newton_schulz_testing import NSCounter\n",
+        "tests/unit/runtime/zero/test_zero3_grad_partition_window.py":
+        _doc_module("Partitions in a window."),
+        "tests/unit/runtime/zero/test_zero3_backward_loss_scale.py":
+        _doc_module("The backward's loss scale."),
+        "tests/unit/runtime/zero/test_zero3_allgather_coalesced_wait.py":
+        _doc_module("Every handle waited on."),
     }
     files.update(extra or {})
     repo = tmp_path / "repo"
@@ -559,65 +781,124 @@ def _fake_export(tmp_path, **kwargs):
 def test_fake_membership_and_independent_pull_requests(tmp_path):
     result, repo, sdist = _fake_export(tmp_path)
     sources = {p.stem: p.sources for p in result.pull_requests}
+    zero = "tests/unit/runtime/zero"
     assert sources == {
-        "1-muon": ["deepspeed/runtime/zero/muon/owner_plan.py",
-                   f"patches/{FAKE_BASE}/0001-zero3-muon-boundary-update.patch",
-                   f"patches/{FAKE_BASE}/0004-muon-update-split.patch",
-                   "tests/unit/runtime/zero/test_zero3_muon_gas.py", "tests/unit/runtime/zero/zero3_muon_helpers.py"],
-        "4-grad-window": [f"patches/{FAKE_BASE}/0002-zero3-grad-partition-first-use-in-window.patch",
-                          "tests/unit/runtime/zero/test_zero3_grad_partition_window.py"],
-        "5-loss-scale": [f"patches/{FAKE_BASE}/0003-zero3-unscale-by-backward-loss-scale.patch",
-                         "tests/unit/runtime/zero/test_zero3_backward_loss_scale.py"],
-        "6-universal-checkpoint": ["deepspeed/checkpoint/zero3_universal.py",
-                                   f"patches/{FAKE_BASE}/0006-checkpoint-universal-zero3-every-optimizer-state.patch",
-                                   f"patches/{FAKE_BASE}/0007-zero3-universal-load-optimizer-state-per-sub-group.patch",
-                                   UNIVERSAL_TEST],
+        "1-muon-update-seam":
+        [f"patches/{FAKE_BASE}/0004-muon-update-split.patch", f"{zero}/test_muon_update_split.py"],
+        "2-muon-owner-plan":
+        [*FAKE_MODULES["muon-owner-plan"], f"{zero}/newton_schulz_testing.py", f"{zero}/test_muon_owner_plan.py"],
+        "3-muon-pipeline": [*FAKE_MODULES["muon-pipeline"], f"{zero}/test_muon_pipeline.py"],
+        "4-zero3-muon": [
+            *FAKE_MODULES["zero3-muon"], f"patches/{FAKE_BASE}/0001-zero3-muon-boundary-update.patch",
+            f"{zero}/test_zero3_muon_gas.py", f"{zero}/zero3_muon_helpers.py"
+        ],
+        "5-grad-window": [
+            f"patches/{FAKE_BASE}/0002-zero3-grad-partition-first-use-in-window.patch",
+            "tests/unit/runtime/zero/test_zero3_grad_partition_window.py"
+        ],
+        "6-loss-scale": [
+            f"patches/{FAKE_BASE}/0003-zero3-unscale-by-backward-loss-scale.patch",
+            "tests/unit/runtime/zero/test_zero3_backward_loss_scale.py"
+        ],
+        "7-universal-checkpoint": [
+            "deepspeed/checkpoint/zero3_universal.py",
+            f"patches/{FAKE_BASE}/0006-checkpoint-universal-zero3-every-optimizer-state.patch",
+            f"patches/{FAKE_BASE}/0007-zero3-universal-load-optimizer-state-per-sub-group.patch", UNIVERSAL_TEST
+        ],
     }
     [backport] = result.backports
-    assert backport.paths == ["deepspeed/runtime/zero/partition_parameters.py",
-                              "tests/unit/runtime/zero/test_zero3_allgather_coalesced_wait.py"]
+    assert backport.paths == [
+        "deepspeed/runtime/zero/partition_parameters.py",
+        "tests/unit/runtime/zero/test_zero3_allgather_coalesced_wait.py"
+    ]
     combined = result.combined.paths
     assert set(combined) == {p for piece in [*result.pull_requests, backport] for p in piece.paths}
     assert "deepspeed/runtime/zero/partition_parameters.py" in combined
     for never in ("tests/unit/common.py", "tests/conftest.py", "tests/unit/build/test_export.py",
                   "deepspeed/runtime/zero/muon/__main__.py"):
         assert all(never not in piece.paths for piece in result.pieces)
-    # each pull request applies alone to the pristine release and changes only its own lines
-    for pr, line in zip(result.pull_requests, ("muon wiring", "first use", "backward scale", "per sub-group")):
+    # each pull request applies alone to the pristine release and changes only its own lines and modules
+    stage3_lines = {
+        "4-zero3-muon": ["muon wiring"],
+        "5-grad-window": ["first use"],
+        "6-loss-scale": ["backward scale"],
+        "7-universal-checkpoint": ["per sub-group"]
+    }
+    ours = sorted(p for modules in FAKE_MODULES.values() for p in modules)
+    upstream_original = UPSTREAM["deepspeed/runtime/zero/muon/original_muon.py"]
+    for pr in result.pull_requests:
         (tmp_path / pr.stem).mkdir()
         tree = zb.unpack_sdist(sdist, tmp_path / pr.stem)
         res = _run(["git", "apply", pr.diff_path], tree)
         assert res.returncode == 0, res.stdout
         stage3 = (tree / "deepspeed/runtime/zero/stage3.py").read_text().splitlines()
-        assert [x for x in stage3 if not x.startswith("line ")] == [line]
+        assert [x for x in stage3 if not x.startswith("line ")] == stage3_lines.get(pr.stem, []), pr.stem
         assert (tree / "tests/unit/common.py").exists() is False
         universal = (tree / "deepspeed/checkpoint/ds_to_universal.py").read_text()
-        assert (universal == "states = every_state()\n") == (pr.stem == "6-universal-checkpoint")
+        assert (universal == "states = every_state()\n") == (pr.stem == "7-universal-checkpoint")
+        original = (tree / "deepspeed/runtime/zero/muon/original_muon.py").read_text()
+        assert (original != upstream_original) == (pr.stem == "1-muon-update-seam"), pr.stem
+        assert [p for p in ours if (tree / p).exists()] == FAKE_MODULES.get(pr.group.key, []), pr.stem
     text = result.combined.text_path.read_text()
     assert backport.group.title in text and "not proposed upstream" in text
     assert "partition_parameters.py" not in "".join(p.text_path.read_text() for p in result.pull_requests)
+    # the stacking the fake's imports give: plan on the seam (original_muon.py as 0004 patches it), pipeline
+    # on the plan, the binding on all three, its tests on the plan's helpers; universal's tests on the binding's
+    texts = {pr.group.key: " ".join(pr.text_path.read_text().split()) for pr in result.pull_requests}
+    assert ("Its code imports modules of pull request 1 (muon-update-seam): it is stacked on that one"
+            in texts["muon-owner-plan"])
+    assert ("Its code imports modules of pull request 2 (muon-owner-plan): it is stacked on that one"
+            in texts["muon-pipeline"])
+    assert ("Its code imports modules of pull requests 1 (muon-update-seam), 2 (muon-owner-plan) and 3 "
+            "(muon-pipeline): it is stacked on those and goes in after them." in texts["zero3-muon"])
+    assert ("Pull request 7 (universal-checkpoint) applies without this one, but its tests import this one's test "
+            "helpers (stacked on this one for its tests)." in texts["zero3-muon"])
+    assert ("Pull requests 5 (grad-window) and 6 (loss-scale) of this export are independent of this one."
+            in texts["zero3-muon"])
 
 
 def test_fake_release_without_backport_or_optional_patch(tmp_path):
-    # a base without 0004 and 0005 (0.19.8 has no 0005): the backport's test is not exported either
-    drop = (f"patches/{FAKE_BASE}/0004-muon-update-split.patch",
-            f"patches/{FAKE_BASE}/0005-zero3-allgather-coalesced-wait-every-handle.patch")
-    result, _, _ = _fake_export(tmp_path, drop=drop)
-    assert result.backports == [] and len(result.pull_requests) == 4
+    # a base without 0005 (0.19.8): the backport's test is not exported either
+    (tmp_path / "no-backport").mkdir()
+    (tmp_path / "no-seam").mkdir()
+    drop = (f"patches/{FAKE_BASE}/0005-zero3-allgather-coalesced-wait-every-handle.patch", )
+    result, _, _ = _fake_export(tmp_path / "no-backport", drop=drop)
+    assert result.backports == [] and len(result.pull_requests) == 7
     assert "backport" not in result.combined.text_path.read_text().lower()
     assert not [p for p in result.combined.paths if "allgather" in p or "partition_parameters" in p]
+    # 0004 is no longer optional: without it the seam changes nothing, and the modules importing
+    # original_muon.py (the plan's, the binding's) import upstream's file, of no group
+    with pytest.raises(ze.ExportError) as err:
+        _fake_export(tmp_path / "no-seam", drop=(f"patches/{FAKE_BASE}/0004-muon-update-split.patch", ))
+    message = str(err.value)
+    assert "pull request '1-muon-update-seam' changes nothing in DeepSpeed" in message
+    assert ("the modules of pull request '2-muon-owner-plan' import modules of no other group but its code_needs "
+            "says ['muon-update-seam']") in message
+    assert ("the modules of pull request '4-zero3-muon' import modules of ['muon-owner-plan', 'muon-pipeline'] but "
+            "its code_needs says ['muon-owner-plan', 'muon-pipeline', 'muon-update-seam']") in message
+    assert "'3-muon-pipeline'" not in message
+    assert not (tmp_path / "no-seam" / "out").exists()
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"tests/unit/runtime/zero/test_something_else.py": ""}, "no pull request claims these files: "
+    ({
+        "tests/unit/runtime/zero/test_something_else.py": ""
+    }, "no pull request claims these files: "
      "tests/unit/runtime/zero/test_something_else.py"),
-    ({f"patches/{FAKE_BASE}/0099-more.patch": ""},
-     f"no pull request claims these files: patches/{FAKE_BASE}/0099-more.patch"),
-    ({"tests/unit/checkpoint/test_universal_checkpoint.py": ""}, "no pull request claims these files: "
+    ({
+        f"patches/{FAKE_BASE}/0099-more.patch": ""
+    }, f"no pull request claims these files: patches/{FAKE_BASE}/0099-more.patch"),
+    ({
+        "tests/unit/checkpoint/test_universal_checkpoint.py": ""
+    }, "no pull request claims these files: "
      "tests/unit/checkpoint/test_universal_checkpoint.py"),
-    ({"deepspeed/runtime/zero/muon/new_module.py": ""}, "no pull request claims these files: "
+    ({
+        "deepspeed/runtime/zero/muon/new_module.py": ""
+    }, "no pull request claims these files: "
      "deepspeed/runtime/zero/muon/new_module.py"),
-    ({"deepspeed/runtime/zero/stage3_helper.py": ""}, "no pull request claims these files: "
+    ({
+        "deepspeed/runtime/zero/stage3_helper.py": ""
+    }, "no pull request claims these files: "
      "deepspeed/runtime/zero/stage3_helper.py"),
 ])
 def test_fake_unclaimed_file_stops_the_export(tmp_path, extra, message):
@@ -628,11 +909,16 @@ def test_fake_unclaimed_file_stops_the_export(tmp_path, extra, message):
 
 
 def test_fake_overlapping_rules_stop_the_export(tmp_path):
-    greedy = ze.Group("greedy", 5, ze.LOSS_SCALE.title, ("tests/unit/runtime/zero/test_zero3_*.py", ), {},
+    greedy = ze.Group("greedy",
+                      6,
+                      ze.LOSS_SCALE.title, ("tests/unit/runtime/zero/test_*.py", ), {},
                       template=ze.LOSS_SCALE.template)
     with pytest.raises(ze.ExportError, match="claimed more than once") as err:
         _fake_export(tmp_path, groups=(*ze.GROUPS, greedy))
-    assert "tests/unit/runtime/zero/test_zero3_muon_gas.py (muon and greedy)" in str(err.value)
+    for path, key in (("test_muon_update_split.py", "muon-update-seam"), ("test_muon_owner_plan.py",
+                                                                          "muon-owner-plan"),
+                      ("test_muon_pipeline.py", "muon-pipeline"), ("test_zero3_muon_gas.py", "zero3-muon")):
+        assert f"tests/unit/runtime/zero/{path} ({key} and greedy)" in str(err.value)
 
 
 def test_fake_patch_needing_another_pull_requests_context_stops_the_export(tmp_path):
@@ -640,29 +926,47 @@ def test_fake_patch_needing_another_pull_requests_context_stops_the_export(tmp_p
     stage3 = UPSTREAM["deepspeed/runtime/zero/stage3.py"].replace("line 10 of stage3", "first use")
     dependent = _stage3_patch((11, "backward scale"), base_text=stage3)
     assert "\n first use\n" in dependent
-    with pytest.raises(ze.ExportError, match="pull request '5-loss-scale' does not apply to the pristine") as err:
+    with pytest.raises(ze.ExportError, match="pull request '6-loss-scale' does not apply to the pristine") as err:
         _fake_export(tmp_path,
                      extra={f"patches/{FAKE_BASE}/0003-zero3-unscale-by-backward-loss-scale.patch": dependent})
     assert "0003-zero3-unscale-by-backward-loss-scale.patch" in str(err.value)
 
 
 def test_fake_pull_request_without_test_stops_the_export(tmp_path):
-    with pytest.raises(ze.ExportError, match="pull request '4-grad-window' has no test under tests/"):
+    with pytest.raises(ze.ExportError, match="pull request '5-grad-window' has no test under tests/"):
         _fake_export(tmp_path, drop=("tests/unit/runtime/zero/test_zero3_grad_partition_window.py", ))
+    # the seam's only test gone: its patch is no pull request's without a test either
+    (tmp_path / "seam").mkdir()
+    with pytest.raises(ze.ExportError, match="pull request '1-muon-update-seam' has no test under tests/"):
+        _fake_export(tmp_path / "seam", drop=("tests/unit/runtime/zero/test_muon_update_split.py", ))
 
 
 def test_fake_modified_file_without_a_note_stops_the_export(tmp_path):
-    other = _make_diff("deepspeed/runtime/zero/muon/__init__.py", "", "from .original_muon import muon_update\n")
-    with pytest.raises(ze.ExportError, match="deepspeed/runtime/zero/muon/__init__.py is modified by muon but has no"):
-        _fake_export(tmp_path, extra={f"patches/{FAKE_BASE}/0004-muon-update-split.patch": other})
+    # the seam's patch also changing muon/__init__.py, for which SEAM has no note (still changing
+    # original_muon.py, which the plan's and the binding's modules import)
+    seam = f"patches/{FAKE_BASE}/0004-muon-update-split.patch"
+    original = "deepspeed/runtime/zero/muon/original_muon.py"
+    other = _make_diff(original, UPSTREAM[original], "def muon_update():\n    return elementwise()\n") + _make_diff(
+        "deepspeed/runtime/zero/muon/__init__.py", "", "from .original_muon import muon_update\n")
+    with pytest.raises(ze.ExportError,
+                       match="deepspeed/runtime/zero/muon/__init__.py is modified by muon-update-seam "
+                       "but has no"):
+        _fake_export(tmp_path, extra={seam: other})
 
 
 def test_fake_new_file_clashing_with_upstream_stops_the_export(tmp_path):
-    # a group claiming a new file of ours at the path of an upstream file (MUON names its modules one by one)
+    # a group claiming a new file of ours at the path of an upstream file (the groups name their modules one
+    # by one): the seam with its own original_muon.py instead of the patch's change
     original = "deepspeed/runtime/zero/muon/original_muon.py"
-    muon = ze.Group("muon", 1, ze.MUON.title, (*ze.MUON.patterns, original), ze.MUON.notes, template=ze.MUON.template)
-    with pytest.raises(zb.BuildError, match="already exist in the upstream"):
-        _fake_export(tmp_path, extra={original: "# ours\n"}, groups=(muon, *ze.GROUPS[1:]))
+    seam = ze.Group(ze.SEAM.key,
+                    ze.SEAM.number,
+                    ze.SEAM.title, (*ze.SEAM.patterns, original),
+                    ze.SEAM.notes,
+                    template=ze.SEAM.template)
+    assert ze.GROUPS[0] is ze.SEAM
+    with pytest.raises(zb.BuildError, match="already exist in the upstream") as err:
+        _fake_export(tmp_path, extra={original: "# ours\n"}, groups=(seam, *ze.GROUPS[1:]))
+    assert original in str(err.value)
 
 
 def test_fake_universal_groups_claim_their_files(tmp_path):
@@ -671,40 +975,45 @@ def test_fake_universal_groups_claim_their_files(tmp_path):
     patches = f"patches/{FAKE_BASE}"
     generic = {
         f"{patches}/0008-engine-resize-names-universal-checkpoint.patch": _stage3_patch((28, "names load_universal")),
-        UNIVERSAL_TEST.replace(".py", "_zero12.py"): _doc_module("ZeRO-1/2.") +
-        "from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun\n",
+        UNIVERSAL_TEST.replace(".py", "_zero12.py"):
+        _doc_module("ZeRO-1/2.") + "from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun\n",
         "tests/unit/checkpoint/zero3_universal_helpers.py": _doc_module("Helpers of the universal tests."),
     }
     muon = {
-        "deepspeed/runtime/zero/muon/universal_state_checks.py": _doc_module("Muon state in universal checkpoints.") +
+        "deepspeed/runtime/zero/muon/universal_state_checks.py":
+        _doc_module("Muon state in universal checkpoints.") +
         "from deepspeed.checkpoint.zero3_universal import FP32\n",
-        "deepspeed/runtime/zero/muon/zero12_universal_momentum.py": _doc_module("ZeRO-1/2 Muon momentum."),
-        f"{patches}/0013-universal-muon-state.patch": _stage3_patch((30, "muon checks")),
-        "tests/unit/checkpoint/test_universal_checkpoint_muon.py": _doc_module("Muon runs resume elsewhere.") +
-        "from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun\n"
+        "deepspeed/runtime/zero/muon/zero12_universal_momentum.py":
+        _doc_module("ZeRO-1/2 Muon momentum."),
+        f"{patches}/0013-universal-muon-state.patch":
+        _stage3_patch((30, "muon checks")),
+        "tests/unit/checkpoint/test_universal_checkpoint_muon.py":
+        _doc_module("Muon runs resume elsewhere.") + "from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun\n"
         "from unit.checkpoint.zero3_universal_helpers import unequal_states\n",
     }
     result, _, _ = _fake_export(tmp_path, extra={**generic, **muon})
     (tmp_path / "plain").mkdir()
-    universal, universal_muon = result.pull_requests[3:5]
-    assert (universal.stem, universal_muon.stem) == ("6-universal-checkpoint", "7-universal-muon")
+    universal, universal_muon = result.pull_requests[6:8]
+    assert (universal.stem, universal_muon.stem) == ("7-universal-checkpoint", "8-universal-muon")
     assert set(generic) <= set(universal.sources) and set(muon) == set(universal_muon.sources)
-    assert not [p for p in result.pull_requests[0].sources if "universal" in p]
-    assert ("Pull requests 6 (universal-checkpoint) and 7 (universal-muon) apply without this one, but their tests "
+    split = result.pull_requests[:4]
+    assert [pr.stem for pr in split] == ["1-muon-update-seam", "2-muon-owner-plan", "3-muon-pipeline", "4-zero3-muon"]
+    assert not [p for pr in split for p in pr.sources if "universal" in p]
+    assert ("Pull requests 7 (universal-checkpoint) and 8 (universal-muon) apply without this one, but their tests "
             "import this one's test helpers (stacked on this one for their tests)."
-            in " ".join(result.pull_requests[0].text_path.read_text().split()))
+            in " ".join(split[3].text_path.read_text().split()))
     # the engine's sentences come with 0008; the ZeRO-1/2 ones only with 0009
     text = " ".join(universal.text_path.read_text().split())
     assert "bare world-size mismatch" in text and "names `ds_to_universal`" in text and "ZeRO-1/2: a universal" not in text
-    assert "Pull request 7 (universal-muon) imports this one's modules (stacked on this one)." in text
+    assert "Pull request 8 (universal-muon) imports this one's modules (stacked on this one)." in text
     muon_text = " ".join(universal_muon.text_path.read_text().split())
-    assert ("Its code imports modules of pull request 6 (universal-checkpoint) and its tests that one's test helpers"
-            in muon_text and "Its tests also import test helpers of pull request 1 (muon)" in muon_text)
-    plain = _fake_export(tmp_path / "plain")[0].pull_requests[3].text_path.read_text()
+    assert ("Its code imports modules of pull request 7 (universal-checkpoint) and its tests that one's test helpers"
+            in muon_text and "Its tests also import test helpers of pull request 4 (zero3-muon)" in muon_text)
+    plain = _fake_export(tmp_path / "plain")[0].pull_requests[6].text_path.read_text()
     assert "bare world-size mismatch" not in plain and "names `ds_to_universal`" not in plain
     # the Muon module no longer importing the generic one: its code_needs is stale
     (tmp_path / "stale").mkdir()
-    with pytest.raises(ze.ExportError, match="'7-universal-muon' import modules of no other group but its code_needs"):
+    with pytest.raises(ze.ExportError, match="'8-universal-muon' import modules of no other group but its code_needs"):
         standalone = {"deepspeed/runtime/zero/muon/universal_state_checks.py": _doc_module("Standalone.")}
         _fake_export(tmp_path / "stale", extra={**generic, **muon, **standalone})
 
@@ -714,11 +1023,85 @@ def test_fake_undeclared_or_stale_test_dependency_stops_the_export(tmp_path):
     window = "tests/unit/runtime/zero/test_zero3_grad_partition_window.py"
     (tmp_path / "undeclared").mkdir()
     (tmp_path / "stale").mkdir()
-    with pytest.raises(ze.ExportError, match="pull request '4-grad-window' import files of \\['muon'\\] but its "
+    with pytest.raises(ze.ExportError,
+                       match="pull request '5-grad-window' import files of \\['zero3-muon'\\] but its "
                        "tests_need says none") as err:
         _fake_export(tmp_path / "undeclared", extra={window: "from unit.runtime.zero.zero3_muon_helpers import X\n"})
     assert f"{window} imports tests/unit/runtime/zero/zero3_muon_helpers.py" in str(err.value)
     # the universal test no longer importing them: the declaration is stale
-    with pytest.raises(ze.ExportError, match="'6-universal-checkpoint' import files of no other group but its "
-                       "tests_need says \\['muon'\\]"):
+    with pytest.raises(ze.ExportError,
+                       match="'7-universal-checkpoint' import files of no other group but its "
+                       "tests_need says \\['zero3-muon'\\]"):
         _fake_export(tmp_path / "stale", extra={UNIVERSAL_TEST: _doc_module("Standalone.")})
+    # the ZeRO-3 Muon helpers no longer importing the plan's NS test helpers: its tests_need is stale
+    (tmp_path / "stale-binding").mkdir()
+    with pytest.raises(ze.ExportError,
+                       match="'4-zero3-muon' import files of no other group but its tests_need says "
+                       "\\['muon-owner-plan'\\]"):
+        _fake_export(tmp_path / "stale-binding",
+                     extra={"tests/unit/runtime/zero/zero3_muon_helpers.py": _doc_module("Standalone helpers.")})
+
+
+def test_code_needs_an_upstream_module_one_groups_patch_modifies(tmp_path):
+    # code_imported_groups: a module importing an upstream module that exactly one group's patches modify
+    # depends on that group (as on another group's new module); one that two groups' patches modify counts
+    # for neither; one only its own group's patches modify is no dependency
+    original, stage3, engine, config = (f"deepspeed/runtime/{p}.py"
+                                        for p in ("zero/muon/original_muon", "zero/stage3", "engine", "zero/config"))
+    patched = {"seam": [original], "stage3-a": [stage3], "stage3-b": [stage3, engine], "user": [config]}
+    patches = tmp_path / "patches" / FAKE_BASE
+    patches.mkdir(parents=True)
+    owners = {}
+    for n, (key, targets) in enumerate(patched.items(), 1):
+        name = f"{n:04d}-{key}.patch"
+        (patches / name).write_text("".join(_make_diff(t, "old\n", "new\n") for t in targets))
+        owners[key] = [f"patches/{FAKE_BASE}/{name}"]
+    module, helper = "deepspeed/runtime/zero/muon/user.py", "deepspeed/runtime/zero/muon/helper.py"
+    (tmp_path / module).parent.mkdir(parents=True)
+    (tmp_path / module).write_text("from deepspeed.runtime.zero.muon import original_muon\n"
+                                   "import deepspeed.runtime.zero.stage3\n"
+                                   "from deepspeed.runtime.engine import DeepSpeedEngine\n"
+                                   "from deepspeed.runtime.zero.config import ZeroConfig\n"
+                                   "from deepspeed.runtime.zero.muon.helper import f\n")
+    (tmp_path / helper).write_text("from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3\n")
+    owners["user"] += [module, "tests/unit/test_user.py"]
+    owners["helper"] = [helper]
+    user, helper_group = ze.Group("user", 1, "user", (), {}), ze.Group("helper", 2, "helper", (), {})
+    assert ze.code_imported_groups(user, owners, tmp_path) == {
+        "seam": [(module, original)],
+        "stage3-b": [(module, engine)],
+        "helper": [(module, helper)]
+    }
+    assert ze.code_imported_groups(helper_group, owners, tmp_path) == {}  # stage3.py: two groups' patches
+    # a second group's patch modifying original_muon.py too: importing it no longer depends on either
+    (patches /
+     "0002-stage3-a.patch").write_text(_make_diff(stage3, "old\n", "new\n") + _make_diff(original, "old\n", "new\n"))
+    assert ze.code_imported_groups(user, owners, tmp_path) == {
+        "stage3-b": [(module, engine)],
+        "helper": [(module, helper)]
+    }
+    # stage3-a's patch left out of the export: stage3.py is stage3-b's alone, original_muon.py the seam's again
+    del owners["stage3-a"]
+    assert ze.code_imported_groups(user, owners, tmp_path) == {
+        "seam": [(module, original)],
+        "stage3-b": [(module, stage3), (module, engine)],
+        "helper": [(module, helper)]
+    }
+    assert ze.code_imported_groups(helper_group, owners, tmp_path) == {"stage3-b": [(helper, stage3)]}
+
+
+def test_fake_upstream_module_patched_by_two_groups_is_no_dependency(tmp_path):
+    # the ZeRO-3 binding's 0001 also changing original_muon.py: the plan's import of it then names no group,
+    # so its code_needs (the seam) is stale, and the binding's own import of it counts nothing either
+    original = "deepspeed/runtime/zero/muon/original_muon.py"
+    both = _stage3_patch((3, "muon wiring")) + _make_diff(original, UPSTREAM[original], "def muon_update():\n    x\n")
+    with pytest.raises(ze.ExportError) as err:
+        _fake_export(tmp_path, extra={f"patches/{FAKE_BASE}/0001-zero3-muon-boundary-update.patch": both})
+    message = str(err.value)
+    assert ("the modules of pull request '2-muon-owner-plan' import modules of no other group but its code_needs "
+            "says ['muon-update-seam']: no import of another group's module") in message
+    assert ("the modules of pull request '4-zero3-muon' import modules of ['muon-owner-plan', 'muon-pipeline'] but "
+            "its code_needs says ['muon-owner-plan', 'muon-pipeline', 'muon-update-seam']") in message
+    assert f"imports {original}" not in message
+    assert "'3-muon-pipeline'" not in message
+    assert not (tmp_path / "out").exists()

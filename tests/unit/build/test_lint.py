@@ -79,8 +79,12 @@ def lint_bin():
 
 
 def dev_lint(*args):
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "dev.py"), "lint", *map(str, args)], cwd=REPO_ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "dev.py"), "lint", *map(str, args)],
+                          cwd=REPO_ROOT,
+                          stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT,
+                          text=True,
+                          timeout=600)
     return proc.returncode, proc.stdout
 
 
@@ -107,8 +111,9 @@ def test_planted_violations_fail_and_a_clean_file_passes(lint_bin, tmp_path):
     assert rc == 1, out
     bad = findings(out, "bad.py")
     unused, torch_ref = line_of(BAD, "import os"), line_of(BAD, "torch.cuda")
-    assert bad.get("flake8") == [f"{unused}: F401 'os' imported but unused",
-                                 f"{torch_ref}: F821 undefined name 'torch'"], out
+    assert bad.get("flake8") == [
+        f"{unused}: F401 'os' imported but unused", f"{torch_ref}: F821 undefined name 'torch'"
+    ], out
     assert [t.split(":")[0] for t in bad.get("check-torchdist", [])] == [str(line_of(BAD, "torch.distributed"))], out
     assert [t.split(":")[0] for t in bad.get("check-torchcuda", [])] == [str(torch_ref)], out
     assert [t.split(":")[0] for t in bad.get("trailing-whitespace", [])] == [str(line_of(BAD, "len(x)"))], out
@@ -242,8 +247,26 @@ def test_each_pull_requests_files(lint_bin, tmp_path):
     finally:
         release.close()
     by_stem = {t.stem: t for t in found}
-    muon = by_stem["1-muon"]
-    assert "deepspeed/runtime/zero/stage3.py" in muon.patched
+    muon = "deepspeed/runtime/zero/muon"
+    zero_tests = "tests/unit/runtime/zero"
+    # the split Muon change: the seam patches original_muon.py, the plan and the pipeline are new files
+    # only, the ZeRO-3 binding patches stage3.py
+    seam = by_stem["1-muon-update-seam"]
+    assert list(seam.patched) == [f"{muon}/original_muon.py"]
+    assert seam.ours == [f"{zero_tests}/test_muon_update_split.py"]
+    plan = by_stem["2-muon-owner-plan"]
+    assert plan.patched == {} and plan.ours == [
+        f"{muon}/momentum.py", f"{muon}/newton_schulz.py", f"{muon}/owner_plan.py",
+        f"{zero_tests}/newton_schulz_testing.py", f"{zero_tests}/test_muon_newton_schulz.py",
+        f"{zero_tests}/test_muon_owner_plan.py"
+    ]
+    pipeline = by_stem["3-muon-pipeline"]
+    assert pipeline.patched == {} and pipeline.ours == [
+        f"{muon}/owner_exchange.py", f"{muon}/pipeline.py", f"{zero_tests}/test_muon_pipeline.py"
+    ]
+    zero3_muon = by_stem["4-zero3-muon"]
+    assert "deepspeed/runtime/zero/stage3.py" in zero3_muon.patched
+    assert f"{muon}/zero3_update.py" in zero3_muon.ours and f"{zero_tests}/zero3_muon_helpers.py" in zero3_muon.ours
     for t in found:
         assert all(p.endswith(".py") and (REPO_ROOT / p).is_file() for p in t.ours), t.stem
         for rel, (old, new) in t.patched.items():
