@@ -69,8 +69,8 @@ optimizer step (all its micro-steps), times in seconds, sizes in bytes:
   still live at their end (``torch.profiler`` memory events: partitions, flat buffers, optimizer
   state, exchange buffers: what the engine sets up and what its steps keep; not what forward and
   backward allocate, such as gathered parameters, whose number alive at a given moment varies;
-  ZeRO-3's initialize gathers every parameter once to register its hooks, and now and then one
-  such copy is still alive at the end: a parameter-sized block of noise); max over ranks; ``alloc_live_kept_bytes``: ``kept_bytes`` by introspection at that same moment
+  ZeRO-3's initialize gathers every parameter once to register its hooks, and now and then one or
+  two such copies are still alive at the end: parameter-sized blocks of noise); max over ranks; ``alloc_live_kept_bytes``: ``kept_bytes`` by introspection at that same moment
   (the end of the warm-up steps; stock 0.19.8's all-gather cache can differ there from later
   steps). Muon minus AdamW of the two must agree: the allocator checks the introspection.
 - ``muon_straddling_matrices`` / ``muon_straddling_elements`` (ZeRO-1/2, else None): the Muon
