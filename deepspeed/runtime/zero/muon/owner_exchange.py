@@ -135,17 +135,23 @@ class BucketLayout:
 
         Returns:
             list of contiguous tensors, one per owned matrix (order of ``owned``), each of its
-            shape, padding dropped: a view of ``recv`` where only one rank contributes, else a copy.
+            shape, padding dropped: a view of ``recv`` where its pieces lie back to back there (the
+            only matrix this rank owns in the bucket, or one rank contributes), else a copy.
         """
-        chunks, offsets = self._chunks(recv), [0] * len(self.recv_splits)
+        chunk_starts = [sum(self.recv_splits[:s]) for s in range(len(self.recv_splits))]
+        offsets = [0] * len(self.recv_splits)
         matrices = []
         for k in self.owned:
-            parts = []
+            spans = []  # (start in recv, numel) of each nonzero piece, in rank order
             for s, n in enumerate(self.pieces[k]):
                 if n:
-                    parts.append(chunks[s].narrow(0, offsets[s], n))
+                    spans.append((chunk_starts[s] + offsets[s], n))
                 offsets[s] += n
-            flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+            adjacent = all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
+            if adjacent:
+                flat = recv.narrow(0, spans[0][0], sum(n for _, n in spans))
+            else:
+                flat = torch.cat([recv.narrow(0, a, n) for a, n in spans])
             matrices.append(flat[:self.numels[k]].view(shapes[k]))
         return matrices
 

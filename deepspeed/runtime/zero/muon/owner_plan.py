@@ -256,6 +256,12 @@ def reserved_numel(plan: OwnerPlan, pieces: Sequence[Sequence[int]], slots: int)
     return [busy * (a + b) for a, b in zip(most_out, most_in)]
 
 
+def within_budget(plan: OwnerPlan, pieces: Sequence[Sequence[int]], slots: int) -> bool:
+    """Whether every rank's reserved buffers (``reserved_numel``) fit the elements it holds."""
+    budget = [sum(p[r] for p in pieces) for r in range(plan.world_size)]
+    return all(n <= b for n, b in zip(reserved_numel(plan, pieces, slots), budget))
+
+
 def plan_within_budget(specs: Sequence[MatrixSpec],
                        pieces: Sequence[Sequence[int]],
                        world_size: int,
@@ -285,13 +291,12 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
     Raises:
         ValueError: see ``plan_owners`` and ``make_buckets``.
     """
-    budget = [sum(p[r] for p in pieces) for r in range(world_size)]
 
     def plan(bucket_numel):
         return plan_owners(specs, world_size, bucket_numel, ns_steps, initial_load, holders)
 
     def fits(candidate):
-        return all(n <= b for n, b in zip(reserved_numel(candidate, pieces, slots), budget))
+        return within_budget(candidate, pieces, slots)
 
     # Candidate sizes: the first k matrices' total for every k (each gives a different bucketing),
     # at most max_bucket_numel. The buffers grow with the bucket size but, with LPT owners, not

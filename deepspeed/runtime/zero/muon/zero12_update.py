@@ -50,8 +50,7 @@ from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings, momentum_step
 from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec, orthogonalize
 from deepspeed.runtime.zero.muon.owner_exchange import ExchangeStats, OwnerExchange
-from deepspeed.runtime.zero.muon.owner_plan import plan_within_budget
-from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline, slots_for_depth
+from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline, plan_for_depth
 
 
 def _is_muon_optimizer(optimizer) -> bool:
@@ -119,12 +118,7 @@ class Zero12MuonUpdate:
             slices.append((max(start, rank * partition_size) - rank * partition_size if held[rank] else 0, held[rank]))
             start = end
         holders = [[r for r, n in enumerate(p) if n] for p in pieces]
-        plan = plan_within_budget(specs,
-                                  pieces,
-                                  world_size,
-                                  opt.reduce_bucket_size,
-                                  slots_for_depth(depth),
-                                  holders=holders)
+        plan, depth = plan_for_depth(specs, pieces, world_size, opt.reduce_bucket_size, depth, holders=holders)
         exchange = OwnerExchange(group, rank, world_size, dist.all_to_all_single, self.stats)
         piece_device = opt.single_partition_of_fp32_groups[group_idx].device
         return MuonPipeline(plan, specs, pieces, slices, exchange, self.device, piece_device, depth, self.batch_ns)

@@ -32,8 +32,7 @@ from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings
 from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec
 from deepspeed.runtime.zero.muon.owner_exchange import ExchangeStats, OwnerExchange
-from deepspeed.runtime.zero.muon.owner_plan import plan_within_budget
-from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline, slots_for_depth
+from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline, plan_for_depth
 from deepspeed.utils import logger
 
 
@@ -152,12 +151,7 @@ class Zero3MuonUpdate:
             slices.append((offset, partition_numel))
             specs.append(matrix_spec(param, param.ds_shape, ns_method))
         pieces = [(numel, ) * world_size for _, numel in slices]
-        plan = plan_within_budget(specs,
-                                  pieces,
-                                  world_size,
-                                  opt.reduce_bucket_size,
-                                  slots_for_depth(depth),
-                                  initial_load=load)
+        plan, depth = plan_for_depth(specs, pieces, world_size, opt.reduce_bucket_size, depth, initial_load=load)
         for r, cost in enumerate(plan.load()):
             load[r] += cost
         exchange = OwnerExchange(group, rank, world_size, dist.all_to_all_single, self.stats)

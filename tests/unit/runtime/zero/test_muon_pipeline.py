@@ -26,8 +26,8 @@ from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum import MuonSettings
 from deepspeed.runtime.zero.muon.newton_schulz import newton_schulz_problem
 from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeStats, OwnerExchange
-from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, plan_owners, reserved_numel
-from deepspeed.runtime.zero.muon.pipeline import MuonPipeline, slots_for_depth
+from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, plan_owners, reserved_numel, within_budget
+from deepspeed.runtime.zero.muon.pipeline import MuonPipeline, plan_for_depth, slots_for_depth
 
 TIMEOUT = 60  # seconds a simulated rank waits for the others before the test fails
 SETTINGS = MuonSettings(momentum=0.9, nesterov=True, ns_method="gram", ns_steps=5)
@@ -303,3 +303,32 @@ def test_depth_below_one_is_refused():
     with pytest.raises(ValueError, match="depth"):
         MuonPipeline(plan_owners(specs, 1, 100), specs, pieces, slices[0],
                      OwnerExchange(None, 0, 1, None, ExchangeStats()), "cpu", "cpu", 0)
+
+
+def test_depth_lowered_where_even_one_matrix_per_bucket_exceeds_the_budget():
+    """Eight 64x64 matrices at W=2: a rank holds 8 x 2048 elements of momentum. At depth 2 (three
+    slots) one matrix per bucket already reserves 3 x (2048 + 4096); depth 1 fits, with buckets as
+    large as fit. Where nothing fits (W=4, one large matrix), depth 1 is the least reserved."""
+    specs = [MatrixSpec((64, 64))] * 8
+    pieces = [(2048, 2048)] * 8
+    plan, depth = plan_for_depth(specs, pieces, 2, 10**9, 2)
+    assert depth == 1 and within_budget(plan, pieces, slots_for_depth(1)) and len(plan.buckets[0]) > 1
+    assert not within_budget(plan_owners(specs, 2, 1), pieces, slots_for_depth(2))
+    plan, depth = plan_for_depth([MatrixSpec((64, 64))], [(1024, ) * 4], 4, 10**9, 3)
+    assert depth == 1 and plan.buckets == ((0, ), )
+    specs = [MatrixSpec((64, 64))] * 12
+    assert plan_for_depth(specs, [(2048, 2048)] * 12, 2, 10**9, 2)[1] == 2, "fits at the asked depth"
+
+
+def test_one_owned_matrix_is_a_view_of_the_receive_buffer():
+    """Where a rank owns one matrix of a bucket, its pieces lie back to back in the receive buffer:
+    the owner reads them in place (no copy); with two owned matrices they are interleaved and copied."""
+    one = BucketLayout(matrices=(0, 1), owners=(0, 1), numels=(10, 10), pieces=((5, 5), (5, 5)), rank=0)
+    recv = torch.arange(10.)
+    (matrix, ) = one.owned_matrices(recv, [(2, 5), (2, 5)])
+    assert matrix.data_ptr() == recv.data_ptr() and torch.equal(matrix.reshape(-1), recv)
+    two = BucketLayout(matrices=(0, 1), owners=(0, 0), numels=(10, 10), pieces=((5, 5), (5, 5)), rank=0)
+    recv = torch.arange(20.)
+    first, second = two.owned_matrices(recv, [(10, ), (10, )])
+    assert torch.equal(first, torch.cat([recv[0:5], recv[10:15]]))
+    assert torch.equal(second, torch.cat([recv[5:10], recv[15:20]]))
