@@ -171,6 +171,9 @@ class Zero12MuonUpdate:
         if not self._group_is_finite(group_idx, grad_partition if held is None else held):
             return
         settings = self._settings(group_idx)
+        if group_idx == min(i for i in range(len(self.zero_optimizer.round_robin_bit16_groups))
+                            if self.is_muon_group(i)):
+            self.stats.optimizer_steps += 1
         if group_idx in self.pipelines:
             momentum = self._momentum(group_idx, grad_partition.numel(), grad_partition.device)
             self.pipelines[group_idx].run(grad_partition, momentum, settings,

@@ -188,12 +188,14 @@ class Zero3MuonUpdate:
             return
         matrices = sum(len(p.specs) for p in self.pipelines.values())
         buckets = sum(len(p.plan.buckets) for p in self.pipelines.values())
+        depth = min(p.depth for p in self.pipelines.values())
         imbalance = max(p.plan.imbalance() for p in self.pipelines.values())
+        momentum = 4 * sum(n for p in self.pipelines.values() for _, n in p.slices)
+        reserved = self.reserved_bytes()
         logger.info(f"ZeRO-3 Muon: owner-centric update at the accumulation boundary for {matrices} matrices in "
-                    f"{len(self.pipelines)} sub-group(s), {buckets} bucket(s) (at most "
-                    f"{self.optimizer.reduce_bucket_size} elements each, exchange buffers within the momentum "
-                    f"partition's size: {self.reserved_bytes()} bytes on rank 0); owner NS cost max/mean "
-                    f"{imbalance:.3f}")
+                    f"{len(self.pipelines)} sub-group(s), {buckets} bucket(s), pipeline depth {depth}, {reserved} "
+                    f"bytes of exchange buffers on rank 0 ({'within' if reserved <= momentum else 'over'} its "
+                    f"momentum partition of {momentum} bytes); owner NS cost max/mean {imbalance:.3f}")
 
     def momentum_partition(self, sub_group_id, like: torch.Tensor) -> torch.Tensor:
         """The sub-group's fp32 momentum partition (1-D, ``fp16_partitioned_groups_flat_numel``

@@ -136,6 +136,7 @@ class TestZero12MuonUpdate(DistributedTest):
             result = BITES.with_(stage=stage, offload="cpu").train()
             stats = [r.stats for r in result.per_rank]
             assert sum(s["ns_calls"] for s in stats) == newton_schulz_problem_count(BITES.model) * BITES.steps
+            assert all(s["optimizer_steps"] == BITES.steps for s in stats)
             diff = relative_difference(ref_weights, result.weights)
             if dist.get_rank() == 0:
                 print(f"MEASURED offload W={world_size} stage {stage}: {diff:.2e}")
