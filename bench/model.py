@@ -70,9 +70,14 @@ def muon_order(shapes) -> List[Tuple[int, ...]]:
     return sorted((tuple(s) for s in shapes), reverse=True)
 
 
-def slots_for_depth(depth: int) -> int:
-    """``pipeline.slots_for_depth`` (that module imports torch): exchange-buffer slots at ``depth``."""
-    return 2 * depth - 1
+slots_for_depth = owner_plan.slots_for_depth
+
+
+def zero3_depth(shapes, world_size, bucket_numel=DEFAULT_BUCKET, depth=DEFAULT_DEPTH) -> int:
+    """The pipeline depth ``Zero3MuonUpdate`` runs at (``owner_plan.plan_for_depth``: lowered where
+    even one matrix per bucket exceeds the momentum budget)."""
+    return owner_plan.plan_for_depth(specs_for(muon_order(shapes)), zero3_pieces(shapes, world_size), world_size,
+                                     bucket_numel, depth)[1]
 
 
 def specs_for(shapes: Sequence[Tuple[int, ...]], ns_method: str = "gram") -> List:
@@ -88,8 +93,8 @@ def zero3_pieces(shapes, world_size) -> List[Tuple[int, ...]]:
 
 def zero3_plan(shapes, world_size, bucket_numel=DEFAULT_BUCKET, depth=DEFAULT_DEPTH):
     """The owner plan ``Zero3MuonUpdate`` builds for one sub-group of these matrices."""
-    return owner_plan.plan_within_budget(specs_for(muon_order(shapes)), zero3_pieces(shapes, world_size), world_size,
-                                         bucket_numel, slots_for_depth(depth))
+    return owner_plan.plan_for_depth(specs_for(muon_order(shapes)), zero3_pieces(shapes, world_size), world_size,
+                                     bucket_numel, depth)[0]
 
 
 def zero12_layout(shapes, world_size) -> Tuple[int, List[Tuple[int, ...]]]:
@@ -123,8 +128,8 @@ def zero12_plan(shapes, world_size, bucket_numel=DEFAULT_BUCKET, depth=DEFAULT_D
     """The owner plan ``Zero12MuonUpdate`` builds under optimizer offload (owners among holders)."""
     _, pieces = zero12_layout(shapes, world_size)
     holders = [[r for r, n in enumerate(p) if n] for p in pieces]
-    return owner_plan.plan_within_budget(specs_for(muon_order(shapes)), pieces, world_size, bucket_numel,
-                                         slots_for_depth(depth), holders=holders)
+    return owner_plan.plan_for_depth(specs_for(muon_order(shapes)), pieces, world_size, bucket_numel, depth,
+                                     holders=holders)[0]
 
 
 def exchange_traffic(plan, pieces) -> List[float]:
@@ -174,7 +179,8 @@ def reserved_numel(plan, pieces, depth=DEFAULT_DEPTH) -> List[int]:
 def zero3_reserved_numel(shapes, world_size, bucket_numel=DEFAULT_BUCKET, depth=DEFAULT_DEPTH) -> List[int]:
     """ZeRO-3: exchange-buffer elements each rank reserves (fp32: 4 bytes each), next to its
     momentum partition of ``sum(zero3_pieces)`` elements."""
-    return reserved_numel(zero3_plan(shapes, world_size, bucket_numel, depth), zero3_pieces(shapes, world_size), depth)
+    return reserved_numel(zero3_plan(shapes, world_size, bucket_numel, depth), zero3_pieces(shapes, world_size),
+                          zero3_depth(shapes, world_size, bucket_numel, depth))
 
 
 def stock_zero12_offload_traffic(shapes, world_size, momentum=True) -> float:

@@ -112,14 +112,18 @@ def test_memory_fields_patched(tmp_path):
         check_memory_fields(row)
     assert muon["optimizer"] == "muon" and muon["ns_calls_per_step"] == muon["ns_kernel_calls_per_step"] == len(TINY)
     assert muon["ns_seconds_per_step"] > 0
-    assert muon["boundary_settings"]["pipeline_depth"] == 2 and muon["boundary_settings"]["batch_ns"] is None
+    assert muon["boundary_settings"]["pipeline_depth"] == model.zero3_depth(TINY, world_size, depth=2)
+    assert muon["boundary_settings"]["batch_ns"] is None
     assert serial["boundary_settings"]["pipeline_depth"] == 1 and serial["boundary_settings"]["batch_ns"] is False
     # the fp32 momentum partition, and the exchange buffers the plan reserves (largest rank)
     momentum = 4 * sum(math.ceil(math.prod(s) / world_size) for s in TINY)
     for row, depth in ((muon, 2), (serial, 1)):
         assert row["optimizer_state_bytes"] == momentum
         assert row["retained_muon_bytes"] == 4 * max(model.zero3_reserved_numel(TINY, world_size, depth=depth))
-    assert serial["retained_muon_bytes"] < muon["retained_muon_bytes"]
+    if model.zero3_depth(TINY, world_size, depth=2) > 1:
+        assert serial["retained_muon_bytes"] < muon["retained_muon_bytes"]
+    else:  # depth 2 does not fit the momentum budget: the default runs at depth 1 too
+        assert serial["retained_muon_bytes"] == muon["retained_muon_bytes"]
     assert adamw["retained_muon_bytes"] == 0 and adamw["optimizer_state_bytes"] >= 2 * momentum
     # the allocator: what initialize and the steps left alive, Muon against AdamW, is the introspected
     # difference, up to a few scalar tensors that live outside the state (norms, 8 bytes each) and

@@ -238,7 +238,7 @@ def reserved_numel(plan: OwnerPlan, pieces: Sequence[Sequence[int]], slots: int)
     Args:
         plan: the owner plan.
         pieces: per matrix, its piece size on every rank (length ``world_size`` each).
-        slots: buckets in flight at once (``pipeline.slots_for_depth``).
+        slots: buckets in flight at once (``slots_for_depth``).
 
     Returns:
         list of length ``world_size``: reserved elements per rank.
@@ -321,3 +321,31 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
         else:
             hi = mid - 1
     return best
+
+
+def slots_for_depth(depth: int) -> int:
+    """Exchange-buffer slots the pipeline uses at ``depth`` (buckets in flight at once)."""
+    return 2 * depth - 1
+
+
+def plan_for_depth(specs: Sequence[MatrixSpec], pieces: Sequence[Sequence[int]], world_size: int,
+                   max_bucket_numel: int, depth: int, **plan_args) -> Tuple[OwnerPlan, int]:
+    """The owner plan and the pipeline depth whose exchange buffers fit every rank's momentum.
+
+    ``owner_plan.plan_within_budget`` at ``depth``'s slots; where even one matrix per bucket does
+    not fit (a matrix large against the rank's partition), the next lower depth, down to 1, where
+    the buffers are one bucket's and may still exceed the budget.
+
+    Args:
+        specs, pieces, world_size, max_bucket_numel: as for ``plan_within_budget``.
+        depth: the depth asked for (at least 1).
+        plan_args: ``ns_steps``, ``initial_load``, ``holders`` of ``plan_within_budget``.
+
+    Returns:
+        ``(plan, depth)``.
+    """
+    for d in range(depth, 0, -1):
+        plan = plan_within_budget(specs, pieces, world_size, max_bucket_numel, slots_for_depth(d), **plan_args)
+        if within_budget(plan, pieces, slots_for_depth(d)):
+            return plan, d
+    return plan, 1

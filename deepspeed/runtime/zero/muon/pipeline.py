@@ -21,7 +21,7 @@ the serial order. With depth ``d`` the collectives on every rank are, for ``n`` 
 forward exchanges of buckets ``0 .. d-1``, then for each bucket ``k`` its back exchange followed
 by the forward exchange of bucket ``k + d``; every rank issues the same collectives in the same
 order whatever it owns. A bucket holds one slot of ``ExchangeBuffers`` from prepare to finalize:
-``2 d - 1`` slots are in use at most (``slots_for_depth``), reserved at construction.
+``2 d - 1`` slots are in use at most (``owner_plan.slots_for_depth``), reserved at construction.
 
 The schedule follows torchtitan's DistributedMuon (prepare/compute/finalize over a reserved
 transfer layout) and microsoft/dion's overlap of one batch's exchange with another's compute.
@@ -35,41 +35,13 @@ import torch
 from deepspeed.runtime.zero.muon.momentum import MuonSettings, momentum_step
 from deepspeed.runtime.zero.muon.newton_schulz import orthogonalize
 from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeBuffers, OwnerExchange
-from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, OwnerPlan, plan_within_budget, within_budget
+from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, OwnerPlan, slots_for_depth
 
 DEFAULT_DEPTH = 2
 """Buckets prepared ahead of the one being orthogonalized: one exchange in each direction overlaps NS."""
 
 EXCHANGE_DTYPE = torch.float32
 """dtype of the forward exchange: the fp32 gradient and momentum give an fp32 Newton-Schulz input."""
-
-
-def slots_for_depth(depth: int) -> int:
-    """Exchange-buffer slots the pipeline uses at ``depth`` (buckets in flight at once)."""
-    return 2 * depth - 1
-
-
-def plan_for_depth(specs: Sequence[MatrixSpec], pieces: Sequence[Sequence[int]], world_size: int,
-                   max_bucket_numel: int, depth: int, **plan_args) -> Tuple[OwnerPlan, int]:
-    """The owner plan and the pipeline depth whose exchange buffers fit every rank's momentum.
-
-    ``owner_plan.plan_within_budget`` at ``depth``'s slots; where even one matrix per bucket does
-    not fit (a matrix large against the rank's partition), the next lower depth, down to 1, where
-    the buffers are one bucket's and may still exceed the budget.
-
-    Args:
-        specs, pieces, world_size, max_bucket_numel: as for ``plan_within_budget``.
-        depth: the depth asked for (at least 1).
-        plan_args: ``ns_steps``, ``initial_load``, ``holders`` of ``plan_within_budget``.
-
-    Returns:
-        ``(plan, depth)``.
-    """
-    for d in range(depth, 0, -1):
-        plan = plan_within_budget(specs, pieces, world_size, max_bucket_numel, slots_for_depth(d), **plan_args)
-        if within_budget(plan, pieces, slots_for_depth(d)):
-            return plan, d
-    return plan, 1
 
 
 class MuonPipeline:

@@ -50,7 +50,8 @@ from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings, momentum_step
 from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec, orthogonalize
 from deepspeed.runtime.zero.muon.owner_exchange import ExchangeStats, OwnerExchange
-from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline, plan_for_depth
+from deepspeed.runtime.zero.muon.owner_plan import plan_for_depth
+from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline
 
 
 def _is_muon_optimizer(optimizer) -> bool:

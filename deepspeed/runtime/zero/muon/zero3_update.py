@@ -32,7 +32,8 @@ from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings
 from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec
 from deepspeed.runtime.zero.muon.owner_exchange import ExchangeStats, OwnerExchange
-from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline, plan_for_depth
+from deepspeed.runtime.zero.muon.owner_plan import plan_for_depth
+from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline
 from deepspeed.utils import logger
 
 

@@ -26,8 +26,8 @@ from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum import MuonSettings
 from deepspeed.runtime.zero.muon.newton_schulz import newton_schulz_problem
 from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeStats, OwnerExchange
-from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, plan_owners, reserved_numel, within_budget
-from deepspeed.runtime.zero.muon.pipeline import MuonPipeline, plan_for_depth, slots_for_depth
+from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, plan_for_depth, plan_owners, reserved_numel, within_budget
+from deepspeed.runtime.zero.muon.pipeline import MuonPipeline, slots_for_depth
 
 TIMEOUT = 60  # seconds a simulated rank waits for the others before the test fails
 SETTINGS = MuonSettings(momentum=0.9, nesterov=True, ns_method="gram", ns_steps=5)
