@@ -80,6 +80,16 @@ def zero3_depth(shapes, world_size, bucket_numel=DEFAULT_BUCKET, depth=DEFAULT_D
                                      bucket_numel, depth)[1]
 
 
+def zero3_owner_floor_numel(shapes, world_size) -> int:
+    """The least the Muon update can add to a rank's memory at ZeRO-3, in fp32 elements: the
+    owner of the largest matrix holds it whole, so at depth 1 with that matrix alone in its bucket
+    it keeps its own piece and the whole matrix (the exchange buffers) plus the matrix's
+    Newton-Schulz working set (``MatrixSpec.ns_workspace_numel``). Where this exceeds the rank's
+    momentum partition, Muon's peak in ``step()`` cannot stay at AdamW's on this model at this W."""
+    return max((math.ceil(s.numel / world_size) + s.numel + s.ns_workspace_numel for s in specs_for(shapes)),
+               default=0)
+
+
 def specs_for(shapes: Sequence[Tuple[int, ...]], ns_method: str = "gram") -> List:
     """The owner plan's ``MatrixSpec`` of each 2-D shape (one Newton-Schulz problem of its own shape)."""
     return [owner_plan.MatrixSpec(tuple(s), ns_method) for s in shapes]

@@ -892,6 +892,12 @@ def kept_memory_lines(results, builds, net, w, names, rate_text=""):
                              if key == "step_peak_bytes" else "")
                           + f" MiB; per-repeat ratios {sp.low:.3f}-{sp.high:.3f} over {sp.n}" if sp else
                           "not measured: no " + key + " in both rows")
+                if key == "step_peak_bytes" and sp and "patched" in build and name.split("-")[0] in MODEL_SHAPES:
+                    floor = 4 * model.zero3_owner_floor_numel(MODEL_SHAPES[name.split("-")[0]], w)
+                    momentum = muon.get("optimizer_state_bytes") or 0
+                    reason += (f"; floor on this model: the largest matrix's owner needs {mib(floor):.2f} MiB of "
+                               f"buffers and Newton-Schulz working set against a momentum partition of "
+                               f"{mib(momentum):.2f} MiB" + (" (cannot be met here)" if floor > momentum else ""))
                 out.append(target_with_figures(f"{what} Muon/AdamW {build} {name} W={w}{rate_text} <= {limit:g}",
                                                sp.median if sp else None, sp is not None and sp.median <= limit, reason,
                                                spec=".3f"))

@@ -123,62 +123,54 @@ class BucketLayout:
         """Elements this rank receives forward as owner (and sends back)."""
         return sum(self.recv_splits)
 
-    def _chunks(self, buffer: torch.Tensor) -> List[torch.Tensor]:
-        return list(buffer.split(list(self.recv_splits)))
+    def _spans(self, position: int) -> List[Tuple[int, int]]:
+        """``(start, numel)`` in the forward receive buffer of each nonzero piece of owned matrix
+        ``position`` (index into ``owned``), in rank order."""
+        spans = []
+        for s, n in enumerate(self.pieces[self.owned[position]]):
+            if n:
+                start = sum(self.recv_splits[:s]) + sum(self.pieces[k][s] for k in self.owned[:position])
+                spans.append((start, n))
+        return spans
 
-    def owned_matrices(self, recv: torch.Tensor, shapes: Sequence[Tuple[int, ...]]) -> List[torch.Tensor]:
-        """Reassemble the matrices this rank owns from the forward receive buffer.
+    def owned_matrix(self, recv: torch.Tensor, position: int, shape: Tuple[int, ...]) -> torch.Tensor:
+        """One matrix this rank owns, reassembled from the forward receive buffer.
 
         Args:
             recv: 1-D, ``recv_numel`` elements (chunk ``s`` from rank ``s``).
-            shapes: per matrix of the bucket (bucket order), its full shape.
+            position: index of the matrix in ``owned``.
+            shape: its full shape.
 
         Returns:
-            list of contiguous tensors, one per owned matrix (order of ``owned``), each of its
-            shape, padding dropped: a view of ``recv`` where its pieces lie back to back there (the
-            only matrix this rank owns in the bucket, or one rank contributes), else a copy.
+            a contiguous tensor of ``shape``, padding dropped: a view of ``recv`` where its pieces lie
+            back to back there (the only matrix this rank owns in the bucket, or one rank
+            contributes), else a copy.
         """
-        chunk_starts = [sum(self.recv_splits[:s]) for s in range(len(self.recv_splits))]
-        offsets = [0] * len(self.recv_splits)
-        matrices = []
-        for k in self.owned:
-            spans = []  # (start in recv, numel) of each nonzero piece, in rank order
-            for s, n in enumerate(self.pieces[k]):
-                if n:
-                    spans.append((chunk_starts[s] + offsets[s], n))
-                offsets[s] += n
-            adjacent = all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
-            if adjacent:
-                flat = recv.narrow(0, spans[0][0], sum(n for _, n in spans))
-            else:
-                flat = torch.cat([recv.narrow(0, a, n) for a, n in spans])
-            matrices.append(flat[:self.numels[k]].view(shapes[k]))
-        return matrices
+        spans = self._spans(position)
+        if all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:])):
+            flat = recv.narrow(0, spans[0][0], sum(n for _, n in spans))
+        else:
+            flat = torch.cat([recv.narrow(0, a, n) for a, n in spans])
+        return flat[:self.numels[self.owned[position]]].view(shape)
 
-    def write_results(self, results: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-        """Split the owner's results into per-rank pieces, in the layout ``owned_matrices`` reads.
+    def write_result(self, position: int, result: torch.Tensor, out: torch.Tensor) -> None:
+        """Split the result of owned matrix ``position`` into per-rank pieces, in the layout
+        ``owned_matrix`` reads, zeroing each piece's padding.
 
         Args:
-            results: one tensor per owned matrix (order of ``owned``), each of its matrix's numel.
-            out: 1-D, ``recv_numel`` elements, the back send buffer; cast on copy.
-
-        Returns:
-            ``out``, with the padding of every piece zeroed.
+            position: index of the matrix in ``owned``.
+            result: the matrix's update (its numel, any shape); cast on copy.
+            out: 1-D, ``recv_numel`` elements, the back send buffer.
         """
-        chunks, offsets = self._chunks(out), [0] * len(self.recv_splits)
-        for k, result in zip(self.owned, results):
-            flat, start = result.reshape(-1), 0
-            for s, n in enumerate(self.pieces[k]):
-                if n:
-                    dest = chunks[s].narrow(0, offsets[s], n)
-                    real = max(0, min(n, self.numels[k] - start))
-                    if real:
-                        dest.narrow(0, 0, real).copy_(flat.narrow(0, start, real))
-                    if real < n:
-                        dest.narrow(0, real, n - real).zero_()
-                offsets[s] += n
-                start += n
-        return out
+        flat, start, numel = result.reshape(-1), 0, self.numels[self.owned[position]]
+        for a, n in self._spans(position):
+            dest = out.narrow(0, a, n)
+            real = max(0, min(n, numel - start))
+            if real:
+                dest.narrow(0, 0, real).copy_(flat.narrow(0, start, real))
+            if real < n:
+                dest.narrow(0, real, n - real).zero_()
+            start += n
 
 
 class OwnerExchange:
@@ -222,11 +214,13 @@ class OwnerExchange:
 
 
 class ExchangeBuffers:
-    """The exchange buffers of one sub-group, reserved once and reused at every step.
+    """The exchange buffers of a stage's Muon pipelines, reserved once and reused at every step.
 
     Each slot holds one bucket in flight: an outgoing buffer (this rank's pieces: forward send,
     back receive) and an incoming one (the owner's whole matrices: forward receive, back send).
-    Each is raw bytes viewed as the dtype a step asks for.
+    Each is raw bytes viewed as the dtype a step asks for. The pipelines of a stage's sub-groups
+    run one after the other inside ``step()``, so they share one set, sized to the largest
+    demand (``pipeline.MuonPipeline.buffer_demand``).
 
     Args:
         slots: buckets in flight at once.
@@ -242,15 +236,34 @@ class ExchangeBuffers:
     def __init__(self, slots: int, outgoing_numel: int, incoming_numel: int, device, staging_device=None):
         nbytes = torch.float32.itemsize
         self.slots = slots
+        self.device = torch.device(device)
         self._outgoing = [torch.empty(outgoing_numel * nbytes, dtype=torch.uint8, device=device) for _ in range(slots)]
         self._incoming = [torch.empty(incoming_numel * nbytes, dtype=torch.uint8, device=device) for _ in range(slots)]
         self._staging = None
-        if staging_device is not None and torch.device(staging_device) != torch.device(device):
+        if staging_device is not None and torch.device(staging_device) != self.device:
             from deepspeed.accelerator import get_accelerator
             self._staging = [
                 get_accelerator().pin_memory(torch.empty(outgoing_numel, dtype=torch.float32, device=staging_device))
                 for _ in range(slots)
             ]
+
+    @classmethod
+    def covering(cls, demands: Sequence[Tuple[int, int, int, torch.device]], device) -> "ExchangeBuffers":
+        """One set for several pipelines that never run at the same time.
+
+        Args:
+            demands: per pipeline ``(slots, outgoing_numel, incoming_numel, piece_device)``.
+            device: where the buffers live.
+
+        Returns:
+            buffers with the most slots and the largest buffers any demand asks for, with host
+            staging where some pipeline's pieces live off ``device``.
+        """
+        slots = max((d[0] for d in demands), default=0)
+        outgoing = max((d[1] for d in demands), default=0)
+        incoming = max((d[2] for d in demands), default=0)
+        staging = next((d[3] for d in demands if torch.device(d[3]) != torch.device(device)), None)
+        return cls(slots, outgoing, incoming, device, staging)
 
     @staticmethod
     def _view(buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -264,9 +277,12 @@ class ExchangeBuffers:
         """The first ``numel`` elements of slot ``slot``'s incoming buffer as ``dtype`` (1-D)."""
         return self._view(self._incoming[slot], numel, dtype)
 
-    def staging(self, slot: int, numel: int):
-        """The slot's fp32 host staging buffer (``numel`` elements), or ``None`` without offload."""
-        return None if self._staging is None else self._staging[slot][:numel]
+    def staging(self, slot: int, numel: int, piece_device):
+        """The slot's fp32 host staging buffer (``numel`` elements) for pieces on ``piece_device``,
+        or ``None`` where the pieces live on the buffers' device."""
+        if self._staging is None or torch.device(piece_device) == self.device:
+            return None
+        return self._staging[slot][:numel]
 
     def reserved_bytes(self) -> int:
         """Bytes the buffers hold on the device (staging excluded: host memory)."""

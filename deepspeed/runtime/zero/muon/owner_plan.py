@@ -31,8 +31,9 @@ over all buckets so far, the next heaviest to the next, so that the totals stay 
 hold a piece of a matrix (``holders``), it goes to the least loaded of them instead.
 
 The exchange buffers every rank reserves follow from the plan (``reserved_numel``), and
-``plan_within_budget`` picks the largest bucket size whose buffers fit a budget (the momentum
-partition: Muon then keeps no more than Adam's two moments).
+``plan_within_budget`` picks the largest bucket size whose buffers, with the owner's
+Newton-Schulz working set, fit a budget (the momentum partition: Muon then keeps no more than
+Adam's two moments, and needs no more at the peak of its step).
 """
 
 from dataclasses import dataclass
@@ -80,6 +81,18 @@ class MatrixSpec:
             n *= d
         return n
 
+    @property
+    def ns_workspace_numel(self) -> int:
+        """Elements Newton-Schulz allocates for this parameter beyond its input: per problem, with
+        ``m = min(rows, cols)`` and ``n = max(rows, cols)``, ``2 m n + 4 m^2`` (the normalized copy
+        and the result, and at most four ``m x m`` Gram and iteration matrices). Measured as the
+        allocator's peak above the input of upstream's eager kernels in fp32 on the CPU: exactly
+        this for ``"gram"``, at most ``2 m n + 3.1 m^2`` for ``"standard"``; a half-precision
+        kernel needs fewer bytes, a compiled one fuses temporaries."""
+        batch, rows, cols = self.ns_problem
+        m, n = min(rows, cols), max(rows, cols)
+        return batch * (2 * m * n + 4 * m * m)
+
 
 def newton_schulz_cost(spec: MatrixSpec, ns_steps: int = NS_STEPS_DEFAULT) -> float:
     """Approximate floating-point operations of one Newton-Schulz orthogonalization of ``spec``.
@@ -112,11 +125,18 @@ class OwnerPlan:
         buckets: tuple of buckets, each a tuple of matrix indices in sub-group order; every matrix
             is in exactly one bucket.
         costs: ``costs[j]`` is ``newton_schulz_cost`` of matrix ``j``.
+        workspaces: ``workspaces[j]`` is ``MatrixSpec.ns_workspace_numel`` of matrix ``j``.
     """
     world_size: int
     owners: Tuple[int, ...]
     buckets: Tuple[Tuple[int, ...], ...]
     costs: Tuple[float, ...]
+    workspaces: Tuple[int, ...] = ()
+
+    def workspace(self, rank: int) -> int:
+        """Elements of Newton-Schulz working set ``rank`` needs as owner: its largest matrix's
+        (the owner batches calls only up to that size), 0 where it owns none."""
+        return max((w for owner, w in zip(self.owners, self.workspaces) if owner == rank), default=0)
 
     def load(self) -> List[float]:
         """NS cost each rank owns, summed over all buckets (list of length ``world_size``)."""
@@ -199,6 +219,7 @@ def plan_owners(specs: Sequence[MatrixSpec],
     if initial_load is not None and len(initial_load) != world_size:
         raise ValueError(f"initial_load has {len(initial_load)} entries for {world_size} ranks.")
     costs = tuple(newton_schulz_cost(spec, ns_steps) for spec in specs)
+    workspaces = tuple(spec.ns_workspace_numel for spec in specs)
     buckets = make_buckets([spec.numel for spec in specs], bucket_numel) if specs else ()
     owners = [0] * len(specs)
     total_load = list(initial_load) if initial_load is not None else [0.0] * world_size
@@ -209,7 +230,7 @@ def plan_owners(specs: Sequence[MatrixSpec],
             for j in sorted(bucket, key=lambda j: (-costs[j], j)):
                 owners[j] = min(holders[j], key=lambda r: (total_load[r], r))
                 total_load[owners[j]] += costs[j]
-        return OwnerPlan(world_size=world_size, owners=tuple(owners), buckets=buckets, costs=costs)
+        return OwnerPlan(world_size, tuple(owners), buckets, costs, workspaces)
     for bucket in buckets:
         # LPT into W bins: balances the NS work of this bucket.
         bin_of, bin_load = {}, [0.0] * world_size
@@ -225,7 +246,7 @@ def plan_owners(specs: Sequence[MatrixSpec],
             owners[j] = rank_of_bin[bin_of[j]]
         for b, r in rank_of_bin.items():
             total_load[r] += bin_load[b]
-    return OwnerPlan(world_size=world_size, owners=tuple(owners), buckets=buckets, costs=costs)
+    return OwnerPlan(world_size, tuple(owners), buckets, costs, workspaces)
 
 
 def reserved_numel(plan: OwnerPlan, pieces: Sequence[Sequence[int]], slots: int) -> List[int]:
@@ -257,8 +278,11 @@ def reserved_numel(plan: OwnerPlan, pieces: Sequence[Sequence[int]], slots: int)
 
 
 def within_budget(plan: OwnerPlan, pieces: Sequence[Sequence[int]], slots: int) -> bool:
-    """Whether every rank's reserved buffers (``reserved_numel``) fit the elements it holds."""
-    budget = [sum(p[r] for p in pieces) for r in range(plan.world_size)]
+    """Whether every rank's reserved buffers (``reserved_numel``) and its Newton-Schulz working set
+    as owner (``OwnerPlan.workspace``) together fit the elements it holds (its momentum
+    partition). Then Muon's state, buffers and owner working set take no more than the second
+    moment Adam would keep, and Muon's peak in ``step()`` stays at Adam's."""
+    budget = [sum(p[r] for p in pieces) - plan.workspace(r) for r in range(plan.world_size)]
     return all(n <= b for n, b in zip(reserved_numel(plan, pieces, slots), budget))
 
 
@@ -273,8 +297,9 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
     """``plan_owners`` with the largest bucket size whose exchange buffers fit every rank's budget.
 
     The budget of rank ``r`` is the elements it holds (``sum(pieces[j][r])``, the size of its
-    momentum partition): then Muon's state and buffers together take no more memory than Adam's
-    two moments would. Bucket sizes tried: ``max_bucket_numel`` (``reduce_bucket_size``), then the
+    momentum partition) less its Newton-Schulz working set as owner (``within_budget``): then
+    Muon's state and buffers together take no more memory than Adam's two moments would, and no
+    more at the peak of the step. Bucket sizes tried: ``max_bucket_numel`` (``reduce_bucket_size``), then the
     sizes of the first k matrices together, by bisection (a fitting size; the largest one wherever
     the buffers grow monotonically with the bucket size, as they almost always do); where none fits (one matrix alone is
     larger than the budget allows), every matrix gets a bucket of its own.

@@ -10,7 +10,7 @@ For each bucket of the owner plan (``owner_plan``), on every rank:
   the bucket's matrices, writing the Newton-Schulz input straight into the bucket's send buffer;
   then the forward all-to-all to the owners starts. The gradient is not written.
 - **compute**: once the forward exchange is complete, the owner reassembles its whole matrices,
-  runs Newton-Schulz on them (``newton_schulz.orthogonalize``), writes the results into the
+  runs Newton-Schulz on them (``newton_schulz.orthogonalize_each``), writes the results into the
   back send buffer, and the back all-to-all starts.
 - **finalize**: once the results are back, each rank copies its piece of every update into the
   gradient.
@@ -21,7 +21,17 @@ the serial order. With depth ``d`` the collectives on every rank are, for ``n`` 
 forward exchanges of buckets ``0 .. d-1``, then for each bucket ``k`` its back exchange followed
 by the forward exchange of bucket ``k + d``; every rank issues the same collectives in the same
 order whatever it owns. A bucket holds one slot of ``ExchangeBuffers`` from prepare to finalize:
-``2 d - 1`` slots are in use at most (``owner_plan.slots_for_depth``), reserved at construction.
+``2 d - 1`` slots are in use at most (``owner_plan.slots_for_depth``). The stage binding reserves
+the buffers at construction (``buffer_demand``), one set for all its sub-groups, which run one
+after the other.
+
+Memory on the owner: compute reads each matrix from the receive buffer (in place where its pieces
+lie back to back, else one copy at a time), and, where the results have the exchange's dtype,
+writes each result into the back send buffer as soon as its Newton-Schulz call returns, over the
+pieces that call has read. So beyond the reserved buffers a bucket costs one call's inputs,
+working set and results, not the bucket's. A narrower result dtype (fp16/bf16 Newton-Schulz on
+an accelerator) views the same bytes at other offsets, so those results are written once the
+bucket's calls are done.
 
 The schedule follows torchtitan's DistributedMuon (prepare/compute/finalize over a reserved
 transfer layout) and microsoft/dion's overlap of one batch's exchange with another's compute.
@@ -33,7 +43,7 @@ from typing import Sequence, Tuple
 import torch
 
 from deepspeed.runtime.zero.muon.momentum import MuonSettings, momentum_step
-from deepspeed.runtime.zero.muon.newton_schulz import orthogonalize
+from deepspeed.runtime.zero.muon.newton_schulz import orthogonalize_each
 from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeBuffers, OwnerExchange
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, OwnerPlan, slots_for_depth
 
@@ -54,15 +64,13 @@ class MuonPipeline:
         slices: per matrix, ``(offset, numel)`` of this rank's piece in the sub-group's flat
             gradient and momentum (``numel`` 0 where it holds none).
         exchange: the ``OwnerExchange`` of the sub-group's process group.
-        device: where the exchange buffers live (the accelerator).
         piece_device: where the gradient and momentum pieces live (the host under optimizer
             offload).
         depth: see the module docstring; at least 1.
-        batch_ns: passed to ``orthogonalize`` (None: batch same-shape problems where it pays).
+        batch_ns: passed to ``orthogonalize_each`` (None: batch same-shape problems where it pays).
 
     Raises:
         ValueError: ``depth`` below 1.
-        torch.OutOfMemoryError: the exchange buffers do not fit (at construction).
     """
 
     def __init__(self,
@@ -71,7 +79,6 @@ class MuonPipeline:
                  pieces: Sequence[Sequence[int]],
                  slices: Sequence[Tuple[int, int]],
                  exchange: OwnerExchange,
-                 device,
                  piece_device,
                  depth: int = DEFAULT_DEPTH,
                  batch_ns=None):
@@ -81,6 +88,7 @@ class MuonPipeline:
         self.specs = list(specs)
         self.slices = list(slices)
         self.exchange = exchange
+        self.piece_device = torch.device(piece_device)
         self.depth = depth
         self.batch_ns = batch_ns
         self.layouts = [
@@ -90,16 +98,17 @@ class MuonPipeline:
                          pieces=tuple(tuple(pieces[j]) for j in bucket),
                          rank=exchange.rank) for bucket in plan.buckets
         ]
-        slots = min(slots_for_depth(depth), max(1, len(self.layouts)))
-        self.buffers = ExchangeBuffers(slots, max((l.send_numel for l in self.layouts), default=0),
-                                       max((l.recv_numel for l in self.layouts), default=0), device, piece_device)
 
-    def reserved_bytes(self) -> int:
-        """Bytes of exchange buffer this rank keeps for the sub-group (on the device)."""
-        return self.buffers.reserved_bytes()
+    @property
+    def buffer_demand(self) -> Tuple[int, int, int, torch.device]:
+        """``(slots, outgoing_numel, incoming_numel, piece_device)`` for ``ExchangeBuffers.covering``:
+        the slots this pipeline uses at its depth and its largest bucket's buffers (fp32 elements)."""
+        return (min(slots_for_depth(self.depth), max(1, len(self.layouts))),
+                max((layout.send_numel for layout in self.layouts), default=0),
+                max((layout.recv_numel for layout in self.layouts), default=0), self.piece_device)
 
     def run(self, grad_flat: torch.Tensor, momentum_flat: torch.Tensor, settings: MuonSettings,
-            update_dtype: torch.dtype) -> None:
+            update_dtype: torch.dtype, buffers: ExchangeBuffers) -> None:
         """Replace this rank's pieces of the gradient with its pieces of the Muon update.
 
         Call on every rank of the process group, once per optimizer step.
@@ -110,28 +119,29 @@ class MuonPipeline:
             momentum_flat: the momentum, same layout (fp32); advanced in place.
             settings: the parameter group's ``MuonSettings``.
             update_dtype: dtype of the back exchange (the kernel's compute dtype: no loss).
+            buffers: at least ``buffer_demand``; nothing else may use them during the call.
         """
-        free = deque(range(self.buffers.slots))
+        free = deque(range(self.buffer_demand[0]))
         preparing, returning = deque(), deque()
 
         def compute_oldest():
-            returning.append(self._compute(*preparing.popleft(), settings, update_dtype))
+            returning.append(self._compute(*preparing.popleft(), settings, update_dtype, buffers))
             if len(returning) == self.depth:
-                free.append(self._finalize(*returning.popleft(), grad_flat, update_dtype))
+                free.append(self._finalize(*returning.popleft(), grad_flat, update_dtype, buffers))
 
         for b in range(len(self.layouts)):
-            preparing.append(self._prepare(b, free.popleft(), grad_flat, momentum_flat, settings))
+            preparing.append(self._prepare(b, free.popleft(), grad_flat, momentum_flat, settings, buffers))
             if len(preparing) == self.depth:
                 compute_oldest()
         while preparing:
             compute_oldest()
         while returning:
-            self._finalize(*returning.popleft(), grad_flat, update_dtype)
+            self._finalize(*returning.popleft(), grad_flat, update_dtype, buffers)
 
-    def _prepare(self, b: int, slot: int, grad_flat, momentum_flat, settings):
-        layout, buffers = self.layouts[b], self.buffers
+    def _prepare(self, b: int, slot: int, grad_flat, momentum_flat, settings, buffers: ExchangeBuffers):
+        layout = self.layouts[b]
         send = buffers.outgoing(slot, layout.send_numel, EXCHANGE_DTYPE)
-        staging = buffers.staging(slot, layout.send_numel)
+        staging = buffers.staging(slot, layout.send_numel, self.piece_device)
         target = send if staging is None else staging
         for k, offset, numel in layout.send_pieces:
             start, _ = self.slices[layout.matrices[k]]
@@ -143,26 +153,38 @@ class MuonPipeline:
         handle = self.exchange.all_to_all(recv, send, layout.recv_splits, layout.send_splits, async_op=True)
         return b, slot, handle
 
-    def _compute(self, b: int, slot: int, handle, settings: MuonSettings, update_dtype: torch.dtype):
-        layout, buffers = self.layouts[b], self.buffers
+    def _compute(self, b: int, slot: int, handle, settings: MuonSettings, update_dtype: torch.dtype,
+                 buffers: ExchangeBuffers):
+        layout = self.layouts[b]
         _wait(handle)
-        specs = [self.specs[j] for j in layout.matrices]
-        owned = layout.owned_matrices(buffers.incoming(slot, layout.recv_numel, EXCHANGE_DTYPE),
-                                      [spec.shape for spec in specs])
-        updates = orthogonalize(owned, [specs[k] for k in layout.owned], settings.ns_steps, settings.ns_method,
-                                update_dtype, self.batch_ns)
-        self.exchange.stats.ns_calls += len(updates)
-        del owned
-        back = layout.write_results(updates, buffers.incoming(slot, layout.recv_numel, update_dtype))
-        del updates
+        specs = [self.specs[layout.matrices[k]] for k in layout.owned]
+        recv = buffers.incoming(slot, layout.recv_numel, EXCHANGE_DTYPE)
+        back = buffers.incoming(slot, layout.recv_numel, update_dtype)
+        in_place = update_dtype.itemsize == EXCHANGE_DTYPE.itemsize
+        held = []
+        calls = orthogonalize_each(lambda p: layout.owned_matrix(recv, p, specs[p].shape), specs, settings.ns_steps,
+                                   settings.ns_method, update_dtype, recv.device, self.batch_ns,
+                                   self.plan.workspace(self.exchange.rank))
+        for positions, results in calls:
+            self.exchange.stats.ns_calls += len(results)
+            for position, result in zip(positions, results):
+                if in_place:
+                    layout.write_result(position, result, back)
+                else:
+                    held.append((position, result))
+            del results
+        for position, result in held:
+            layout.write_result(position, result, back)
+        del held
         recv = buffers.outgoing(slot, layout.send_numel, update_dtype)
         handle = self.exchange.all_to_all(recv, back, layout.send_splits, layout.recv_splits, async_op=True)
         return b, slot, handle
 
-    def _finalize(self, b: int, slot: int, handle, grad_flat: torch.Tensor, update_dtype: torch.dtype) -> int:
+    def _finalize(self, b: int, slot: int, handle, grad_flat: torch.Tensor, update_dtype: torch.dtype,
+                  buffers: ExchangeBuffers) -> int:
         layout = self.layouts[b]
         _wait(handle)
-        update = self.buffers.outgoing(slot, layout.send_numel, update_dtype)
+        update = buffers.outgoing(slot, layout.send_numel, update_dtype)
         for k, offset, numel in layout.send_pieces:
             start, _ = self.slices[layout.matrices[k]]
             grad_flat.narrow(0, start, numel).copy_(update.narrow(0, offset, numel))

@@ -48,8 +48,8 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings, momentum_step
-from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec, orthogonalize
-from deepspeed.runtime.zero.muon.owner_exchange import ExchangeStats, OwnerExchange
+from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec, orthogonalize_each
+from deepspeed.runtime.zero.muon.owner_exchange import ExchangeBuffers, ExchangeStats, OwnerExchange
 from deepspeed.runtime.zero.muon.owner_plan import plan_for_depth
 from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline
 
@@ -71,6 +71,7 @@ class Zero12MuonUpdate:
         stats: ``ExchangeStats``, cumulative on this rank (``ns_calls``: matrices orthogonalized
             here; the elements count what crossed ranks, under offload only).
         pipelines: per Muon parameter group under offload, its ``MuonPipeline``.
+        buffers: the ``ExchangeBuffers`` the pipelines use in turn (empty without offload).
     """
 
     def __init__(self, zero_optimizer, pipeline_depth: int = DEFAULT_DEPTH, batch_ns: Optional[bool] = None):
@@ -84,6 +85,7 @@ class Zero12MuonUpdate:
             for i in range(len(zero_optimizer.round_robin_bit16_groups)):
                 if self.is_muon_group(i):
                     self.pipelines[i] = self._build_pipeline(i, pipeline_depth)
+        self.buffers = ExchangeBuffers.covering([p.buffer_demand for p in self.pipelines.values()], self.device)
 
     @classmethod
     def create(cls, zero_optimizer) -> Optional["Zero12MuonUpdate"]:
@@ -122,11 +124,11 @@ class Zero12MuonUpdate:
         plan, depth = plan_for_depth(specs, pieces, world_size, opt.reduce_bucket_size, depth, holders=holders)
         exchange = OwnerExchange(group, rank, world_size, dist.all_to_all_single, self.stats)
         piece_device = opt.single_partition_of_fp32_groups[group_idx].device
-        return MuonPipeline(plan, specs, pieces, slices, exchange, self.device, piece_device, depth, self.batch_ns)
+        return MuonPipeline(plan, specs, pieces, slices, exchange, piece_device, depth, self.batch_ns)
 
     def reserved_bytes(self) -> int:
         """Bytes of exchange buffer this rank keeps between steps (under offload)."""
-        return sum(p.reserved_bytes() for p in self.pipelines.values())
+        return self.buffers.reserved_bytes()
 
     def hold_gradients(self, group_idx: int, params: List[torch.nn.Parameter], grads: List[torch.Tensor]) -> None:
         """Keep an fp32 copy of the whole accumulated gradients of a Muon group's
@@ -178,7 +180,7 @@ class Zero12MuonUpdate:
         if group_idx in self.pipelines:
             momentum = self._momentum(group_idx, grad_partition.numel(), grad_partition.device)
             self.pipelines[group_idx].run(grad_partition, momentum, settings,
-                                          original_muon.ns_compute_dtype(settings.ns_method))
+                                          original_muon.ns_compute_dtype(settings.ns_method), self.buffers)
         elif held is not None:
             momentum = self._momentum(group_idx, held.numel(), held.device)
             self._update_whole(group_idx, held, momentum, settings, grad_partition, total_norm)
@@ -221,15 +223,17 @@ class Zero12MuonUpdate:
             inputs.append(grad.view(param.shape))
             offset += param.numel()
         specs = [matrix_spec(p, p.shape, settings.ns_method) for p in params]
-        updates = orthogonalize(inputs, specs, settings.ns_steps, settings.ns_method,
-                                original_muon.ns_compute_dtype(settings.ns_method), self.batch_ns)
-        self.stats.ns_calls += len(params)
         rank = dist.get_rank(group=opt.real_dp_process_group[group_idx])
         partition_size = int(opt.partition_size[group_idx])
-        for param, update in zip(params, updates):
-            param_id = opt.get_param_id(param)
-            source = int(opt.grad_start_offset[group_idx][rank][param_id])
-            dest = int(opt.grad_partition_insertion_offset[group_idx][rank][param_id])
-            count = int(min(param.numel() - source, partition_size - dest))
-            if count > 0:
-                grad_partition.narrow(0, dest, count).copy_(update.reshape(-1).narrow(0, source, count))
+        calls = orthogonalize_each(inputs.__getitem__, specs, settings.ns_steps, settings.ns_method,
+                                   original_muon.ns_compute_dtype(settings.ns_method), grad_flat.device, self.batch_ns,
+                                   max(spec.ns_workspace_numel for spec in specs))
+        for indices, updates in calls:
+            self.stats.ns_calls += len(indices)
+            for k, update in zip(indices, updates):
+                param_id = opt.get_param_id(params[k])
+                source = int(opt.grad_start_offset[group_idx][rank][param_id])
+                dest = int(opt.grad_partition_insertion_offset[group_idx][rank][param_id])
+                count = int(min(params[k].numel() - source, partition_size - dest))
+                if count > 0:
+                    grad_partition.narrow(0, dest, count).copy_(update.reshape(-1).narrow(0, source, count))

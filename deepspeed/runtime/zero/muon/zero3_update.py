@@ -31,7 +31,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings
 from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec
-from deepspeed.runtime.zero.muon.owner_exchange import ExchangeStats, OwnerExchange
+from deepspeed.runtime.zero.muon.owner_exchange import ExchangeBuffers, ExchangeStats, OwnerExchange
 from deepspeed.runtime.zero.muon.owner_plan import plan_for_depth
 from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline
 from deepspeed.utils import logger
@@ -98,7 +98,9 @@ class Zero3MuonUpdate:
 
     Attributes:
         stats: ``ExchangeStats``, cumulative on this rank.
-        pipelines: per Muon sub-group id, its ``MuonPipeline`` (plan, layouts, buffers).
+        pipelines: per Muon sub-group id, its ``MuonPipeline`` (plan, layouts).
+        buffers: the ``ExchangeBuffers`` every sub-group's pipeline uses in turn (sized to the
+            largest demand, not their sum: ``step()`` runs the sub-groups one after the other).
 
     Raises:
         ValueError: at initialization, on every rank, for a Muon parameter that is not a matrix,
@@ -119,6 +121,7 @@ class Zero3MuonUpdate:
             if optimizer.sub_groups_using_muon[i] and params:
                 self.pipelines[i] = self._build_pipeline(i, params, loads, pipeline_depth, batch_ns)
         self._check_plans_agree()
+        self.buffers = ExchangeBuffers.covering([p.buffer_demand for p in self.pipelines.values()], self.device)
         self._log_plan()
 
     @staticmethod
@@ -157,7 +160,7 @@ class Zero3MuonUpdate:
             load[r] += cost
         exchange = OwnerExchange(group, rank, world_size, dist.all_to_all_single, self.stats)
         piece_device = opt.fp32_partitioned_groups_flat[i].device
-        return MuonPipeline(plan, specs, pieces, slices, exchange, self.device, piece_device, depth, batch_ns)
+        return MuonPipeline(plan, specs, pieces, slices, exchange, piece_device, depth, batch_ns)
 
     def _check_plans_agree(self):
         """One all-reduce per sub-group: MAX of ``[count, digest, -count, -digest]``, where ``count``
@@ -193,10 +196,13 @@ class Zero3MuonUpdate:
         imbalance = max(p.plan.imbalance() for p in self.pipelines.values())
         momentum = 4 * sum(n for p in self.pipelines.values() for _, n in p.slices)
         reserved = self.reserved_bytes()
+        workspace = 4 * max(p.plan.workspace(p.exchange.rank) for p in self.pipelines.values())
+        fits = reserved + workspace <= momentum
         logger.info(f"ZeRO-3 Muon: owner-centric update at the accumulation boundary for {matrices} matrices in "
                     f"{len(self.pipelines)} sub-group(s), {buckets} bucket(s), pipeline depth {depth}, {reserved} "
-                    f"bytes of exchange buffers on rank 0 ({'within' if reserved <= momentum else 'over'} its "
-                    f"momentum partition of {momentum} bytes); owner NS cost max/mean {imbalance:.3f}")
+                    f"bytes of exchange buffers and {workspace} bytes of owner Newton-Schulz working set on rank 0 "
+                    f"({'within' if fits else 'over'} its momentum partition of {momentum} bytes); owner NS cost "
+                    f"max/mean {imbalance:.3f}")
 
     def momentum_partition(self, sub_group_id, like: torch.Tensor) -> torch.Tensor:
         """The sub-group's fp32 momentum partition (1-D, ``fp16_partitioned_groups_flat_numel``
@@ -224,7 +230,7 @@ class Zero3MuonUpdate:
 
     def reserved_bytes(self) -> int:
         """Bytes of exchange buffer this rank keeps between steps, over all Muon sub-groups."""
-        return sum(p.reserved_bytes() for p in self.pipelines.values())
+        return self.buffers.reserved_bytes()
 
     @torch.no_grad()
     def update_gradient(self, sub_group_id: int) -> None:
@@ -244,6 +250,7 @@ class Zero3MuonUpdate:
         settings = MuonSettings.of(self._param_group(sub_group_id))
         grad_flat = self.optimizer.fp32_partitioned_groups_flat[sub_group_id].grad
         momentum_flat = self.momentum_partition(sub_group_id, grad_flat)
-        pipeline.run(grad_flat, momentum_flat, settings, original_muon.ns_compute_dtype(settings.ns_method))
+        pipeline.run(grad_flat, momentum_flat, settings, original_muon.ns_compute_dtype(settings.ns_method),
+                     self.buffers)
         if sub_group_id == min(self.pipelines):
             self.stats.optimizer_steps += 1

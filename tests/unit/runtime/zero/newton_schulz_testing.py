@@ -108,3 +108,15 @@ def reference_muon_update(grad, momentum, beta, ns_method="gram", is_expert_grou
     if ns_method == "standard":
         kernel = original_muon.zeropower_via_newtonschulz5
     return kernel(x, steps=5) * max(1, grad.size(-2) / grad.size(-1))**0.5
+
+
+def orthogonalize_all(matrices, specs, ns_steps, ns_method, dtype, batch=None, max_call_numel=None):
+    """``newton_schulz.orthogonalize_each`` over matrices in hand: their updates as a list, in order."""
+    from deepspeed.runtime.zero.muon.newton_schulz import orthogonalize_each
+    updates = [None] * len(matrices)
+    device = matrices[0].device if matrices else "cpu"
+    for members, results in orthogonalize_each(matrices.__getitem__, specs, ns_steps, ns_method, dtype, device, batch,
+                                               max_call_numel):
+        for k, result in zip(members, results):
+            updates[k] = result
+    return updates

@@ -9,7 +9,7 @@ Newton-Schulz on the owner.
   gradient untouched), the NS input reassembled as the owner does and ``muon_orthogonalize`` on it,
   give bit for bit what upstream ``muon_update`` gives on the whole matrix, for W up to 4; in place
   it leaves what upstream's in-place step leaves;
-- ``newton_schulz.orthogonalize`` batches same-shape problems (as accurate as one by one) where it
+- ``newton_schulz.orthogonalize_each`` batches same-shape problems (as accurate as one by one) where it
   pays, and ``newton_schulz_problem`` refuses what Muon cannot orthogonalize, naming the key;
 """
 
@@ -20,9 +20,9 @@ import torch
 
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum import MuonSettings, momentum_step
-from deepspeed.runtime.zero.muon.newton_schulz import batches, newton_schulz_problem, orthogonalize
+from deepspeed.runtime.zero.muon.newton_schulz import batches, newton_schulz_problem
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec
-from unit.runtime.zero.newton_schulz_testing import NSCounter, reference_muon_update
+from unit.runtime.zero.newton_schulz_testing import NSCounter, orthogonalize_all, reference_muon_update
 
 HAS_PER_HEAD = hasattr(original_muon, "_per_head_orthogonalize")
 
@@ -162,7 +162,7 @@ def test_batched_orthogonalize_equals_one_by_one(ns_method, monkeypatch):
     dtype = original_muon.ns_compute_dtype(ns_method)
     counter = NSCounter()
     with counter:
-        batched = orthogonalize(matrices, specs, 5, ns_method, dtype, batch=True)
+        batched = orthogonalize_all(matrices, specs, 5, ns_method, dtype, batch=True)
     assert counter.count == sum(s.ns_problem[0] for s in specs), "every problem orthogonalized once"
     conv = [len(s.shape) == 4 and not s.is_expert_group for s in specs]
     batchable = [s.ns_problem[1:] for s, c in zip(specs, conv) if not c]
@@ -178,7 +178,7 @@ def test_batched_orthogonalize_equals_one_by_one(ns_method, monkeypatch):
         error_alone = ((alone.double() - exact).norm() / exact.norm()).item()
         # Rounding differs between the two, not accuracy: each within 2x the other's error.
         assert error_batched <= 2 * error_alone + 1e-12, (k, shape, error_batched, error_alone)
-    unbatched = orthogonalize(matrices, specs, 5, ns_method, dtype, batch=False)
+    unbatched = orthogonalize_all(matrices, specs, 5, ns_method, dtype, batch=False)
     for k, (matrix, spec) in enumerate(zip(matrices, specs)):
         kw = OWNED[k][1]
         expected = original_muon.muon_orthogonalize(matrix, 5, ns_method, dtype=dtype, **kw).reshape(matrix.shape)
@@ -193,7 +193,7 @@ def test_default_batching_by_device_and_size():
     matrices = [torch.randn(s) for s in (small, small, large, large)]
     specs = _specs([(s, {}) for s in (small, small, large, large)])
     with NSCounter() as counter:
-        orthogonalize(matrices, specs, 5, "gram", torch.float32)
+        orthogonalize_all(matrices, specs, 5, "gram", torch.float32)
     assert counter.count == 4 and counter.calls == 3, "the two small ones batched, the large ones one by one"
 
 
@@ -213,3 +213,58 @@ def test_per_head_refused_on_a_base_without_it():
 def test_non_matrix_is_refused():
     with pytest.raises(ValueError, match="use_muon"):
         newton_schulz_problem((10, ), False, None)
+
+
+def test_batched_calls_stay_within_the_working_set_bound():
+    """``max_call_numel`` splits a same-shape group into calls whose working sets
+    (``MatrixSpec.ns_workspace_numel``) fit it, one matrix at least; the results do not change
+    (one-by-one calls of a 2-D matrix are upstream's call)."""
+    matrices = [torch.randn(16, 24) for _ in range(5)]
+    specs = _specs([((16, 24), {})] * 5)
+    one = specs[0].ns_workspace_numel
+    assert one == 2 * 16 * 24 + 4 * 16 * 16
+    for bound, calls in ((None, 1), (5 * one, 1), (2 * one, 3), (one, 5), (1, 5)):
+        with NSCounter() as counter:
+            results = orthogonalize_all(matrices, specs, 5, "gram", torch.float32, batch=True, max_call_numel=bound)
+        assert counter.calls == calls and counter.count == 5, bound
+        if calls == 5:
+            for matrix, result in zip(matrices, results):
+                assert _same(result, original_muon.muon_orthogonalize(matrix, 5, "gram", dtype=torch.float32)), bound
+
+
+def test_working_set_estimate_covers_upstreams_kernels():
+    """``MatrixSpec.ns_workspace_numel`` against the CPU allocator's peak above the input of
+    upstream's eager kernels (fp32): exact for "gram", an upper bound for "standard" (shapes large
+    enough that the matrices, not the allocator's small blocks, make the peak)."""
+    from torch.profiler import ProfilerActivity, profile
+    for ns_method in ("gram", "standard"):
+        for shape in ((300, 100), (100, 300), (171, 171)):
+            x = torch.randn(shape)
+            spec = _specs([(shape, {})])[0]
+            spec = type(spec)(shape, ns_method=ns_method, ns_problem=spec.ns_problem)
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                original_muon.muon_orthogonalize(x, 5, ns_method, dtype=torch.float32)
+            peak = _profiled_peak(prof)
+            assert peak <= 4 * spec.ns_workspace_numel, (ns_method, shape, peak)
+            if ns_method == "gram":
+                assert peak == 4 * spec.ns_workspace_numel, (shape, peak)
+
+
+def _profiled_peak(prof):
+    """Peak live bytes of the CPU blocks allocated while ``prof`` ran (allocation events in order)."""
+    from torch._C._profiler import _EventType
+    events, nodes = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+        nodes.extend(node.children)
+    live, known, peak = 0, {}, 0
+    for _, ptr, size in sorted(events, key=lambda e: e[0]):
+        if size > 0:
+            known[ptr] = size
+            live += size
+            peak = max(peak, live)
+        elif ptr in known:
+            live -= known.pop(ptr)
+    return peak

@@ -144,21 +144,26 @@ def test_bad_inputs_are_refused_with_the_key():
 @pytest.mark.parametrize("slots", [1, 3, 5])
 @pytest.mark.parametrize("shapes", [llama_like(), random_shapes(2), [(64, 64)] * 12], ids=["llama", "rand", "same"])
 def test_buffers_within_the_momentum_budget(shapes, world_size, slots):
-    """``plan_within_budget``: every rank's reserved exchange buffers fit the elements it holds
+    """``plan_within_budget``: every rank's reserved exchange buffers and its Newton-Schulz working
+    set as owner (its largest owned matrix's ``ns_workspace_numel``) fit the elements it holds
     (its momentum partition) whenever one matrix per bucket fits; the bucket size is the largest
     candidate that fits, so one more matrix in the first bucket would not."""
     specs = [_spec(s) for s in shapes]
     pieces = _zero3_pieces(specs, world_size)
-    budget = [sum(p[r] for p in pieces) for r in range(world_size)]
+
+    def fits(plan):
+        for r, n in enumerate(reserved_numel(plan, pieces, slots)):
+            owned = [s.ns_workspace_numel for j, s in enumerate(specs) if plan.owners[j] == r]
+            if n + max(owned, default=0) > sum(p[r] for p in pieces):
+                return False
+        return True
+
     plan = plan_within_budget(specs, pieces, world_size, 10**9, slots)
-    reserved = reserved_numel(plan, pieces, slots)
-    single = reserved_numel(plan_owners(specs, world_size, 1), pieces, slots)
-    if all(n <= b for n, b in zip(single, budget)):
-        assert all(n <= b for n, b in zip(reserved, budget)), (reserved, budget)
+    if fits(plan_owners(specs, world_size, 1)):
+        assert fits(plan), reserved_numel(plan, pieces, slots)
     first = len(plan.buckets[0])
     if first < len(specs) and len(plan.buckets) > 1:
-        bigger = plan_owners(specs, world_size, sum(s.numel for s in specs[:first + 1]))
-        assert not all(n <= b for n, b in zip(reserved_numel(bigger, pieces, slots), budget)), "not the largest"
+        assert not fits(plan_owners(specs, world_size, sum(s.numel for s in specs[:first + 1]))), "not the largest"
 
 
 def test_budget_with_one_large_matrix_falls_back_to_one_matrix_per_bucket():
