@@ -23,6 +23,9 @@ creates needs Python >= 3.10).
 Setup is idempotent: requirements are reinstalled only when requirements/*.txt change, and
 DeepSpeed is rebuilt only when pyproject.toml, build_backend/zero3muon_build.py, deepspeed/ or
 patches/<base>/ change (not for the export's files in build_backend/, which the wheel does not use).
+Setup also installs the venv's startup hook (build_backend/zero3muon_venv.py): every Python of the
+venv runs the venv's ninja, the one setup builds the ops with, and a torch_extensions lock left by a
+killed build is removed before a run (docs/user-guide.md, "A run that rebuilds the ops, or hangs").
 """
 
 import argparse
@@ -47,7 +50,8 @@ LINT_REQUIREMENTS = ROOT / "requirements" / "lint.txt"
 # shared-memory comm op (at init_distributed), the CPU FusedAdam of Muon's auxiliary Adam, CPU
 # Adam (optimizer offload) and async I/O (NVMe offload; only where libaio is installed). That
 # takes minutes, so setup builds them once, into the venv's own extensions dir (a cache shared
-# between venvs is rebuilt whenever another venv's torch path appears in it).
+# between venvs is rebuilt whenever another venv's torch path appears in it), with the venv's ninja
+# (another ninja version does not read its .ninja_log and rebuilds everything).
 JIT_OPS = ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
 WARM_JIT_OPS = f"""
 import time
