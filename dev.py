@@ -23,6 +23,9 @@ creates needs Python >= 3.10).
 Setup is idempotent: requirements are reinstalled only when requirements/*.txt change, and
 DeepSpeed is rebuilt only when pyproject.toml, build_backend/zero3muon_build.py, deepspeed/ or
 patches/<base>/ change (not for the export's files in build_backend/, which the wheel does not use).
+Setup also installs the venv's startup hook (build_backend/zero3muon_venv.py): every Python of the
+venv runs the venv's ninja, the one setup builds the ops with, and a torch_extensions lock left by a
+killed build is removed before a run (docs/user-guide.md, "A run that rebuilds the ops, or hangs").
 """
 
 import argparse
@@ -47,7 +50,8 @@ LINT_REQUIREMENTS = ROOT / "requirements" / "lint.txt"
 # shared-memory comm op (at init_distributed), the CPU FusedAdam of Muon's auxiliary Adam, CPU
 # Adam (optimizer offload) and async I/O (NVMe offload; only where libaio is installed). That
 # takes minutes, so setup builds them once, into the venv's own extensions dir (a cache shared
-# between venvs is rebuilt whenever another venv's torch path appears in it).
+# between venvs is rebuilt whenever another venv's torch path appears in it), with the venv's ninja
+# (another ninja version does not read its .ninja_log and rebuilds everything).
 JIT_OPS = ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
 WARM_JIT_OPS = f"""
 import time
@@ -112,10 +116,26 @@ class Venv:
         self.extensions = self.dir / "torch_extensions"
 
     def env(self, **extra):
-        """Environment for running the project: CPU accelerator, this venv's JIT op cache, and no
-        current directory on sys.path (the repo's partial deepspeed/ must not shadow the install)."""
+        """Environment for running the project: CPU accelerator, this venv's JIT op cache, no current
+        directory on sys.path (the repo's partial deepspeed/ must not shadow the install), and the
+        venv's bin/ first on PATH as in an activated venv (its ninja builds and checks the ops)."""
+        path = os.pathsep.join(p for p in (str(self.dir / "bin"), os.environ.get("PATH")) if p)
         return dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=str(self.extensions), PYTHONSAFEPATH="1",
-                    **extra)
+                    PATH=path, **extra)
+
+    def site_packages(self):
+        found = sorted(self.dir.glob("lib/python*/site-packages"))
+        if len(found) != 1:
+            sys.exit(f"[dev] {self.dir.relative_to(ROOT)}: expected one lib/python*/site-packages, found {len(found)}")
+        return found[0]
+
+    def ninja_version(self):
+        """The venv's ninja's version (requirements/dev.txt), or None if it has none."""
+        ninja = self.dir / "bin" / "ninja"
+        if not ninja.is_file():
+            return None
+        res = subprocess.run([str(ninja), "--version"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return res.stdout.strip() if res.returncode == 0 else None
 
     def stamp(self, name):
         return self.dir / f".zero3muon-{name}.sha256"
@@ -129,6 +149,37 @@ class Venv:
 
     def pip(self, *args, env=None):
         run([self.python, "-m", "pip", "--disable-pip-version-check", *args], env=env)
+
+
+def venv_hook():
+    """build_backend/zero3muon_venv.py: the venvs' startup hook (one ninja, locks of killed builds)."""
+    sys.path.insert(0, str(ROOT / "build_backend"))
+    import zero3muon_venv
+    return zero3muon_venv
+
+
+def install_venv_hook(venv):
+    """Install zero3muon_venv.py and its .pth into the venv's site-packages and make its ninja-bin/
+    (a link to the venv's ninja): every Python of the venv, however launched, then finds the ninja
+    setup built the ops with, and clears a lock a killed build left. Rewritten only when changed."""
+    hook = venv_hook()
+    site = venv.site_packages()
+    for name, text in (("zero3muon_venv.py", Path(hook.__file__).read_text()), ("zero3muon_venv.pth", hook.PTH_LINE)):
+        dest = site / name
+        if not dest.is_file() or dest.read_text() != text:
+            dest.write_text(text)
+    if hook.make_ninja_dir(str(venv.dir)) is None:
+        sys.exit(f"[dev] {venv.dir.relative_to(ROOT)} has no bin/ninja (requirements/dev.txt installs it)")
+
+
+def check_extension_locks(venv):
+    """Before anything loads an op from the venv's extensions dir: remove the lock a killed build left
+    (no process holds it), wait for a killed build's still-running ninja, stop where that cannot
+    be decided (naming the file)."""
+    _removed, unknown = venv_hook().clear_stale_locks([str(venv.extensions)], say=log)
+    if unknown:
+        sys.exit("[dev] " + "; ".join(f"{lock}: a torch extension build lock left in place ({why}); if no build "
+                                      f"is running, remove it (rm {lock}) and run again" for lock, why in unknown))
 
 
 def setup(base, stock=False):
@@ -177,7 +228,12 @@ def setup(base, stock=False):
         venv.mark("build", build_hash)
         venv.stamp("jit-ops").unlink(missing_ok=True)
 
-    ops_hash = tree_hash([], extra=f"{build_hash} {JIT_OPS}")
+    # Every Python of the venv runs the venv's ninja (the hook, Venv.env); its version is part of
+    # the stamp, so ops an older setup built with another ninja (whose .ninja_log the venv's does
+    # not read: everything would rebuild at the first run) are rebuilt here, once.
+    install_venv_hook(venv)
+    check_extension_locks(venv)
+    ops_hash = tree_hash([], extra=f"{build_hash} {JIT_OPS} ninja={venv.ninja_version()}")
     if venv.is_current("jit-ops", ops_hash):
         log("DeepSpeed JIT ops up to date")
     else:
