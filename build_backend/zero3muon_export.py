@@ -156,7 +156,8 @@ CORE = Group(
     ),
     notes={},
     template="pr_muon_core.md",
-    code_needs=("muon-owner-plan", ),
+    tests_need=("muon-owner-plan", ),
+    code_needs=("muon-update-seam", "muon-owner-plan"),
 )
 
 MUON = Group(

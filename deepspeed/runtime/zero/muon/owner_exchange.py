@@ -28,7 +28,7 @@ Under ZeRO-3 with a balanced plan the elements received per rank (own pieces exc
 """
 
 from dataclasses import dataclass, field
-from typing import List, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import torch
 
@@ -71,6 +71,8 @@ class BucketLayout:
         owned: bucket positions of the matrices this rank owns, in send order.
         send_pieces: ``(k, offset, numel)`` for every matrix this rank holds a piece of: where
             its piece sits in the send buffer (``k``: position in the bucket).
+        owned_spans: per owned matrix (order of ``owned``), ``(start, numel)`` in the forward
+            receive buffer of each of its nonzero pieces, in rank order.
 
     Raises:
         ValueError: entries of different lengths, or pieces that cannot hold their matrix.
@@ -85,6 +87,7 @@ class BucketLayout:
     owned: Tuple[int, ...] = field(init=False)
     recv_splits: Tuple[int, ...] = field(init=False)
     send_pieces: Tuple[Tuple[int, int, int], ...] = field(init=False)
+    owned_spans: Tuple[Tuple[Tuple[int, int], ...], ...] = field(init=False)
 
     def __post_init__(self):
         if not len(self.matrices) == len(self.owners) == len(self.numels) == len(self.pieces):
@@ -112,6 +115,12 @@ class BucketLayout:
                 pieces.append((k, offset, n))
             offset += n
         set_(self, "send_pieces", tuple(pieces))
+        chunk_starts = [sum(recv_splits[:s]) for s in range(world_size)]
+        filled, spans = [0] * world_size, []
+        for k in self.owned:
+            spans.append(tuple((chunk_starts[s] + filled[s], n) for s, n in enumerate(self.pieces[k]) if n))
+            filled = [f + n for f, n in zip(filled, self.pieces[k])]
+        set_(self, "owned_spans", tuple(spans))
 
     @property
     def send_numel(self) -> int:
@@ -122,16 +131,6 @@ class BucketLayout:
     def recv_numel(self) -> int:
         """Elements this rank receives forward as owner (and sends back)."""
         return sum(self.recv_splits)
-
-    def _spans(self, position: int) -> List[Tuple[int, int]]:
-        """``(start, numel)`` in the forward receive buffer of each nonzero piece of owned matrix
-        ``position`` (index into ``owned``), in rank order."""
-        spans = []
-        for s, n in enumerate(self.pieces[self.owned[position]]):
-            if n:
-                start = sum(self.recv_splits[:s]) + sum(self.pieces[k][s] for k in self.owned[:position])
-                spans.append((start, n))
-        return spans
 
     def owned_matrix(self, recv: torch.Tensor, position: int, shape: Tuple[int, ...]) -> torch.Tensor:
         """One matrix this rank owns, reassembled from the forward receive buffer.
@@ -146,7 +145,7 @@ class BucketLayout:
             back to back there (the only matrix this rank owns in the bucket, or one rank
             contributes), else a copy.
         """
-        spans = self._spans(position)
+        spans = self.owned_spans[position]
         if all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:])):
             flat = recv.narrow(0, spans[0][0], sum(n for _, n in spans))
         else:
@@ -163,7 +162,7 @@ class BucketLayout:
             out: 1-D, ``recv_numel`` elements, the back send buffer.
         """
         flat, start, numel = result.reshape(-1), 0, self.numels[self.owned[position]]
-        for a, n in self._spans(position):
+        for a, n in self.owned_spans[position]:
             dest = out.narrow(0, a, n)
             real = max(0, min(n, numel - start))
             if real:

@@ -249,6 +249,20 @@ def plan_owners(specs: Sequence[MatrixSpec],
     return OwnerPlan(world_size, tuple(owners), buckets, costs, workspaces)
 
 
+def _largest_buffers(plan: OwnerPlan, pieces: Sequence[Sequence[int]]) -> Tuple[List[int], List[int]]:
+    """Per rank, the elements of its largest outgoing and of its largest incoming bucket buffer."""
+    most_out, most_in = [0] * plan.world_size, [0] * plan.world_size
+    for bucket in plan.buckets:
+        outgoing, incoming = [0] * plan.world_size, [0] * plan.world_size
+        for j in bucket:
+            for r, n in enumerate(pieces[j]):
+                outgoing[r] += n
+            incoming[plan.owners[j]] += sum(pieces[j])
+        most_out = [max(a, b) for a, b in zip(most_out, outgoing)]
+        most_in = [max(a, b) for a, b in zip(most_in, incoming)]
+    return most_out, most_in
+
+
 def reserved_numel(plan: OwnerPlan, pieces: Sequence[Sequence[int]], slots: int) -> List[int]:
     """Elements of exchange buffer each rank reserves for ``plan``, in the pipeline's layout.
 
@@ -264,25 +278,25 @@ def reserved_numel(plan: OwnerPlan, pieces: Sequence[Sequence[int]], slots: int)
     Returns:
         list of length ``world_size``: reserved elements per rank.
     """
-    most_out, most_in = [0] * plan.world_size, [0] * plan.world_size
-    for bucket in plan.buckets:
-        outgoing, incoming = [0] * plan.world_size, [0] * plan.world_size
-        for j in bucket:
-            for r, n in enumerate(pieces[j]):
-                outgoing[r] += n
-            incoming[plan.owners[j]] += sum(pieces[j])
-        most_out = [max(a, b) for a, b in zip(most_out, outgoing)]
-        most_in = [max(a, b) for a, b in zip(most_in, incoming)]
+    most_out, most_in = _largest_buffers(plan, pieces)
     busy = min(slots, max(1, len(plan.buckets)))
     return [busy * (a + b) for a, b in zip(most_out, most_in)]
 
 
-def within_budget(plan: OwnerPlan, pieces: Sequence[Sequence[int]], slots: int) -> bool:
-    """Whether every rank's reserved buffers (``reserved_numel``) and its Newton-Schulz working set
-    as owner (``OwnerPlan.workspace``) together fit the elements it holds (its momentum
-    partition). Then Muon's state, buffers and owner working set take no more than the second
-    moment Adam would keep, and Muon's peak in ``step()`` stays at Adam's."""
-    budget = [sum(p[r] for p in pieces) - plan.workspace(r) for r in range(plan.world_size)]
+def within_budget(plan: OwnerPlan, pieces: Sequence[Sequence[int]], slots: int, result_itemsize: int = 4) -> bool:
+    """Whether every rank's reserved buffers (``reserved_numel``) and what it allocates as owner
+    together fit the elements it holds (its momentum partition). Then Muon's state, buffers and
+    owner working set take no more than the second moment Adam would keep, and Muon's peak in
+    ``step()`` stays at Adam's.
+
+    What an owner allocates: its Newton-Schulz working set (``OwnerPlan.workspace``) and, where
+    the results are narrower than the fp32 exchange (``result_itemsize`` bytes: fp16 or bf16
+    Newton-Schulz on an accelerator), the results of its largest bucket, which it holds until the
+    bucket's calls are done (``pipeline``), counted in fp32 elements.
+    """
+    _, most_in = _largest_buffers(plan, pieces)
+    held = [-(-n * result_itemsize // 4) if result_itemsize < 4 else 0 for n in most_in]
+    budget = [sum(p[r] for p in pieces) - plan.workspace(r) - held[r] for r in range(plan.world_size)]
     return all(n <= b for n, b in zip(reserved_numel(plan, pieces, slots), budget))
 
 
@@ -293,7 +307,8 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
                        slots: int,
                        ns_steps: int = NS_STEPS_DEFAULT,
                        initial_load: Optional[Sequence[float]] = None,
-                       holders: Optional[Sequence[Sequence[int]]] = None) -> OwnerPlan:
+                       holders: Optional[Sequence[Sequence[int]]] = None,
+                       result_itemsize: int = 4) -> OwnerPlan:
     """``plan_owners`` with the largest bucket size whose exchange buffers fit every rank's budget.
 
     The budget of rank ``r`` is the elements it holds (``sum(pieces[j][r])``, the size of its
@@ -309,6 +324,7 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
         pieces: per matrix, its piece size on every rank.
         max_bucket_numel: the largest bucket size to use (elements of whole matrices).
         slots: buckets in flight at once.
+        result_itemsize: bytes per element of the Newton-Schulz results (``within_budget``).
 
     Returns:
         OwnerPlan: deterministic in its inputs (every rank picks the same bucket size).
@@ -321,7 +337,7 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
         return plan_owners(specs, world_size, bucket_numel, ns_steps, initial_load, holders)
 
     def fits(candidate):
-        return within_budget(candidate, pieces, slots)
+        return within_budget(candidate, pieces, slots, result_itemsize)
 
     # Candidate sizes: the first k matrices' total for every k (each gives a different bucketing),
     # at most max_bucket_numel. The buffers grow with the bucket size but, with LPT owners, not
@@ -364,13 +380,14 @@ def plan_for_depth(specs: Sequence[MatrixSpec], pieces: Sequence[Sequence[int]],
     Args:
         specs, pieces, world_size, max_bucket_numel: as for ``plan_within_budget``.
         depth: the depth asked for (at least 1).
-        plan_args: ``ns_steps``, ``initial_load``, ``holders`` of ``plan_within_budget``.
+        plan_args: ``ns_steps``, ``initial_load``, ``holders``, ``result_itemsize`` of
+            ``plan_within_budget``.
 
     Returns:
         ``(plan, depth)``.
     """
     for d in range(depth, 0, -1):
         plan = plan_within_budget(specs, pieces, world_size, max_bucket_numel, slots_for_depth(d), **plan_args)
-        if within_budget(plan, pieces, slots_for_depth(d)):
+        if within_budget(plan, pieces, slots_for_depth(d), plan_args.get("result_itemsize", 4)):
             return plan, d
     return plan, 1

@@ -44,8 +44,8 @@ import torch
 
 from deepspeed.runtime.zero.muon.momentum import MuonSettings, momentum_step
 from deepspeed.runtime.zero.muon.newton_schulz import orthogonalize_each
-from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeBuffers, OwnerExchange
-from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, OwnerPlan, slots_for_depth
+from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeBuffers, ExchangeStats, OwnerExchange
+from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, OwnerPlan, plan_for_depth, slots_for_depth
 
 DEFAULT_DEPTH = 2
 """Buckets prepared ahead of the one being orthogonalized: one exchange in each direction overlaps NS."""
@@ -64,6 +64,7 @@ class MuonPipeline:
         slices: per matrix, ``(offset, numel)`` of this rank's piece in the sub-group's flat
             gradient and momentum (``numel`` 0 where it holds none).
         exchange: the ``OwnerExchange`` of the sub-group's process group.
+        device: where Newton-Schulz runs and the exchange buffers live (the accelerator).
         piece_device: where the gradient and momentum pieces live (the host under optimizer
             offload).
         depth: see the module docstring; at least 1.
@@ -79,6 +80,7 @@ class MuonPipeline:
                  pieces: Sequence[Sequence[int]],
                  slices: Sequence[Tuple[int, int]],
                  exchange: OwnerExchange,
+                 device,
                  piece_device,
                  depth: int = DEFAULT_DEPTH,
                  batch_ns=None):
@@ -89,6 +91,9 @@ class MuonPipeline:
         self.slices = list(slices)
         self.exchange = exchange
         self.piece_device = torch.device(piece_device)
+        # One rank with its pieces where Newton-Schulz runs holds every matrix whole in place:
+        # nothing to exchange, so no buffers and no copies.
+        self.alone = exchange.world_size == 1 and self.piece_device == torch.device(device)
         self.depth = depth
         self.batch_ns = batch_ns
         self.layouts = [
@@ -99,12 +104,57 @@ class MuonPipeline:
                          rank=exchange.rank) for bucket in plan.buckets
         ]
 
+    @classmethod
+    def for_process_group(cls,
+                          specs: Sequence[MatrixSpec],
+                          pieces: Sequence[Sequence[int]],
+                          slices: Sequence[Tuple[int, int]],
+                          group,
+                          stats: ExchangeStats,
+                          device,
+                          piece_device,
+                          max_bucket_numel: int,
+                          depth: int,
+                          batch_ns=None,
+                          **plan_args) -> "MuonPipeline":
+        """The pipeline of one sub-group on this rank of ``group``, with its owner plan.
+
+        The plan is ``owner_plan.plan_for_depth`` (buckets up to ``max_bucket_numel``, the
+        stage's ``reduce_bucket_size``, within the momentum budget; the depth lowered where
+        even one matrix per bucket does not fit), with the results' width taken from the
+        matrices' Newton-Schulz method. The collectives are ``deepspeed.comm.all_to_all_single``
+        on ``group``, counted into ``stats``.
+
+        Args:
+            specs, pieces, slices, device, piece_device, depth, batch_ns: as for the constructor.
+            group: the sub-group's process group.
+            stats: the binding's ``ExchangeStats``.
+            max_bucket_numel: the largest bucket (elements of whole matrices).
+            plan_args: ``initial_load`` or ``holders`` of ``plan_for_depth``.
+        """
+        from deepspeed import comm as dist
+        from deepspeed.runtime.zero.muon import original_muon
+        rank, world_size = dist.get_rank(group=group), dist.get_world_size(group=group)
+        itemsize = max((original_muon.ns_compute_dtype(s.ns_method).itemsize for s in specs), default=4)
+        plan, depth = plan_for_depth(specs,
+                                     pieces,
+                                     world_size,
+                                     max_bucket_numel,
+                                     depth,
+                                     result_itemsize=itemsize,
+                                     **plan_args)
+        exchange = OwnerExchange(group, rank, world_size, dist.all_to_all_single, stats)
+        return cls(plan, specs, pieces, slices, exchange, device, piece_device, depth, batch_ns)
+
     @property
     def buffer_demand(self) -> Tuple[int, int, int, torch.device]:
         """``(slots, outgoing_numel, incoming_numel, piece_device)`` for ``ExchangeBuffers.covering``:
-        the slots this pipeline uses at its depth and its largest bucket's buffers (fp32 elements)."""
-        return (min(slots_for_depth(self.depth), max(1, len(self.layouts))),
-                max((layout.send_numel for layout in self.layouts), default=0),
+        the slots this pipeline uses at its depth and its largest bucket's buffers (fp32 elements);
+        none for a rank alone (``alone``)."""
+        if self.alone:
+            return (0, 0, 0, self.piece_device)
+        return (min(slots_for_depth(self.depth),
+                    max(1, len(self.layouts))), max((layout.send_numel for layout in self.layouts), default=0),
                 max((layout.recv_numel for layout in self.layouts), default=0), self.piece_device)
 
     def run(self, grad_flat: torch.Tensor, momentum_flat: torch.Tensor, settings: MuonSettings,
@@ -121,6 +171,9 @@ class MuonPipeline:
             update_dtype: dtype of the back exchange (the kernel's compute dtype: no loss).
             buffers: at least ``buffer_demand``; nothing else may use them during the call.
         """
+        if self.alone:
+            self._run_alone(grad_flat, momentum_flat, settings, update_dtype)
+            return
         free = deque(range(self.buffer_demand[0]))
         preparing, returning = deque(), deque()
 
@@ -137,6 +190,29 @@ class MuonPipeline:
             compute_oldest()
         while returning:
             self._finalize(*returning.popleft(), grad_flat, update_dtype, buffers)
+
+    def _run_alone(self, grad_flat, momentum_flat, settings: MuonSettings, update_dtype: torch.dtype) -> None:
+        """World size 1, pieces on the Newton-Schulz device: every piece is its whole matrix. The
+        momentum step writes the NS input over the gradient, and each call's results overwrite
+        the inputs it has read (in a batched call, a stacked copy)."""
+        for layout in self.layouts:
+            specs = [self.specs[layout.matrices[k]] for k in layout.owned]
+            starts = []
+            for k in layout.owned:
+                start, numel = self.slices[layout.matrices[k]]
+                piece = grad_flat.narrow(0, start, numel)
+                momentum_step(piece, momentum_flat.narrow(0, start, numel), settings, out=piece)
+                starts.append(start)
+
+            def matrix(p):
+                return grad_flat.narrow(0, starts[p], specs[p].numel).view(specs[p].shape)
+
+            for positions, results in orthogonalize_each(matrix, specs, settings.ns_steps, settings.ns_method,
+                                                         update_dtype, grad_flat.device, self.batch_ns,
+                                                         self.plan.workspace(0)):
+                self.exchange.stats.ns_calls += len(results)
+                for position, result in zip(positions, results):
+                    matrix(position).copy_(result)
 
     def _prepare(self, b: int, slot: int, grad_flat, momentum_flat, settings, buffers: ExchangeBuffers):
         layout = self.layouts[b]
@@ -176,8 +252,8 @@ class MuonPipeline:
         for position, result in held:
             layout.write_result(position, result, back)
         del held
-        recv = buffers.outgoing(slot, layout.send_numel, update_dtype)
-        handle = self.exchange.all_to_all(recv, back, layout.send_splits, layout.recv_splits, async_op=True)
+        returned = buffers.outgoing(slot, layout.send_numel, update_dtype)
+        handle = self.exchange.all_to_all(returned, back, layout.send_splits, layout.recv_splits, async_op=True)
         return b, slot, handle
 
     def _finalize(self, b: int, slot: int, handle, grad_flat: torch.Tensor, update_dtype: torch.dtype,

@@ -49,8 +49,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings, momentum_step
 from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec, orthogonalize_each
-from deepspeed.runtime.zero.muon.owner_exchange import ExchangeBuffers, ExchangeStats, OwnerExchange
-from deepspeed.runtime.zero.muon.owner_plan import plan_for_depth
+from deepspeed.runtime.zero.muon.owner_exchange import ExchangeBuffers, ExchangeStats
 from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline
 
 
@@ -121,10 +120,17 @@ class Zero12MuonUpdate:
             slices.append((max(start, rank * partition_size) - rank * partition_size if held[rank] else 0, held[rank]))
             start = end
         holders = [[r for r, n in enumerate(p) if n] for p in pieces]
-        plan, depth = plan_for_depth(specs, pieces, world_size, opt.reduce_bucket_size, depth, holders=holders)
-        exchange = OwnerExchange(group, rank, world_size, dist.all_to_all_single, self.stats)
-        piece_device = opt.single_partition_of_fp32_groups[group_idx].device
-        return MuonPipeline(plan, specs, pieces, slices, exchange, piece_device, depth, self.batch_ns)
+        return MuonPipeline.for_process_group(specs,
+                                              pieces,
+                                              slices,
+                                              group,
+                                              self.stats,
+                                              self.device,
+                                              opt.single_partition_of_fp32_groups[group_idx].device,
+                                              opt.reduce_bucket_size,
+                                              depth,
+                                              self.batch_ns,
+                                              holders=holders)
 
     def reserved_bytes(self) -> int:
         """Bytes of exchange buffer this rank keeps between steps (under offload)."""
@@ -193,19 +199,30 @@ class Zero12MuonUpdate:
         return bool(flag.item())
 
     def _momentum(self, group_idx: int, numel: int, device) -> torch.Tensor:
-        """The group's fp32 momentum (``numel`` elements on ``device``): created zero if missing or
-        of another size, upcast if not fp32 (a checkpoint may keep it in the gradient dtype),
-        kept in the optimizer state under ``MOMENTUM_KEY``."""
+        """The group's fp32 momentum (``numel`` elements on ``device``), kept in the optimizer state
+        under ``MOMENTUM_KEY``: created zero if missing, upcast if not fp32 (a checkpoint may keep it
+        in the gradient dtype).
+
+        Raises:
+            RuntimeError: the state holds a momentum of another size (saved with another world
+                size, or with and without ``offload_optimizer``, whose layouts differ): training
+                on would silently drop it.
+        """
         base = self.zero_optimizer.optimizer
         flat = base.param_groups[group_idx]["params"][0]
         state = base.state.setdefault(flat, {})
         momentum = state.get(MOMENTUM_KEY)
-        if momentum is None or momentum.numel() != numel:
-            momentum = torch.zeros(numel, dtype=torch.float32, device=device)
-            state[MOMENTUM_KEY] = momentum
+        if momentum is None:
+            momentum = state[MOMENTUM_KEY] = torch.zeros(numel, dtype=torch.float32, device=device)
+        elif momentum.numel() != numel:
+            layout = "partition" if self.zero_optimizer.cpu_offload else "whole parameters of the partition"
+            raise RuntimeError(f"ZeRO-1/2 Muon: parameter group {group_idx} holds a momentum of {momentum.numel()} "
+                               f"elements where this configuration keeps {numel} ({layout}): the optimizer state "
+                               "comes from another world size or another zero_optimization.offload_optimizer "
+                               "setting. Load it as a universal checkpoint (\"checkpoint\": {\"load_universal\": "
+                               "true}).")
         elif momentum.dtype != torch.float32 or momentum.device != torch.device(device):
-            momentum = momentum.to(device=device, dtype=torch.float32)
-            state[MOMENTUM_KEY] = momentum
+            momentum = state[MOMENTUM_KEY] = momentum.to(device=device, dtype=torch.float32)
         return momentum
 
     def _update_whole(self, group_idx: int, grad_flat: torch.Tensor, momentum: torch.Tensor, settings: MuonSettings,

@@ -31,8 +31,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings
 from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec
-from deepspeed.runtime.zero.muon.owner_exchange import ExchangeBuffers, ExchangeStats, OwnerExchange
-from deepspeed.runtime.zero.muon.owner_plan import plan_for_depth
+from deepspeed.runtime.zero.muon.owner_exchange import ExchangeBuffers, ExchangeStats
 from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline
 from deepspeed.utils import logger
 
@@ -61,6 +60,12 @@ def refuse_unsupported(optimizer) -> None:
         problems.append("zero_optimization.offload_optimizer.device 'nvme': DeepSpeed's async I/O op cannot be "
                         "built here (it needs libaio: on Debian/Ubuntu `apt-get install libaio-dev`); use "
                         "offload_optimizer.device 'cpu' or install libaio.")
+    master_dtype = getattr(optimizer, "master_weights_and_grads_dtype", torch.float32)
+    if master_dtype != torch.float32:
+        key = "bf16.bf16_master_weights_and_grads" if master_dtype == torch.bfloat16 else \
+            "fp16.fp16_master_weights_and_grads"
+        problems.append(f"{key}: the Muon update reads fp32 gradient partitions into its fp32 momentum; train Muon "
+                        "with fp32 master weights and gradients (the default).")
     if problems:
         raise ValueError("ZeRO-3 with the Muon optimizer cannot run this configuration:\n- " + "\n- ".join(problems))
 
@@ -145,7 +150,7 @@ class Zero3MuonUpdate:
         opt = self.optimizer
         ns_method = MuonSettings.of(self._param_group(i)).ns_method
         group = opt._get_sub_group_process_group(i)
-        rank, world_size = dist.get_rank(group=group), dist.get_world_size(group=group)
+        world_size = dist.get_world_size(group=group)
         # Every rank meets its sub-groups in the same order, so keying by the local group object
         # pools the same sub-groups on every rank.
         load = loads.setdefault(id(group), [0.0] * world_size)
@@ -155,24 +160,32 @@ class Zero3MuonUpdate:
             slices.append((offset, partition_numel))
             specs.append(matrix_spec(param, param.ds_shape, ns_method))
         pieces = [(numel, ) * world_size for _, numel in slices]
-        plan, depth = plan_for_depth(specs, pieces, world_size, opt.reduce_bucket_size, depth, initial_load=load)
-        for r, cost in enumerate(plan.load()):
+        pipeline = MuonPipeline.for_process_group(specs,
+                                                  pieces,
+                                                  slices,
+                                                  group,
+                                                  self.stats,
+                                                  self.device,
+                                                  opt.fp32_partitioned_groups_flat[i].device,
+                                                  opt.reduce_bucket_size,
+                                                  depth,
+                                                  batch_ns,
+                                                  initial_load=load)
+        for r, cost in enumerate(pipeline.plan.load()):
             load[r] += cost
-        exchange = OwnerExchange(group, rank, world_size, dist.all_to_all_single, self.stats)
-        piece_device = opt.fp32_partitioned_groups_flat[i].device
-        return MuonPipeline(plan, specs, pieces, slices, exchange, piece_device, depth, batch_ns)
+        return pipeline
 
     def _check_plans_agree(self):
         """One all-reduce per sub-group: MAX of ``[count, digest, -count, -digest]``, where ``count``
         is the number of Muon matrices and ``digest`` a SHA-256 of the shapes, partition sizes, NS
-        problems and plan (fixed length, so ranks with different matrix counts still meet in the
-        same collective). Every rank holds the same vector exactly when the maximum of each entry
+        problems, plan and pipeline depth (the order of the collectives follows from them; fixed
+        length, so ranks with different matrix counts still meet in the same collective). Every rank holds the same vector exactly when the maximum of each entry
         and of its negation (the minimum) both equal its own."""
         for i, pipeline in self.pipelines.items():
             if pipeline.exchange.world_size == 1:
                 continue
-            description = repr([(s.shape, n, s.ns_problem)
-                                for s, (_, n) in zip(pipeline.specs, pipeline.slices)] + pipeline.plan.signature())
+            description = repr([(s.shape, n, s.ns_problem) for s, (_, n) in zip(pipeline.specs, pipeline.slices)] +
+                               pipeline.plan.signature() + [pipeline.depth])
             digest = hashlib.sha256(description.encode()).digest()
             # 56-bit chunks: non-negative and their negations fit in int64.
             mine = [len(pipeline.specs)] + [int.from_bytes(digest[k:k + 7], "little") for k in range(0, 28, 7)]
@@ -206,10 +219,20 @@ class Zero3MuonUpdate:
 
     def momentum_partition(self, sub_group_id, like: torch.Tensor) -> torch.Tensor:
         """The sub-group's fp32 momentum partition (1-D, ``fp16_partitioned_groups_flat_numel``
-        elements, on ``like``'s device): created zero if missing, upcast if not fp32 (a checkpoint
-        written by DeepSpeed's own bf16 path keeps it in bf16). The same tensor is kept in the optimizer state under
-        ``MOMENTUM_KEY`` (and with ``save_muon_momentum_buffer_in_memory`` in the optimizer's
-        in-memory table), so checkpoints save it."""
+        elements, on ``like``'s device), kept in the optimizer state under ``MOMENTUM_KEY`` (and with
+        ``save_muon_momentum_buffer_in_memory`` in the optimizer's in-memory table), so checkpoints
+        save it.
+
+        Stage 3 allocates it with the fp32 partitions (``_create_momentum_buffer``); a state loaded
+        without one (an optimizer state saved by another optimizer) gets a zero momentum from the
+        same allocator, as a fresh run would. A momentum of another dtype or device (DeepSpeed's
+        own bf16 path keeps it in bf16; offload moves it) is converted once and stored back.
+
+        Raises:
+            RuntimeError: the momentum held for the sub-group has another number of elements (a
+                checkpoint of another partitioning, loaded without the universal-checkpoint path):
+                training on would silently drop the momentum.
+        """
         opt = self.optimizer
         fp32_partition = opt.fp32_partitioned_groups_flat[sub_group_id]
         numel = opt.fp16_partitioned_groups_flat_numel[sub_group_id]
@@ -218,9 +241,15 @@ class Zero3MuonUpdate:
             momentum = opt.muon_momentum_buffer_partitioned_groups_flat.get(sub_group_id)
         else:
             momentum = opt.optimizer.state.get(fp32_partition, {}).get(MOMENTUM_KEY)
-        if momentum is None or momentum.numel() != numel:
+        if momentum is None:
             opt._create_momentum_buffer(numel, sub_group_id, fp32_partition.ds_id)
             momentum = opt.optimizer.state[fp32_partition][MOMENTUM_KEY]
+        if momentum.numel() != numel:
+            raise RuntimeError(
+                f"ZeRO-3 Muon: sub-group {sub_group_id} holds a momentum of {momentum.numel()} elements "
+                f"for a partition of {numel}: the optimizer state comes from another partitioning "
+                "(world size, sub_group_size or parameters). Load such a checkpoint as a universal "
+                "checkpoint (\"checkpoint\": {\"load_universal\": true}).")
         if momentum.dtype != torch.float32 or momentum.device != like.device:
             momentum = momentum.to(device=like.device, dtype=torch.float32)
             opt.optimizer.state.setdefault(fp32_partition, {})[MOMENTUM_KEY] = momentum

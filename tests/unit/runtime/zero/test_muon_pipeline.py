@@ -178,6 +178,7 @@ def _run(layout, world_size, bucket_numel, depth, steps=2, specs=None, batch_ns=
                      slices[r],
                      OwnerExchange(None, r, world_size, fake.for_rank(r), stats[r]),
                      "cpu",
+                     "cpu",
                      depth,
                      batch_ns=batch_ns) for r in range(world_size)
     ]
@@ -284,9 +285,18 @@ def test_reserved_buffers_are_what_the_plan_says():
         fake = FakeAllToAll(world_size)
         for r in range(world_size):
             pipeline = MuonPipeline(plan, specs, pieces, slices[r],
-                                    OwnerExchange(None, r, world_size, fake.for_rank(r), ExchangeStats()), "cpu", 2)
+                                    OwnerExchange(None, r, world_size, fake.for_rank(r), ExchangeStats()), "cpu",
+                                    "cpu", 2)
             buffers = ExchangeBuffers.covering([pipeline.buffer_demand], "cpu")
-            assert buffers.reserved_bytes() == 4 * reserved_numel(plan, pieces, 3)[r]
+            if world_size == 1:
+                assert pipeline.alone and buffers.reserved_bytes() == 0, "one rank exchanges nothing"
+            else:
+                assert buffers.reserved_bytes() == 4 * reserved_numel(plan, pieces, 3)[r]
+    alone_offloaded = MuonPipeline(plan_owners(specs, 1, 100), specs,
+                                   *_zero3_layout(specs, 1)[:1],
+                                   _zero3_layout(specs, 1)[1][0], OwnerExchange(None, 0, 1, None, ExchangeStats()),
+                                   "meta", "cpu", 2)
+    assert not alone_offloaded.alone, "pieces off the Newton-Schulz device still go through the buffers"
 
 
 def test_layout_reassembles_and_splits_with_padding():
@@ -308,7 +318,7 @@ def test_depth_below_one_is_refused():
     pieces, slices = _zero3_layout(specs, 1)
     with pytest.raises(ValueError, match="depth"):
         MuonPipeline(plan_owners(specs, 1, 100), specs, pieces, slices[0],
-                     OwnerExchange(None, 0, 1, None, ExchangeStats()), "cpu", 0)
+                     OwnerExchange(None, 0, 1, None, ExchangeStats()), "cpu", "cpu", 0)
 
 
 def test_depth_lowered_where_even_one_matrix_per_bucket_exceeds_the_budget():
@@ -344,7 +354,7 @@ def test_one_owned_matrix_is_a_view_of_the_receive_buffer():
 
 
 @pytest.mark.parametrize("bucket_numel", [100, 10**9], ids=["buckets", "one-bucket"])
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_results_narrower_than_the_exchange_are_written_after_the_buckets_calls(layout, world_size, bucket_numel):
     """A bf16 back exchange views the receive buffer's bytes at other offsets, so the owner writes
@@ -397,7 +407,8 @@ def test_one_set_of_buffers_covers_every_sub_group():
     with host staging only for pipelines whose pieces live off the device."""
     buffers = ExchangeBuffers.covering([(3, 10, 40, torch.device("cpu")), (1, 30, 20, torch.device("cpu"))], "cpu")
     assert buffers.slots == 3
-    assert buffers.outgoing(2, 30, torch.float32).numel() == 30 and buffers.incoming(2, 40, torch.float32).numel() == 40
+    assert buffers.outgoing(2, 30, torch.float32).numel() == 30 and buffers.incoming(2, 40,
+                                                                                     torch.float32).numel() == 40
     assert buffers.reserved_bytes() == 4 * 3 * (30 + 40)
     assert buffers.staging(0, 10, "cpu") is None
     assert ExchangeBuffers.covering([], "cpu").reserved_bytes() == 0

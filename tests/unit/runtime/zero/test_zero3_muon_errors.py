@@ -79,3 +79,39 @@ class TestZero3MuonErrors(DistributedTest):
             zero3_update._async_io_available = available
         assert message is not None and "zero_optimization.offload_optimizer.device 'nvme'" in message
         assert "libaio" in message
+
+
+class TestZero3MuonMomentumOfAnotherSize(DistributedTest):
+    world_size = 2
+    reuse_dist_env = True
+
+    def test_refused_at_the_next_step(self):
+        """A momentum whose size does not match the sub-group's partition (a state of another
+        partitioning) stops the step with an error, rather than being replaced by zeros."""
+        import deepspeed
+        from unit.runtime.zero.zero3_muon_helpers import build_model, ds_config, train_one_step
+        net = build_model("mixed")
+        engine, *_ = deepspeed.initialize(model=net,
+                                          config=ds_config(3, 1, self.world_size),
+                                          model_parameters=list(net.parameters()))
+        train_one_step(engine, 0)
+        state = engine.optimizer.optimizer.state
+        held = [s for s in state.values() if "momentum_buffer" in s]
+        assert held, "Muon keeps its momentum in the optimizer state"
+        held[0]["momentum_buffer"] = held[0]["momentum_buffer"][:-1].clone()
+        with pytest.raises(RuntimeError, match="another partitioning.*load_universal"):
+            train_one_step(engine, 1)
+
+
+@pytest.mark.parametrize("dtype,key", [("bfloat16", "bf16.bf16_master_weights_and_grads"),
+                                       ("float16", "fp16.fp16_master_weights_and_grads")])
+def test_half_precision_master_weights_are_refused(dtype, key):
+    """With bf16/fp16 master weights the gradient partitions Muon reads are not fp32."""
+    import types
+
+    import torch
+    from deepspeed.runtime.zero.muon.zero3_update import refuse_unsupported
+    optimizer = types.SimpleNamespace(master_weights_and_grads_dtype=getattr(torch, dtype))
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        refuse_unsupported(optimizer)
+    refuse_unsupported(types.SimpleNamespace(master_weights_and_grads_dtype=torch.float32))

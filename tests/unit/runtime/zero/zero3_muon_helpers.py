@@ -859,7 +859,7 @@ def _full(opt, sub_group_id, flat, param):
     group = opt._get_sub_group_process_group(sub_group_id)
     parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group=group))]
     dist.all_gather(parts, part, group=group)
-    return torch.cat(parts)[:param.ds_numel].view(param.ds_shape).numpy().copy()
+    return torch.cat(parts)[:param.ds_numel].view(param.ds_shape).cpu().numpy().copy()
 
 
 class Recorder:
@@ -937,7 +937,10 @@ class Recorder:
         step["norm"] = None if norm is None else float(norm)
         if not step["skipped"]:
             # The raw norm of all parameters' accumulated gradients, from the partitions.
-            total = torch.tensor([step.pop("local_sq")], dtype=torch.float64)
+            from deepspeed.accelerator import get_accelerator
+            total = torch.tensor([step.pop("local_sq")],
+                                 dtype=torch.float64,
+                                 device=get_accelerator().current_device_name())
             dist.all_reduce(total, group=self.opt.dp_process_group)
             step["norm_from_gradients"] = float(total.sqrt()) / step["loss_scale"]
         for name, master in self._master().items():

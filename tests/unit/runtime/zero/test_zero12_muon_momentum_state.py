@@ -1,0 +1,34 @@
+# Copyright (c) 2026 The zero3muon authors
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""ZeRO-1/2 Muon refuses a momentum of another size rather than dropping it.
+
+With and without ``offload_optimizer`` the stage keeps the momentum in different layouts (the
+partition, or the whole parameters of the partition), and a state saved at another world size
+has other sizes again. Replacing such a momentum with zeros would train on silently without it.
+"""
+import pytest
+
+import deepspeed
+from unit.common import DistributedTest
+from unit.runtime.zero.zero3_muon_helpers import build_model, ds_config, train_one_step
+
+
+class TestZero12MuonMomentumOfAnotherSize(DistributedTest):
+    world_size = 2
+    reuse_dist_env = True
+
+    @pytest.mark.parametrize("stage,offload", [(2, None), (2, "cpu"), (1, None)])
+    def test_refused_at_the_next_step(self, stage, offload):
+        zero = {"offload_optimizer": {"device": offload}} if offload else {}
+        net = build_model("mixed")
+        engine, *_ = deepspeed.initialize(model=net,
+                                          config=ds_config(stage, 1, self.world_size, zero_extra=zero),
+                                          model_parameters=list(net.parameters()))
+        train_one_step(engine, 0)
+        held = [s for s in engine.optimizer.optimizer.state.values() if "momentum_buffer" in s]
+        assert held, "Muon keeps its momentum in the optimizer state"
+        held[0]["momentum_buffer"] = held[0]["momentum_buffer"][:-1].clone()
+        with pytest.raises(RuntimeError, match="another world size.*load_universal"):
+            train_one_step(engine, 1)
