@@ -74,8 +74,10 @@ def config_keys() -> Mapping[str, str]:
 
 GROUP_HINTS: Mapping[str, str] = {
     "use_muon": "which half a tensor goes to is its own flag: set param.use_muon on the tensors instead",
-    "muon_lr": "a group's lr applies to both of its halves; for different rates put the tensors in groups of their own",
-    "adam_lr": "a group's lr applies to both of its halves; for different rates put the tensors in groups of their own",
+    "muon_lr":
+    "a group's lr applies to both of its halves; for different rates put the tensors in groups of their own",
+    "adam_lr":
+    "a group's lr applies to both of its halves; for different rates put the tensors in groups of their own",
 }
 """Why a key that is accepted in ``optimizer.params`` (or elsewhere) does nothing in a group."""
 

@@ -88,7 +88,10 @@ def reference(rates, model_name="mixed", hyper=HYPER):
         named = list(model.named_parameters())
         muon = [(n, p) for n, p in named if is_muon_param(n, p)]
         other = [p for n, p in named if not is_muon_param(n, p)]
-        adamw = torch.optim.AdamW(other, lr=hyper["adam_lr"], betas=hyper["betas"], eps=hyper["eps"],
+        adamw = torch.optim.AdamW(other,
+                                  lr=hyper["adam_lr"],
+                                  betas=hyper["betas"],
+                                  eps=hyper["eps"],
                                   weight_decay=hyper["weight_decay"])
         momenta = {n: torch.zeros_like(p) for n, p in muon}
         for step, (muon_lr, adam_lr) in enumerate(rates):
@@ -194,8 +197,12 @@ class TestSchedulerRatesPerGroup(DistributedTest):
     @pytest.mark.parametrize("stage", [1, 3])
     def test_per_group_list_used_as_given(self, stage):
         """``warmup_max_lr`` as a list: each group warms up to its value, and the weights follow."""
-        params = {"warmup_min_lr": [0.002, 0.0001], "warmup_max_lr": [0.01, 0.001], "warmup_num_steps": 2,
-                  "warmup_type": "linear"}
+        params = {
+            "warmup_min_lr": [0.002, 0.0001],
+            "warmup_max_lr": [0.01, 0.001],
+            "warmup_num_steps": 2,
+            "warmup_type": "linear"
+        }
         rates, _, weights = train(scheduled_config(stage, dist.get_world_size(), "WarmupLR", params))
         lo, hi = params["warmup_min_lr"], params["warmup_max_lr"]
         expected = [[lo[g] + (hi[g] - lo[g]) * (0.0 if k == 0 else _warmup(k - 1, 2)) for g in range(2)]
@@ -238,8 +245,10 @@ class TestProgressLog(DistributedTest):
 
 
 def _muon_like(rates=(MUON_LR, ADAM_LR), names=("muon-params", "adam-params")):
-    groups = [dict(params=[torch.nn.Parameter(torch.zeros(2, 2))], lr=r, use_muon=i == 0, name=n)
-              for i, (r, n) in enumerate(zip(rates, names))]
+    groups = [
+        dict(params=[torch.nn.Parameter(torch.zeros(2, 2))], lr=r, use_muon=i == 0, name=n)
+        for i, (r, n) in enumerate(zip(rates, names))
+    ]
     return torch.optim.SGD(groups, lr=1.0)
 
 
@@ -247,8 +256,10 @@ def test_resolution_rules():
     from deepspeed.runtime.zero.muon.lr_groups import scheduler_params_for_groups as resolve
     opt = _muon_like()
     # unset configured-rate keys: each group's rate; unset warmup_min_lr keeps the default 0
-    assert resolve("WarmupDecayLR", {"total_num_steps": 9}, opt) == {"total_num_steps": 9,
-                                                                    "warmup_max_lr": [MUON_LR, ADAM_LR]}
+    assert resolve("WarmupDecayLR", {"total_num_steps": 9}, opt) == {
+        "total_num_steps": 9,
+        "warmup_max_lr": [MUON_LR, ADAM_LR]
+    }
     assert resolve("OneCycle", {}, opt) == {"cycle_min_lr": [MUON_LR, ADAM_LR], "cycle_max_lr": [MUON_LR, ADAM_LR]}
     assert resolve("LRRangeTest", {}, opt) == {"lr_range_test_min_lr": [MUON_LR, ADAM_LR]}
     # None counts as unset (a config key written as null)
