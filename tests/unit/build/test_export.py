@@ -166,7 +166,8 @@ def test_layout_and_membership(case):
     result = case.result
     assert [p.stem for p in result.pull_requests] == [
         "1-muon-update-seam", "2-muon-owner-plan", "3-muon-pipeline", "4-zero3-muon", "5-grad-window", "6-loss-scale",
-        "7-universal-checkpoint", "8-universal-muon", "9-muon-selection", "10-zero12-muon-clipping"
+        "7-universal-checkpoint", "8-universal-muon", "9-muon-selection", "10-zero12-muon-clipping",
+        "11-muon-config"
     ]
     assert sorted(p.name for p in result.out_dir.iterdir()) == sorted(f"{p.stem}.{ext}" for p in result.pieces
                                                                       for ext in ("diff", "md"))
@@ -246,13 +247,18 @@ def test_layout_and_membership(case):
     assert sorted(p for key in split for p in by_key[key].sources if p.startswith("deepspeed/")) == sorted(
         p.relative_to(REPO).as_posix() for p in muon_dir.glob("*.py")
         if p.name not in ("__main__.py", "param_selection.py", "zero12_update.py", "universal_state_checks.py",
-                          "zero12_universal_momentum.py") and not p.name.startswith("_build_info"))
+                          "zero12_universal_momentum.py", "lr_groups.py", "config_keys.py")
+        and not p.name.startswith("_build_info"))
     assert sorted(by_key["muon-selection"].sources) == sorted([
         "deepspeed/runtime/zero/muon/param_selection.py", *patches("0010", "0011"),
         "tests/unit/runtime/zero/test_muon_param_selection.py"
     ])
     assert [p for p in by_key["zero12-muon-clipping"].sources
             if not p.startswith("tests/")] == [f"{MUON_DIR}/zero12_update.py", *patches("0012")]
+    assert sorted(by_key["muon-config"].sources) == sorted([
+        f"{MUON_DIR}/config_keys.py", f"{MUON_DIR}/lr_groups.py", *patches("0014", "0015", "0016"),
+        f"{ZERO_TESTS}/test_muon_config_keys.py", f"{ZERO_TESTS}/test_muon_lr_groups.py"
+    ])
     assert [p for p in by_key["zero12-muon-clipping"].sources if p.startswith("tests/")
             ] == sorted(p.relative_to(REPO).as_posix() for p in (REPO / ZERO_TESTS).glob("test_zero12_muon_*.py"))
     # stacking: the plan's code imports original_muon.py as the seam patches it, the pipeline's the plan's
@@ -282,7 +288,8 @@ def test_layout_and_membership(case):
         "universal-checkpoint": ("zero3-muon", ),
         "universal-muon": ("zero3-muon", "universal-checkpoint"),
         "muon-selection": ("zero3-muon", ),
-        "zero12-muon-clipping": ("zero3-muon", )
+        "zero12-muon-clipping": ("zero3-muon", ),
+        "muon-config": ("zero3-muon", )
     }
     owners = {p.group.key: p.sources for p in result.pull_requests}
     assert {dep
