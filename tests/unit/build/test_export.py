@@ -490,7 +490,8 @@ def test_descriptions_cover_every_file(case):
         return text[0].upper() + text[1:] if start else text
 
     stacked = f"tests import test helpers of {prs('zero3-muon')}: it is stacked on that one for its tests"
-    needed = (f"{prs('universal-checkpoint', 'universal-muon', 'muon-selection', 'zero12-muon-clipping', start=True)} "
+    dependents = ('universal-checkpoint', 'universal-muon', 'muon-selection', 'zero12-muon-clipping', 'muon-config')
+    needed = (f"{prs(*dependents, start=True)} "
               "apply without this one, but their tests import this one's test helpers")
     core_stacked = f"Its code imports modules of {prs(*SEAM_KEYS)}: it is stacked on those and goes in after them."
     plan_stacked = f"Its code imports modules of {prs('muon-update-seam')}: it is stacked on that one and goes in after it."
@@ -511,7 +512,7 @@ def test_descriptions_cover_every_file(case):
         sentence = f"{who} {verb} this one's modules (stacked on this one)."
         assert sentence in texts[key] and sentence in heads[key], (key, sentence)
     for key, text in [*texts.items(), *heads.items()]:
-        assert (stacked in text) == (key in ("universal-checkpoint", "muon-selection")), key
+        assert (stacked in text) == (key in ("universal-checkpoint", "muon-selection", "muon-config")), key
         assert (core_stacked in text) == (key in ("zero3-muon", "zero12-muon-clipping")), key
         assert (plan_stacked in text) == (key == "muon-owner-plan"), key
         assert (pipeline_stacked in text) == (key == "muon-pipeline"), key
@@ -525,22 +526,27 @@ def test_descriptions_cover_every_file(case):
     # which pull requests each says are independent of it: those it needs nothing of, for code or tests,
     # and that need nothing of it
     independent = {
-        "muon-update-seam":
-        ("muon-pipeline", "grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection"),
-        "muon-owner-plan": ("grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection"),
-        "muon-pipeline":
-        ("muon-update-seam", "grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection"),
+        "muon-update-seam": ("muon-pipeline", "grad-window", "loss-scale", "universal-checkpoint", "universal-muon",
+                             "muon-selection", "muon-config"),
+        "muon-owner-plan":
+        ("grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection", "muon-config"),
+        "muon-pipeline": ("muon-update-seam", "grad-window", "loss-scale", "universal-checkpoint", "universal-muon",
+                          "muon-selection", "muon-config"),
         "zero3-muon": ("grad-window", "loss-scale"),
         "grad-window":
         tuple(k for k in numbered if k not in ("grad-window", "allgather-wait-backport")),
         "loss-scale":
         tuple(k for k in numbered if k not in ("loss-scale", "allgather-wait-backport")),
-        "universal-checkpoint": (*SEAM_KEYS, "grad-window", "loss-scale", "muon-selection", "zero12-muon-clipping"),
-        "universal-muon": (*SEAM_KEYS, "grad-window", "loss-scale", "muon-selection", "zero12-muon-clipping"),
-        "muon-selection":
-        (*SEAM_KEYS, "grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "zero12-muon-clipping"),
+        "universal-checkpoint":
+        (*SEAM_KEYS, "grad-window", "loss-scale", "muon-selection", "zero12-muon-clipping", "muon-config"),
+        "universal-muon":
+        (*SEAM_KEYS, "grad-window", "loss-scale", "muon-selection", "zero12-muon-clipping", "muon-config"),
+        "muon-selection": (*SEAM_KEYS, "grad-window", "loss-scale", "universal-checkpoint", "universal-muon",
+                           "zero12-muon-clipping", "muon-config"),
         "zero12-muon-clipping":
-        ("grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection"),
+        ("grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection", "muon-config"),
+        "muon-config": (*SEAM_KEYS, "grad-window", "loss-scale", "universal-checkpoint", "universal-muon",
+                        "muon-selection", "zero12-muon-clipping"),
     }
     assert sorted(independent) == sorted(texts)
     for key, others in independent.items():
@@ -565,7 +571,7 @@ def test_descriptions_cover_every_file(case):
     assert flat.count("Its code imports modules of pull request 1 (muon-update-seam)") == 3
     assert flat.count("Its code imports modules of pull request 2 (muon-owner-plan)") == 3
     assert flat.count("Its code imports modules of pull request 3 (muon-pipeline)") == 2
-    assert flat.count("Its tests import test helpers of pull request 4 (zero3-muon)") == 4
+    assert flat.count("Its tests import test helpers of pull request 4 (zero3-muon)") == 5
     assert flat.count("Its code imports modules of pull request 7 (universal-checkpoint)") == 1
     for bp in case.result.backports:
         assert bp.group.title in combined and "0.19.8 already" in combined
