@@ -39,7 +39,7 @@ means an absolute rate everywhere else would be a new surprise. Schedulers from
 ``deepspeed.initialize`` and every ``steps_per_print`` steps) each rate with the name of its group.
 """
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence
 
 CONFIGURED = "each group's configured rate"
 """An unset key of this kind becomes the list of the groups' configured rates."""
@@ -104,8 +104,7 @@ def _describe(param_groups, names) -> str:
                      for name, group in zip(names, param_groups))
 
 
-def scheduler_params_for_groups(scheduler_name: Optional[str], params: Optional[Mapping[str, Any]],
-                                optimizer) -> Dict[str, Any]:
+def scheduler_params_for_groups(scheduler_name: Optional[str], params: Optional[Mapping[str, Any]], optimizer):
     """The ``scheduler.params`` to build ``scheduler_name`` with on ``optimizer``.
 
     Args:
@@ -115,19 +114,19 @@ def scheduler_params_for_groups(scheduler_name: Optional[str], params: Optional[
             wrapper); its groups' ``lr`` are the configured rates (no scheduler has run yet).
 
     Returns:
-        A new dict: ``params`` with each unset ``CONFIGURED`` rate key of ``RATE_KEYS`` set to the
-        list of the groups' configured rates, for an optimizer with Muon groups and a scheduler
-        of ``RATE_KEYS``; otherwise a copy of ``params``.
+        For an optimizer with Muon groups and a scheduler of ``RATE_KEYS``: a new dict, ``params``
+        with each unset ``CONFIGURED`` rate key set to the list of the groups' configured rates.
+        Otherwise ``params`` itself, so that nothing changes for other optimizers and schedulers.
 
     Raises:
         ValueError: a scalar rate key that would overwrite differing configured rates, or a list
             whose length is not the number of parameter groups; the message names
             ``scheduler.params.<key>``, each group with its rate, and the list to write.
     """
-    resolved = dict(params or {})
     keys = RATE_KEYS.get(scheduler_name or "")
     if not keys or not is_muon_optimizer(optimizer):
-        return resolved
+        return params
+    resolved = dict(params or {})
     groups = _torch_optimizer(optimizer).param_groups
     names = group_names(groups)
     rates = [_rate(group["lr"]) for group in groups]
