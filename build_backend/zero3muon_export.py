@@ -358,8 +358,33 @@ ZERO12_CLIPPING = Group(
     code_needs=("muon-update-seam", "muon-owner-plan", "muon-pipeline"),
 )
 
+MUON_CONFIG = Group(
+    "muon-config", 11, "Muon: its two learning rates under DeepSpeed's schedulers, the rates logged by group, "
+    "every key of its block checked",
+    patterns=(
+        "deepspeed/runtime/zero/muon/lr_groups.py",
+        "deepspeed/runtime/zero/muon/config_keys.py",
+        "patches/*/0014-*.patch",
+        "patches/*/0015-*.patch",
+        "patches/*/0016-*.patch",
+        "tests/unit/runtime/zero/test_muon_lr_groups.py",
+        "tests/unit/runtime/zero/test_muon_config_keys.py",
+    ),
+    notes={
+        "deepspeed/runtime/engine.py":
+        "`_scheduler_from_config` resolves a DeepSpeed scheduler's rate keys per parameter group for an optimizer "
+        "with Muon groups (`lr_groups.scheduler_params_for_groups`): an unset rate follows each group's configured "
+        "rate, a per-group list is used as given, a scalar that would overwrite differing rates is refused naming "
+        "the key and the groups; `_report_progress` logs each rate with its group's name (`lr_groups.rates_by_group`); "
+        "the Muon branch of `_configure_basic_optimizer` refuses keys of the Muon block and of its parameter groups "
+        "that it would drop (`config_keys.check_muon_keys`).",
+    },
+    template="pr_muon_config.md",
+    tests_need=("zero3-muon", ),
+)
+
 ALLGATHER_BACKPORT = Group(
-    "allgather-wait-backport", 11, "ZeRO-3: wait on every handle of a coalesced parameter all-gather (backport)",
+    "allgather-wait-backport", 12, "ZeRO-3: wait on every handle of a coalesced parameter all-gather (backport)",
     patterns=(
         "patches/*/0005-*.patch",
         "tests/unit/runtime/zero/test_zero3_allgather_coalesced_wait.py",
@@ -376,7 +401,8 @@ ALLGATHER_BACKPORT = Group(
     "0.19.7 build gathers parameters correctly on gloo; it is not proposed upstream.",
 )
 
-GROUPS = (SEAM, PLAN, CORE, MUON, GRAD_WINDOW, LOSS_SCALE, UNIVERSAL, UNIVERSAL_MUON, SELECTION, ZERO12_CLIPPING, ALLGATHER_BACKPORT)
+GROUPS = (SEAM, PLAN, CORE, MUON, GRAD_WINDOW, LOSS_SCALE, UNIVERSAL, UNIVERSAL_MUON, SELECTION, ZERO12_CLIPPING,
+          MUON_CONFIG, ALLGATHER_BACKPORT)
 
 
 class ExportError(zb.BuildError):

@@ -192,6 +192,7 @@ class RunRecorder(TrainerCallback):
         self.losses = {}  # optimizer step -> mean token loss over the global batch (as the Trainer logs it)
         self.grad_norms = {}
         self.learning_rates = {}  # optimizer step -> learning rate of the Muon group (as the Trainer logs it)
+        self.group_rates = {}  # optimizer step -> [[use_muon, lr] per param group] after the step
         self.state_norms = {}  # optimizer step -> {state: global norm}, from the step training starts at
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -208,6 +209,9 @@ class RunRecorder(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.state_norms[state.global_step] = optimizer_state_norms(self.trainer)
+        inner = getattr(getattr(self.trainer.model_wrapped, "optimizer", None), "optimizer", None)
+        if inner is not None:
+            self.group_rates[state.global_step] = [[bool(g.get("use_muon")), float(g["lr"])] for g in inner.param_groups]
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
@@ -362,6 +366,8 @@ def main(argv=None):
             "loss_steps": sorted(recorder.losses),
             "grad_norms": [recorder.grad_norms[s] for s in sorted(recorder.grad_norms)],
             "learning_rates": [recorder.learning_rates[s] for s in sorted(recorder.learning_rates)],
+            # per optimizer step, each param group's rate after it: the Trainer's scheduler scales both
+            "group_rates": [recorder.group_rates[s] for s in sorted(recorder.group_rates)],
             "num_items_in_batch": trainer.num_items_per_step,
             "batch_checksums": trainer.batch_checksums,
             # {optimizer step: {state: norm}}: the first key is the step training started at (0, or the

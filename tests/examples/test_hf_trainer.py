@@ -140,6 +140,14 @@ def test_hf_trainer_gas4_matches_gas1(tmp_path):
         assert e["muon_matrices"] == 14 and e["adam_tensors"] == 7, name  # 2 layers x 7 matrices; embed, head, norms
         lrs = {g["use_muon"]: g["lr"] for g in e["param_groups"]}
         assert lrs[True] == 0.02 and lrs[False] == 3e-3, name  # muon_lr from the config, "lr": "auto" for Adam
+        # the Trainer's scheduler (LambdaLR) scales each group's own rate: both rates, in their ratio, every step
+        assert len(r["group_rates"]) == STEPS, name
+        for groups in r["group_rates"]:
+            muon = {lr for use_muon, lr in groups if use_muon}
+            adam = {lr for use_muon, lr in groups if not use_muon}
+            assert len(muon) == len(adam) == 1, (name, groups)
+            assert muon.pop() == pytest.approx(adam.pop() * 0.02 / 3e-3, rel=1e-9, abs=1e-15), (name, groups)
+        assert max(lr for groups in r["group_rates"] for use_muon, lr in groups if use_muon) > 0, name
         # The Trainer normalizes each step by the target tokens of the whole global batch.
         assert r["num_items_in_batch"] == [GLOBAL_BATCH * (SEQ_LEN - 1)] * STEPS, name
         assert r["optimizer_steps"] == STEPS and r["loss_steps"] == list(range(1, STEPS + 1)), name

@@ -166,7 +166,8 @@ def test_layout_and_membership(case):
     result = case.result
     assert [p.stem for p in result.pull_requests] == [
         "1-muon-update-seam", "2-muon-owner-plan", "3-muon-pipeline", "4-zero3-muon", "5-grad-window", "6-loss-scale",
-        "7-universal-checkpoint", "8-universal-muon", "9-muon-selection", "10-zero12-muon-clipping"
+        "7-universal-checkpoint", "8-universal-muon", "9-muon-selection", "10-zero12-muon-clipping",
+        "11-muon-config"
     ]
     assert sorted(p.name for p in result.out_dir.iterdir()) == sorted(f"{p.stem}.{ext}" for p in result.pieces
                                                                       for ext in ("diff", "md"))
@@ -246,13 +247,18 @@ def test_layout_and_membership(case):
     assert sorted(p for key in split for p in by_key[key].sources if p.startswith("deepspeed/")) == sorted(
         p.relative_to(REPO).as_posix() for p in muon_dir.glob("*.py")
         if p.name not in ("__main__.py", "param_selection.py", "zero12_update.py", "universal_state_checks.py",
-                          "zero12_universal_momentum.py") and not p.name.startswith("_build_info"))
+                          "zero12_universal_momentum.py", "lr_groups.py", "config_keys.py")
+        and not p.name.startswith("_build_info"))
     assert sorted(by_key["muon-selection"].sources) == sorted([
         "deepspeed/runtime/zero/muon/param_selection.py", *patches("0010", "0011"),
         "tests/unit/runtime/zero/test_muon_param_selection.py"
     ])
     assert [p for p in by_key["zero12-muon-clipping"].sources
             if not p.startswith("tests/")] == [f"{MUON_DIR}/zero12_update.py", *patches("0012")]
+    assert sorted(by_key["muon-config"].sources) == sorted([
+        f"{MUON_DIR}/config_keys.py", f"{MUON_DIR}/lr_groups.py", *patches("0014", "0015", "0016"),
+        f"{ZERO_TESTS}/test_muon_config_keys.py", f"{ZERO_TESTS}/test_muon_lr_groups.py"
+    ])
     assert [p for p in by_key["zero12-muon-clipping"].sources if p.startswith("tests/")
             ] == sorted(p.relative_to(REPO).as_posix() for p in (REPO / ZERO_TESTS).glob("test_zero12_muon_*.py"))
     # stacking: the plan's code imports original_muon.py as the seam patches it, the pipeline's the plan's
@@ -282,7 +288,8 @@ def test_layout_and_membership(case):
         "universal-checkpoint": ("zero3-muon", ),
         "universal-muon": ("zero3-muon", "universal-checkpoint"),
         "muon-selection": ("zero3-muon", ),
-        "zero12-muon-clipping": ("zero3-muon", )
+        "zero12-muon-clipping": ("zero3-muon", ),
+        "muon-config": ("zero3-muon", )
     }
     owners = {p.group.key: p.sources for p in result.pull_requests}
     assert {dep
@@ -483,7 +490,8 @@ def test_descriptions_cover_every_file(case):
         return text[0].upper() + text[1:] if start else text
 
     stacked = f"tests import test helpers of {prs('zero3-muon')}: it is stacked on that one for its tests"
-    needed = (f"{prs('universal-checkpoint', 'universal-muon', 'muon-selection', 'zero12-muon-clipping', start=True)} "
+    dependents = ('universal-checkpoint', 'universal-muon', 'muon-selection', 'zero12-muon-clipping', 'muon-config')
+    needed = (f"{prs(*dependents, start=True)} "
               "apply without this one, but their tests import this one's test helpers")
     core_stacked = f"Its code imports modules of {prs(*SEAM_KEYS)}: it is stacked on those and goes in after them."
     plan_stacked = f"Its code imports modules of {prs('muon-update-seam')}: it is stacked on that one and goes in after it."
@@ -504,7 +512,7 @@ def test_descriptions_cover_every_file(case):
         sentence = f"{who} {verb} this one's modules (stacked on this one)."
         assert sentence in texts[key] and sentence in heads[key], (key, sentence)
     for key, text in [*texts.items(), *heads.items()]:
-        assert (stacked in text) == (key in ("universal-checkpoint", "muon-selection")), key
+        assert (stacked in text) == (key in ("universal-checkpoint", "muon-selection", "muon-config")), key
         assert (core_stacked in text) == (key in ("zero3-muon", "zero12-muon-clipping")), key
         assert (plan_stacked in text) == (key == "muon-owner-plan"), key
         assert (pipeline_stacked in text) == (key == "muon-pipeline"), key
@@ -518,22 +526,27 @@ def test_descriptions_cover_every_file(case):
     # which pull requests each says are independent of it: those it needs nothing of, for code or tests,
     # and that need nothing of it
     independent = {
-        "muon-update-seam":
-        ("muon-pipeline", "grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection"),
-        "muon-owner-plan": ("grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection"),
-        "muon-pipeline":
-        ("muon-update-seam", "grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection"),
+        "muon-update-seam": ("muon-pipeline", "grad-window", "loss-scale", "universal-checkpoint", "universal-muon",
+                             "muon-selection", "muon-config"),
+        "muon-owner-plan":
+        ("grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection", "muon-config"),
+        "muon-pipeline": ("muon-update-seam", "grad-window", "loss-scale", "universal-checkpoint", "universal-muon",
+                          "muon-selection", "muon-config"),
         "zero3-muon": ("grad-window", "loss-scale"),
         "grad-window":
         tuple(k for k in numbered if k not in ("grad-window", "allgather-wait-backport")),
         "loss-scale":
         tuple(k for k in numbered if k not in ("loss-scale", "allgather-wait-backport")),
-        "universal-checkpoint": (*SEAM_KEYS, "grad-window", "loss-scale", "muon-selection", "zero12-muon-clipping"),
-        "universal-muon": (*SEAM_KEYS, "grad-window", "loss-scale", "muon-selection", "zero12-muon-clipping"),
-        "muon-selection":
-        (*SEAM_KEYS, "grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "zero12-muon-clipping"),
+        "universal-checkpoint":
+        (*SEAM_KEYS, "grad-window", "loss-scale", "muon-selection", "zero12-muon-clipping", "muon-config"),
+        "universal-muon":
+        (*SEAM_KEYS, "grad-window", "loss-scale", "muon-selection", "zero12-muon-clipping", "muon-config"),
+        "muon-selection": (*SEAM_KEYS, "grad-window", "loss-scale", "universal-checkpoint", "universal-muon",
+                           "zero12-muon-clipping", "muon-config"),
         "zero12-muon-clipping":
-        ("grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection"),
+        ("grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection", "muon-config"),
+        "muon-config": (*SEAM_KEYS, "grad-window", "loss-scale", "universal-checkpoint", "universal-muon",
+                        "muon-selection", "zero12-muon-clipping"),
     }
     assert sorted(independent) == sorted(texts)
     for key, others in independent.items():
@@ -558,7 +571,7 @@ def test_descriptions_cover_every_file(case):
     assert flat.count("Its code imports modules of pull request 1 (muon-update-seam)") == 3
     assert flat.count("Its code imports modules of pull request 2 (muon-owner-plan)") == 3
     assert flat.count("Its code imports modules of pull request 3 (muon-pipeline)") == 2
-    assert flat.count("Its tests import test helpers of pull request 4 (zero3-muon)") == 4
+    assert flat.count("Its tests import test helpers of pull request 4 (zero3-muon)") == 5
     assert flat.count("Its code imports modules of pull request 7 (universal-checkpoint)") == 1
     for bp in case.result.backports:
         assert bp.group.title in combined and "0.19.8 already" in combined

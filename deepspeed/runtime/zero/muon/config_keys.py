@@ -1,0 +1,125 @@
+# Copyright (c) 2026 The zero3muon authors
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The keys DeepSpeed's Muon optimizer accepts, checked at ``deepspeed.initialize``.
+
+The engine builds Muon's parameter groups itself (``DeepSpeedEngine._muon_param_groups``): it
+reads a fixed set of keys from ``"optimizer": {"type": "Muon", "params": {...}}`` and from each
+parameter group passed as ``model_parameters``, and drops every other key. A misspelled key
+(``muon_momentum``, ``lr_muon``) or one meant for another optimizer (``amsgrad``, ``ns_steps``)
+therefore trained silently with the defaults. ``check_muon_keys`` (called where the engine
+builds Muon) refuses such a key with a ``ValueError`` naming it and the accepted keys, as
+DeepSpeed's own config sections refuse unknown fields.
+
+Precedence of the learning rates: a Muon group's rate is the parameter group's own ``lr``, else
+``muon_lr``, else ``lr``, else 0.02; an Adam group's the group's own ``lr``, else ``adam_lr``,
+else ``lr``, else 3e-4.
+"""
+
+from typing import Any, Iterable, Mapping
+
+MUON = "Muon matrices"
+ADAM = "auxiliary Adam"
+BOTH = "both"
+IMPLEMENTATION = "auxiliary Adam (implementation)"
+
+CONFIG_KEYS: Mapping[str, str] = {
+    "lr": BOTH,
+    "muon_lr": MUON,
+    "adam_lr": ADAM,
+    "momentum": MUON,
+    "ns_method": MUON,
+    "weight_decay": BOTH,
+    "betas": ADAM,
+    "eps": ADAM,
+    "adam_w_mode": ADAM,
+    "torch_adam": IMPLEMENTATION,
+    "foreach": IMPLEMENTATION,
+    "fp32_optimizer_states": IMPLEMENTATION,
+}
+"""Keys of ``optimizer.params`` the engine reads for Muon, and which half each reaches
+(``per_head_muon`` too, on a DeepSpeed that has per-head Muon: ``per_head_keys``)."""
+
+GROUP_KEYS: Mapping[str, str] = {
+    "params": "the group's tensors",
+    "name": "the group's name (its halves are named <name>-muon-params, <name>-adam-params)",
+    "lr": BOTH,
+    "weight_decay": BOTH,
+    "momentum": MUON,
+    "ns_method": MUON,
+    "betas": ADAM,
+    "eps": ADAM,
+    "moe": "set by DeepSpeed's MoE helpers; the MoE split reads the tensors' own attributes",
+}
+"""Keys of a parameter group passed as ``model_parameters`` with the Muon optimizer: the keys
+``_muon_param_groups`` copies into the group's Muon or Adam half (``_MUON_HALF_KEYS``,
+``_ADAM_HALF_KEYS``), the group's tensors and name, and ``moe``, which DeepSpeed's MoE helpers
+(``create_moe_param_groups``) put in every group they build."""
+
+
+def has_per_head_muon() -> bool:
+    """Whether the installed DeepSpeed has per-head Muon (``per_head_muon``)."""
+    import deepspeed
+    return hasattr(deepspeed, "resolve_per_head_muon_after_sharding")
+
+
+def config_keys() -> Mapping[str, str]:
+    """``CONFIG_KEYS``, plus ``per_head_muon`` (Muon matrices) where this DeepSpeed has per-head Muon."""
+    keys = dict(CONFIG_KEYS)
+    if has_per_head_muon():
+        keys["per_head_muon"] = MUON
+    return keys
+
+
+GROUP_HINTS: Mapping[str, str] = {
+    "use_muon": "which half a tensor goes to is its own flag: set param.use_muon on the tensors instead",
+    "muon_lr":
+    "a group's lr applies to both of its halves; for different rates put the tensors in groups of their own",
+    "adam_lr":
+    "a group's lr applies to both of its halves; for different rates put the tensors in groups of their own",
+}
+"""Why a key that is accepted in ``optimizer.params`` (or elsewhere) does nothing in a group."""
+
+
+def _accepted(keys: Iterable[str]) -> str:
+    return ", ".join(sorted(keys))
+
+
+def check_muon_keys(optimizer_parameters: Mapping[str, Any], model_parameters) -> None:
+    """Refuse every key of the Muon block and of its parameter groups that the engine would drop.
+
+    Args:
+        optimizer_parameters: the config's ``optimizer.params`` (not modified).
+        model_parameters: what ``deepspeed.initialize`` got as ``model_parameters``: tensors
+            and/or parameter-group dicts (a generator is not consumed; only a list or tuple of
+            dicts is checked).
+
+    Raises:
+        ValueError: one message listing each unknown key: ``optimizer.params.<key>`` with the
+            accepted config keys, ``model_parameters[<i>].<key>`` with the accepted group keys, and
+            for ``per_head_muon`` on a DeepSpeed without per-head Muon, that this base lacks it.
+    """
+    accepted = config_keys()
+    problems = []
+    for key in (optimizer_parameters or {}):
+        if key in accepted:
+            continue
+        if key == "per_head_muon":
+            problems.append("optimizer.params.per_head_muon: this DeepSpeed has no per-head Muon, so the key "
+                            "would do nothing; remove it.")
+        else:
+            problems.append(f"optimizer.params.{key}: not a key of the Muon optimizer, so it would do nothing. "
+                            f"Accepted: {_accepted(accepted)}.")
+    if isinstance(model_parameters, (list, tuple)):
+        for index, group in enumerate(model_parameters):
+            if not isinstance(group, dict):
+                continue
+            for key in group:
+                if key not in GROUP_KEYS:
+                    why = GROUP_HINTS.get(key, "not a key of a Muon parameter group")
+                    problems.append(f"model_parameters[{index}].{key}: {why}, so it would do nothing. Accepted: "
+                                    f"{_accepted(GROUP_KEYS)}.")
+    if problems:
+        raise ValueError("The Muon optimizer's configuration has keys that would do nothing:\n" +
+                         "\n".join(f"- {problem}" for problem in problems))

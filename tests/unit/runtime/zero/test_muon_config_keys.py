@@ -1,0 +1,256 @@
+# Copyright (c) 2026 The zero3muon authors
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Every key of the Muon block is checked (``deepspeed.runtime.zero.muon.config_keys``), and each
+accepted key changes the update of the half it is documented to reach.
+
+- A key of ``optimizer.params`` or of a parameter group that the engine would drop (``muon_momentum``,
+  ``lr_muon``, ``amsgrad``, ``ns_steps``; ``use_muon`` or ``muon_lr`` in a group) is refused at
+  ``deepspeed.initialize`` with a ``ValueError`` naming it and the accepted keys.
+- Per accepted key, MixedMLP at ZeRO-3 on 1 rank, fp32, 2 optimizer steps, the key changed from the
+  baseline: the weights equal a single-process reference with that setting (upstream ``muon_update``
+  for the matrices, torch's AdamW or Adam for the rest) to the fp32 floor and are far from the
+  baseline's; after the first step the half the key does not reach is bit for bit the baseline's
+  (after that the halves interact through the forward pass).
+- The precedence of ``lr``, ``muon_lr``, ``adam_lr`` and a group's own ``lr``.
+"""
+
+import deepspeed
+import pytest
+import torch
+
+from unit.common import DistributedTest
+from unit.runtime.zero.zero3_muon_helpers import (FLOOR, HYPER, build_model, ds_config, fp32_newton_schulz,
+                                                  gathered_weights, is_muon_param, loss_fn, reference_muon_update,
+                                                  relative_difference, step_batch)
+
+STEPS = 2
+
+NS_STANDARD_FLOOR = 1e-3
+"""``ns_method: standard`` computes Newton-Schulz in bf16 on the CPU, so the run and its reference
+differ by bf16 roundings that fall differently (measured 4.9e-4 after 2 steps; ``BF16_NS_FLOOR``
+explains the mechanism), while "standard" and "gram" differ by 4.9e-3."""
+
+
+def reference(steps=STEPS, muon=None, adam=None, adam_w_mode=True):
+    """Single-process training, the whole batch of a step at once, returning the weights after
+    each step: upstream ``muon_update`` on the matrices with ``muon`` settings (lr, momentum,
+    weight_decay, ns_method), torch's AdamW (Adam with L2 weight decay if not ``adam_w_mode``) on
+    the rest with ``adam`` settings (lr, betas, eps, weight_decay)."""
+    m = dict(lr=HYPER["muon_lr"], momentum=HYPER["momentum"], weight_decay=HYPER["weight_decay"], ns_method="gram")
+    a = dict(lr=HYPER["adam_lr"], betas=HYPER["betas"], eps=HYPER["eps"], weight_decay=HYPER["weight_decay"])
+    m.update(muon or {})
+    a.update(adam or {})
+    with fp32_newton_schulz():
+        model = build_model("mixed")
+        named = list(model.named_parameters())
+        matrices = [(n, p) for n, p in named if is_muon_param(n, p)]
+        other = [p for n, p in named if not is_muon_param(n, p)]
+        adam_cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+        adam_opt = adam_cls(other, lr=a["lr"], betas=tuple(a["betas"]), eps=a["eps"], weight_decay=a["weight_decay"])
+        momenta = {n: torch.zeros_like(p) for n, p in matrices}
+        after = []
+        for step in range(steps):
+            x, y = step_batch("mixed", step)
+            model.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+            with torch.no_grad():
+                for n, p in matrices:
+                    update = reference_muon_update(p.grad.clone(), momenta[n], m["momentum"], m["ns_method"])
+                    p.mul_(1 - m["lr"] * m["weight_decay"])
+                    p.add_(update.reshape(p.shape), alpha=-m["lr"])
+            adam_opt.step()
+            after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        return after
+
+
+def train(params, stage=3, steps=STEPS, model_parameters=None):
+    """ZeRO ``stage`` on the current ranks (gas 1) with ``optimizer.params`` replaced by ``params``;
+    returns the full weights after each step."""
+    world_size = deepspeed.comm.get_world_size()
+    rank = deepspeed.comm.get_rank()
+    config = ds_config(stage, 1, world_size)
+    config["optimizer"]["params"] = params
+    micro = config["train_micro_batch_size_per_gpu"]
+    with fp32_newton_schulz():
+        model = build_model("mixed")
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            config=config,
+            model_parameters=model_parameters(model) if model_parameters else list(model.parameters()))
+        after = []
+        for step in range(steps):
+            x, y = step_batch("mixed", step)
+            lo = rank * micro
+            engine.backward(loss_fn(engine(x[lo:lo + micro]), y[lo:lo + micro]))
+            engine.step()
+            after.append(gathered_weights(engine))
+        engine.destroy()
+    return after
+
+
+def _halves(weights):
+    names = {n: is_muon_param(n, p) for n, p in build_model("mixed").named_parameters()}
+    muon = {n: w for n, w in weights.items() if names[n]}
+    adam = {n: w for n, w in weights.items() if not names[n]}
+    return muon, adam
+
+
+BASELINE = {
+    "muon_lr": HYPER["muon_lr"],
+    "adam_lr": HYPER["adam_lr"],
+    "momentum": HYPER["momentum"],
+    "weight_decay": HYPER["weight_decay"],
+    "betas": list(HYPER["betas"]),
+    "eps": HYPER["eps"],
+}
+"""``ds_config``'s Muon block: the tests' hyper-parameters."""
+
+# key -> (the params with it changed, reference settings (muon, adam, adam_w_mode), halves it reaches,
+# floor). The user guide's key table cites these cases.
+CASES = {
+    "lr": ({
+        k: v
+        for k, v in BASELINE.items() if k not in ("muon_lr", "adam_lr")
+    } | {
+        "lr": 0.005
+    }, (dict(lr=0.005), dict(lr=0.005), True), ("muon", "adam"), FLOOR),
+    "muon_lr": (BASELINE | {
+        "muon_lr": 0.05
+    }, (dict(lr=0.05), None, True), ("muon", ), FLOOR),
+    "adam_lr": (BASELINE | {
+        "adam_lr": 0.01
+    }, (None, dict(lr=0.01), True), ("adam", ), FLOOR),
+    "momentum": (BASELINE | {
+        "momentum": 0.5
+    }, (dict(momentum=0.5), None, True), ("muon", ), FLOOR),
+    "ns_method": (BASELINE | {
+        "ns_method": "standard"
+    }, (dict(ns_method="standard"), None, True), ("muon", ), NS_STANDARD_FLOOR),
+    "weight_decay": (BASELINE | {
+        "weight_decay": 0.5
+    }, (dict(weight_decay=0.5), dict(weight_decay=0.5), True), ("muon", "adam"), FLOOR),
+    "betas": (BASELINE | {
+        "betas": [0.5, 0.9]
+    }, (None, dict(betas=(0.5, 0.9)), True), ("adam", ), FLOOR),
+    "eps": (BASELINE | {
+        "eps": 1e-2
+    }, (None, dict(eps=1e-2), True), ("adam", ), FLOOR),
+    "adam_w_mode": (BASELINE | {
+        "adam_w_mode": False,
+        "weight_decay": 0.5
+    }, (dict(weight_decay=0.5), dict(weight_decay=0.5), False), ("muon", "adam"), FLOOR),
+}
+"""Per key: the config with it changed, the reference's settings, the halves it reaches, the floor
+(``ns_method: standard`` computes in bf16 on the CPU: ``NS_STANDARD_FLOOR``)."""
+
+
+class TestEachKeyReachesItsHalf(DistributedTest):
+    world_size = 1
+    reuse_dist_env = True
+
+    @pytest.mark.parametrize("key", sorted(CASES))
+    def test_key(self, key):
+        params, (muon, adam, adam_w_mode), reaches, floor = CASES[key]
+        ours = train(params)
+        expected = reference(muon=muon, adam=adam, adam_w_mode=adam_w_mode)
+        baseline = reference()
+        diff = relative_difference(expected[-1], ours[-1])
+        print(f"MEASURED {key}: {diff:.2e} from its reference, "
+              f"{relative_difference(baseline[-1], ours[-1]):.2e} from the baseline")
+        assert diff <= floor, key
+        # the key changes the update: the baseline is far from the run, at least 4x its floor
+        assert relative_difference(baseline[-1], ours[-1]) > 4 * floor, key
+        # after the first step, each half the key does not reach is the baseline's exactly
+        # (the reference's: the first step sees the same gradients whatever the key)
+        for half, ref_half, base_half in zip(("muon", "adam"), _halves(expected[0]), _halves(baseline[0])):
+            if half not in reaches:
+                assert relative_difference(base_half, ref_half) == 0.0, (key, half)
+                assert relative_difference(base_half, _halves(ours[0])[("muon", "adam").index(half)]) <= FLOOR
+
+    def test_adam_implementation_keys_keep_the_update(self):
+        """``torch_adam`` (torch's AdamW for the auxiliary Adam, with or without ``foreach``) and
+        ``fp32_optimizer_states`` pick an implementation, not the math: the baseline's weights."""
+        baseline = reference()[-1]
+        for extra in ({"torch_adam": True}, {"torch_adam": True, "foreach": False}, {"fp32_optimizer_states": True}):
+            diff = relative_difference(baseline, train(BASELINE | extra)[-1])
+            print(f"MEASURED {extra}: {diff:.2e}")
+            assert diff <= FLOOR, extra
+
+    def test_misspelled_keys_refused_at_initialize(self):
+        params = BASELINE | {"muon_momentum": 0.9, "lr_muon": 0.05}
+        with pytest.raises(ValueError) as info:
+            train(params, steps=0)
+        message = str(info.value)
+        assert message.startswith("The Muon optimizer's configuration has keys that would do nothing:"), message
+        assert "- optimizer.params.muon_momentum: not a key of the Muon optimizer" in message
+        assert "- optimizer.params.lr_muon: not a key of the Muon optimizer" in message
+        assert "Accepted: adam_lr, adam_w_mode, betas, eps, foreach, fp32_optimizer_states, lr, momentum" in message
+
+    def test_group_keys_refused_at_initialize(self):
+
+        def groups(model):
+            return [
+                dict(params=list(model.fc1.parameters()), muon_lr=0.05),
+                dict(params=[p for n, p in model.named_parameters() if not n.startswith("fc1.")], use_muon=True)
+            ]
+
+        with pytest.raises(ValueError) as info:
+            train(BASELINE, steps=0, model_parameters=groups)
+        message = str(info.value)
+        assert "- model_parameters[0].muon_lr: a group's lr applies to both of its halves" in message, message
+        assert "- model_parameters[1].use_muon: which half a tensor goes to is its own flag" in message, message
+        assert "Accepted: betas, eps, lr, moe, momentum, name, ns_method, params, weight_decay." in message
+
+
+def test_check_muon_keys_accepts_every_key_it_lists():
+    from deepspeed.runtime.zero.muon import config_keys
+    params = {key: None for key in config_keys.config_keys()}
+    config_keys.check_muon_keys(params, [{key: None for key in config_keys.GROUP_KEYS}, torch.zeros(1)])
+    # a generator is left alone (not consumed)
+    gen = (p for p in [torch.zeros(1)])
+    config_keys.check_muon_keys({}, gen)
+    assert next(gen) is not None
+
+
+def test_check_muon_keys_refusals():
+    from deepspeed.runtime.zero.muon import config_keys
+    for key in ("amsgrad", "ns_steps", "nesterov", "bias_correction", "muon_momentum", "lr_muon"):
+        with pytest.raises(ValueError, match=rf"- optimizer\.params\.{key}: not a key of the Muon optimizer"):
+            config_keys.check_muon_keys({key: 1}, None)
+    with pytest.raises(ValueError, match=r"model_parameters\[0\]\.ns_steps: not a key of a Muon parameter group"):
+        config_keys.check_muon_keys({}, [{"params": [], "ns_steps": 3}])
+
+
+def test_per_head_muon_on_each_base():
+    """Accepted where DeepSpeed has per-head Muon, refused (saying so) where it has none."""
+    from deepspeed.runtime.zero.muon import config_keys
+    if config_keys.has_per_head_muon():
+        config_keys.check_muon_keys({"per_head_muon": True}, None)
+    else:
+        with pytest.raises(ValueError, match="per_head_muon: this DeepSpeed has no per-head Muon"):
+            config_keys.check_muon_keys({"per_head_muon": True}, None)
+
+
+def _resolved(optimizer_params, groups=None):
+    """[(use_muon, lr)] of the groups DeepSpeed's Muon is built with (the engine's grouping, then
+    ``MuonWithAuxAdam``'s defaults), for a matrix and a bias, or ``groups(matrix, bias)``."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    matrix, bias = torch.nn.Parameter(torch.zeros(3, 2)), torch.nn.Parameter(torch.zeros(3))
+    matrix.use_muon, bias.use_muon = True, False
+    model_parameters = groups(matrix, bias) if groups else [matrix, bias]
+    built = MuonWithAuxAdam(DeepSpeedEngine._muon_param_groups(model_parameters, optimizer_params))
+    return [(g["use_muon"], g["lr"]) for g in built.param_groups]
+
+
+def test_learning_rate_precedence():
+    """A group's own lr, else muon_lr / adam_lr, else lr, else 0.02 (Muon) / 3e-4 (Adam)."""
+    assert _resolved({}) == [(True, 0.02), (False, 3e-4)]
+    assert _resolved({"lr": 0.01}) == [(True, 0.01), (False, 0.01)]
+    assert _resolved({"lr": 0.01, "muon_lr": 0.05}) == [(True, 0.05), (False, 0.01)]
+    assert _resolved({"lr": 0.01, "adam_lr": 0.003}) == [(True, 0.01), (False, 0.003)]
+    assert _resolved({"muon_lr": 0.05, "adam_lr": 0.003}) == [(True, 0.05), (False, 0.003)]
+    own = lambda matrix, bias: [dict(params=[matrix, bias], lr=0.007)]  # noqa: E731
+    assert _resolved({"lr": 0.01, "muon_lr": 0.05, "adam_lr": 0.003}, own) == [(True, 0.007), (False, 0.007)]
