@@ -37,7 +37,7 @@ The timing runs alone; when W x threads exceeds the CPUs, the W ranks computing 
 a share ``cpus / (W x threads)`` of that rate, so the factor uses the measured rate times that
 share (W=4 on 2 cores: half): the link keeps pace with what a rank really computes.
 
-Run under the patched venv: ``DS_ACCELERATOR=cpu /work/main/.venv/0.19.8/bin/python
+Run under the patched venv, from the checkout: ``DS_ACCELERATOR=cpu .venv/0.19.8/bin/python
 bench/link_rate.py`` prints the derivation for W=2 and W=4.
 """
 

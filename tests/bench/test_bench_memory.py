@@ -37,7 +37,7 @@ from unit.runtime.zero.zero3_muon_helpers import free_port  # noqa: E402
 
 TINY = [(36, 20), (20, 36), (36, 20)]  # bench/worker.py's "tiny" workload
 STOCK_PYTHON = pathlib.Path(
-    os.environ.get("ZERO3MUON_STOCK_PYTHON", pathlib.Path("/work/main/.venv/stock-0.19.8/bin/python")))
+    os.environ.get("ZERO3MUON_STOCK_PYTHON", ROOT / ".venv" / "stock-0.19.8" / "bin" / "python"))
 MIB = 1 << 20
 
 
