@@ -82,6 +82,13 @@ GROUP_HINTS: Mapping[str, str] = {
 """Why a key that is accepted in ``optimizer.params`` (or elsewhere) does nothing in a group."""
 
 
+FIXED_SETTINGS = {
+    "ns_steps": " (Newton-Schulz always runs upstream's 5 iterations)",
+    "nesterov": " (Muon always uses the Nesterov blend of gradient and momentum)",
+}
+"""Keys users carry over from other Muon implementations, for settings DeepSpeed's Muon fixes."""
+
+
 def _accepted(keys: Iterable[str]) -> str:
     return ", ".join(sorted(keys))
 
@@ -109,8 +116,8 @@ def check_muon_keys(optimizer_parameters: Mapping[str, Any], model_parameters) -
             problems.append("optimizer.params.per_head_muon: this DeepSpeed has no per-head Muon, so the key "
                             "would do nothing; remove it.")
         else:
-            problems.append(f"optimizer.params.{key}: not a key of the Muon optimizer, so it would do nothing. "
-                            f"Accepted: {_accepted(accepted)}.")
+            problems.append(f"optimizer.params.{key}: not a key of the Muon optimizer, so it would do nothing"
+                            f"{FIXED_SETTINGS.get(key, '')}. Accepted: {_accepted(accepted)}.")
     if isinstance(model_parameters, (list, tuple)):
         for index, group in enumerate(model_parameters):
             if not isinstance(group, dict):

@@ -166,3 +166,17 @@ def rates_by_group(optimizer, lrs):
     if len(groups) != len(lrs):
         return lrs
     return dict(zip(group_names(groups), lrs))
+
+
+def momenta_by_group(optimizer, moms):
+    """The momentum settings for the progress log, labelled by group like ``rates_by_group``: a
+    Muon group's ``momentum`` (its beta) and an Adam group's ``betas``. ``engine.get_mom()`` reads
+    ``betas`` only, which a Muon group does not have (it would log 0.0). ``moms`` unchanged when
+    ``optimizer`` has no Muon groups or the counts differ."""
+    if not is_muon_optimizer(optimizer):
+        return moms
+    groups = _torch_optimizer(optimizer).param_groups
+    if len(groups) != len(moms):
+        return moms
+    values = [g.get("momentum") if g.get("use_muon") else g.get("betas", m) for g, m in zip(groups, moms)]
+    return dict(zip(group_names(groups), values))

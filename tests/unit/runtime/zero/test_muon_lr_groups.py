@@ -311,3 +311,14 @@ def test_rates_by_group_labels():
     assert rates_by_group(opt, [1, 2]) == {"x#0": 1, "x#1": 2}
     plain = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     assert rates_by_group(plain, [0.1]) == [0.1]
+
+
+def test_momenta_by_group_labels():
+    """The progress log's ``mom=``: a Muon group's beta, an Adam group's betas, by group name."""
+    from deepspeed.runtime.zero.muon.lr_groups import momenta_by_group
+    opt = _muon_like()
+    opt.param_groups[0]["momentum"] = 0.95
+    opt.param_groups[1]["betas"] = (0.9, 0.95)
+    assert momenta_by_group(opt, [0.0, (0.9, 0.95)]) == {"muon-params": 0.95, "adam-params": (0.9, 0.95)}
+    plain = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert momenta_by_group(plain, [0.0]) == [0.0]
