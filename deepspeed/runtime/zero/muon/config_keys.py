@@ -81,7 +81,6 @@ GROUP_HINTS: Mapping[str, str] = {
 }
 """Why a key that is accepted in ``optimizer.params`` (or elsewhere) does nothing in a group."""
 
-
 FIXED_SETTINGS = {
     "ns_steps": " (Newton-Schulz always runs upstream's 5 iterations)",
     "nesterov": " (Muon always uses the Nesterov blend of gradient and momentum)",

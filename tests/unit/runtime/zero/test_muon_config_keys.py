@@ -219,7 +219,8 @@ def test_check_muon_keys_refusals():
     for key in ("amsgrad", "ns_steps", "nesterov", "bias_correction", "muon_momentum", "lr_muon"):
         with pytest.raises(ValueError, match=rf"- optimizer\.params\.{key}: not a key of the Muon optimizer"):
             config_keys.check_muon_keys({key: 1}, None)
-    with pytest.raises(ValueError, match=r"ns_steps: .* nothing \(Newton-Schulz always runs upstream's 5 iterations\)"):
+    with pytest.raises(ValueError,
+                       match=r"ns_steps: .* nothing \(Newton-Schulz always runs upstream's 5 iterations\)"):
         config_keys.check_muon_keys({"ns_steps": 3}, None)
     with pytest.raises(ValueError, match=r"nesterov: .* nothing \(Muon always uses the Nesterov blend"):
         config_keys.check_muon_keys({"nesterov": False}, None)
