@@ -156,8 +156,7 @@ CORE = Group(
     ),
     notes={},
     template="pr_muon_core.md",
-    tests_need=("muon-owner-plan", ),
-    code_needs=("muon-update-seam", "muon-owner-plan"),
+    code_needs=("muon-owner-plan", ),
 )
 
 MUON = Group(

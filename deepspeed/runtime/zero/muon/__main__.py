@@ -47,6 +47,10 @@ PATCH_MARKERS = (
     ("0012", "runtime/zero/stage_1_and_2.py", "Zero12MuonUpdate", None),
     # universal checkpoints of Muon runs: the Muon state checked (ZeRO-3), the momentum restored (ZeRO-1/2)
     ("0013", "runtime/zero/stage3.py", "check_zero3_universal_state", None),
+    # Muon's two learning rates under DeepSpeed's schedulers, named in the progress log; keys checked
+    ("0014", "runtime/engine.py", "import scheduler_params_for_groups", None),
+    ("0015", "runtime/engine.py", "import momenta_by_group, rates_by_group", None),
+    ("0016", "runtime/engine.py", "import check_muon_keys", None),
 )
 MODE = "owner-centric at the accumulation boundary"
 

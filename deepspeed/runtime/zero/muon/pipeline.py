@@ -121,8 +121,7 @@ class MuonPipeline:
 
         The plan is ``owner_plan.plan_for_depth`` (buckets up to ``max_bucket_numel``, the
         stage's ``reduce_bucket_size``, within the momentum budget; the depth lowered where
-        even one matrix per bucket does not fit), with the results' width taken from the
-        matrices' Newton-Schulz method. The collectives are ``deepspeed.comm.all_to_all_single``
+        even one matrix per bucket does not fit). The collectives are ``deepspeed.comm.all_to_all_single``
         on ``group``, counted into ``stats``.
 
         Args:
@@ -130,19 +129,13 @@ class MuonPipeline:
             group: the sub-group's process group.
             stats: the binding's ``ExchangeStats``.
             max_bucket_numel: the largest bucket (elements of whole matrices).
-            plan_args: ``initial_load`` or ``holders`` of ``plan_for_depth``.
+            plan_args: ``initial_load`` or ``holders``, and ``result_itemsize`` (bytes per
+                element of the Newton-Schulz results, ``ns_compute_dtype(ns_method)``), of
+                ``plan_for_depth``.
         """
         from deepspeed import comm as dist
-        from deepspeed.runtime.zero.muon import original_muon
         rank, world_size = dist.get_rank(group=group), dist.get_world_size(group=group)
-        itemsize = max((original_muon.ns_compute_dtype(s.ns_method).itemsize for s in specs), default=4)
-        plan, depth = plan_for_depth(specs,
-                                     pieces,
-                                     world_size,
-                                     max_bucket_numel,
-                                     depth,
-                                     result_itemsize=itemsize,
-                                     **plan_args)
+        plan, depth = plan_for_depth(specs, pieces, world_size, max_bucket_numel, depth, **plan_args)
         exchange = OwnerExchange(group, rank, world_size, dist.all_to_all_single, stats)
         return cls(plan, specs, pieces, slices, exchange, device, piece_device, depth, batch_ns)
 

@@ -130,7 +130,8 @@ class Zero12MuonUpdate:
                                               opt.reduce_bucket_size,
                                               depth,
                                               self.batch_ns,
-                                              holders=holders)
+                                              holders=holders,
+                                              result_itemsize=original_muon.ns_compute_dtype(ns_method).itemsize)
 
     def reserved_bytes(self) -> int:
         """Bytes of exchange buffer this rank keeps between steps (under offload)."""

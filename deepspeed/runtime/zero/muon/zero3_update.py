@@ -170,7 +170,8 @@ class Zero3MuonUpdate:
                                                   opt.reduce_bucket_size,
                                                   depth,
                                                   batch_ns,
-                                                  initial_load=load)
+                                                  initial_load=load,
+                                                  result_itemsize=original_muon.ns_compute_dtype(ns_method).itemsize)
         for r, cost in enumerate(pipeline.plan.load()):
             load[r] += cost
         return pipeline

@@ -26,10 +26,10 @@ from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum import MuonSettings
 from deepspeed.runtime.zero.muon.newton_schulz import newton_schulz_problem
 from deepspeed.runtime.zero.muon.momentum import momentum_step
+from deepspeed.runtime.zero.muon.newton_schulz import orthogonalize_each
 from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeBuffers, ExchangeStats, OwnerExchange
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, plan_for_depth, plan_owners, reserved_numel, within_budget
 from deepspeed.runtime.zero.muon.pipeline import MuonPipeline, slots_for_depth
-from unit.runtime.zero.newton_schulz_testing import orthogonalize_all
 
 TIMEOUT = 60  # seconds a simulated rank waits for the others before the test fails
 SETTINGS = MuonSettings(momentum=0.9, nesterov=True, ns_method="gram", ns_steps=5)
@@ -392,10 +392,11 @@ def test_batched_owner_calls_write_their_results_in_place(layout, world_size):
     expected = [None] * len(specs)
     for owner in range(world_size):
         owned = [j for j in range(len(specs)) if plan.owners[j] == owner]
-        outs = orthogonalize_all([inputs[j] for j in owned], [specs[j] for j in owned], 5, "gram", torch.float32, True,
-                                 plan.workspace(owner))
-        for j, out in zip(owned, outs):
-            expected[j] = out
+        calls = orthogonalize_each(lambda k: inputs[owned[k]], [specs[j] for j in owned], 5, "gram", torch.float32,
+                                   "cpu", True, plan.workspace(owner))
+        for positions, outs in calls:
+            for k, out in zip(positions, outs):
+                expected[owned[k]] = out
     numel = momenta[0].numel()
     for r in range(world_size):
         assert torch.equal(results[r][0], _scatter(expected, pieces, slices, r, numel)), r
