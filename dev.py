@@ -18,6 +18,15 @@ creates needs Python >= 3.10).
                                              DeepSpeed's pre-commit hooks (yapf, flake8, codespell,
                                              torchdist/torchcuda/license, whitespace) on the Python files
                                              of each exported pull request, from venv .venv/lint/
+  python3 dev.py wheelhouse --out DIR [--python-version 3.12] [--bases B...]
+                                             the wheels an offline GPU node with torch needs (patched and
+                                             stock DeepSpeed of each base, DeepSpeed's other requirements),
+                                             manifest.json, SHA256SUMS; fails over 64 MiB (needs no venv)
+  python3 dev.py gpu-check --wheels DIR --out OUT [--device cuda|cpu] [--budget-s S]
+                                             on the node (stdlib, its python3, no network): installs each
+                                             build with pip --target under OUT, then the seed table, the
+                                             W=1 tests and patched-vs-stock measurements on the device;
+                                             OUT/results.json, summary.txt, gpu-check.log (bench/gpu_check.py)
 
 --base defaults to $DS_ZERO3MUON_BASE, else [tool.zero3muon] default-base in pyproject.toml.
 Setup is idempotent: requirements are reinstalled only when requirements/*.txt change, and
@@ -492,6 +501,31 @@ def cmd_lint(args, _extra):
                                requirements=LINT_REQUIREMENTS)
 
 
+def cmd_wheelhouse(args, _extra):
+    """The offline wheelhouse (build_backend/zero3muon_wheelhouse.py); exit 1 when it fails or is too big."""
+    sys.path.insert(0, str(ROOT / "build_backend"))
+    import zero3muon_wheelhouse as wh
+    _default, known = project_config()
+    bases = args.bases or sorted(known, reverse=True)
+    try:
+        manifest = wh.make(args.out, bases, args.python_version, ROOT)
+    except (wh.WheelhouseError, wh.zb.BuildError) as e:
+        log(f"wheelhouse failed: {e}")
+        return 1
+    for entry in manifest["files"]:
+        log(f"  {entry['kind']:10} {entry['file']} ({entry['bytes'] / 2**20:.2f} MiB)")
+    log(f"wheelhouse {args.out}: {len(manifest['files'])} wheels, {manifest['total_bytes'] / 2**20:.1f} MiB "
+        f"(limit {wh.MAX_BYTES / 2**20:.0f} MiB), Python {manifest['python_version']}")
+    return 0
+
+
+def cmd_gpu_check(args, extra):
+    """bench/gpu_check.py's check (stdlib driver; each build runs under --python with PYTHONPATH)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_check
+    return gpu_check.main(extra, root=ROOT)
+
+
 def main(argv=None):
     default_base, known = project_config()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -511,7 +545,14 @@ def main(argv=None):
                                  ("lint", cmd_lint, "DeepSpeed's pre-commit hooks (yapf --diff, flake8, codespell, "
                                   "check-torchdist/-torchcuda/-license, trailing whitespace, end of file) on the "
                                   "Python files each exported pull request adds or changes (venv .venv/lint/; "
-                                  "exit 1 on findings)")):
+                                  "exit 1 on findings)"),
+                                 ("wheelhouse", cmd_wheelhouse, "the wheels an offline GPU node with torch needs "
+                                  "(patched and stock DeepSpeed of every base, DeepSpeed's requirements but torch), "
+                                  "manifest.json and SHA256SUMS; fails over 64 MiB"),
+                                 ("gpu-check", cmd_gpu_check, "on an offline GPU node: install each build of a "
+                                  "wheelhouse into a --target under OUT, then the seed table, the W=1 tests and "
+                                  "the measurements on the device, within --budget-s (arguments: python3 "
+                                  "bench/gpu_check.py --help)")):
         p = sub.add_parser(name, help=helptext, description=helptext, allow_abbrev=False)
         p.add_argument("--base", default=os.environ.get("DS_ZERO3MUON_BASE") or default_base,
                        help=f"DeepSpeed base release, one of {', '.join(known)} (default: %(default)s)")
@@ -520,6 +561,10 @@ def main(argv=None):
             p.add_argument("--all-bases", action="store_true", help="also every other base's patched and "
                            f"stock builds ({', '.join(b for b in known if b != default_base)}); default: "
                            f"{default_base}'s two")
+        if name == "wheelhouse":
+            p.add_argument("--out", type=Path, required=True, help="directory to write (replaced if a wheelhouse)")
+            p.add_argument("--python-version", default="3.12", help="the node's Python (default: %(default)s)")
+            p.add_argument("--bases", nargs="+", choices=known, help="bases to build (default: all)")
         if name == "export":
             p.add_argument("--out", type=Path, help="output directory (default: out/export/<base>/)")
         if name == "intree":
@@ -553,7 +598,7 @@ def main(argv=None):
     args, extra = parser.parse_known_args(argv)
     if extra[:1] == ["--"]:
         extra = extra[1:]
-    if args.command in ("setup", "export", "lint") and extra:
+    if args.command in ("setup", "export", "lint", "wheelhouse") and extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.base not in known:
         parser.error(f"unknown base {args.base!r}; known: {', '.join(known)}")
