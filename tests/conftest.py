@@ -2,8 +2,10 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Test-session defaults: DeepSpeed on the CPU accelerator, TorchDynamo off, and the local
-stand-in of DeepSpeed's ``DistributedTest`` (``tests/unit/common.py``) wired into pytest.
+"""Test-session defaults: DeepSpeed on the CPU accelerator unless ``DS_ACCELERATOR`` says
+otherwise (e.g. ``cuda``: ``dev.py gpu-check``), TorchDynamo off, and the local stand-in of
+DeepSpeed's ``DistributedTest`` (``tests/unit/common.py``) wired into pytest, with a summary of
+where its ranks ran.
 
 Newton-Schulz compiles slowly on the CPU, so ordinary tests run it eagerly; the test of the
 compiled path (marked ``compiled``) compiles upstream's kernels in its own ranks. Set before
@@ -32,8 +34,9 @@ def pytest_configure(config):
                            "with PYTHONSAFEPATH=1 so the current directory is not on sys.path.")
     config.addinivalue_line("markers", "world_size(n): run this DistributedTest method on n ranks")
     config.addinivalue_line("markers", "distributed: a DistributedTest method (set here, on every one)")
-    config.addinivalue_line("markers", "core: the DistributedTest methods worth running on every base; "
-                            "e.g. -m 'core or not distributed' runs them and every other test")
+    config.addinivalue_line(
+        "markers", "core: the DistributedTest methods worth running on every base; "
+        "e.g. -m 'core or not distributed' runs them and every other test")
     config.addinivalue_line("markers", "compiled: runs upstream's torch.compile'd Newton-Schulz kernels")
 
 
@@ -51,6 +54,21 @@ def pytest_pyfunc_call(pyfuncitem):
         cls()(pyfuncitem._request)
         return True
     return None
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Where the DistributedTest ranks ran: one line per (world size, accelerator, backend)."""
+    common = sys.modules.get("unit.common")
+    placements = getattr(common, "PLACEMENTS", None)
+    if not placements:
+        return
+    counts = {}
+    for _node, world_size, accelerator, backend in placements:
+        key = (world_size, accelerator, backend)
+        counts[key] = counts.get(key, 0) + 1
+    terminalreporter.section("DistributedTest placement")
+    for (world_size, accelerator, backend), n in sorted(counts.items()):
+        terminalreporter.write_line(f"W={world_size} on {accelerator} ({backend}): {n} test run(s)")
 
 
 def pytest_sessionfinish(session):

@@ -21,8 +21,15 @@ Interface (as in DeepSpeed):
 - ``exec_timeout`` (seconds, default ``DS_UNITTEST_TIMEOUT`` or 600) per world size.
 - ``class_tmpdir``: a directory shared by a class's tests.
 
-Differences, because this runs on the CPU only: the backend is always gloo, ranks get
-``DS_ACCELERATOR=cpu`` and one intra-op thread; processes start with ``spawn``; a failure
+Where the ranks run (``placement``): on the accelerator DeepSpeed detects in the pytest process
+(``DS_ACCELERATOR``; ``tests/conftest.py`` defaults it to ``cpu``) with its backend (NCCL on CUDA),
+rank r on its device r, where the world size is at most its device count; otherwise (a W=2 test on
+one GPU, or the CPU accelerator) on the CPU accelerator with gloo. DeepSpeed's own DistributedTest
+skips a test whose world size exceeds the device count instead. The session's summary says which
+tests ran where (``PLACEMENTS``, printed by ``tests/conftest.py``); each test also records it as
+the junit property ``ranks``.
+
+Other differences: ranks get one intra-op thread; processes start with ``spawn``; a failure
 reports every failing rank's traceback (and names ranks that did not answer, e.g. because they
 wait in a collective for the failed one), then ends those processes. The pytest hook that routes
 a ``DistributedTest`` here is ``pytest_pyfunc_call`` in ``tests/conftest.py``.
@@ -56,11 +63,32 @@ FAILURE_GRACE = 10.0
 """Seconds the other ranks get to report once one rank has failed (they may fail too)."""
 
 
-def _rank_main(rank, world_size, port, init_file, timeout, conn):
+def placement(world_size):
+    """``(accelerator, backend)`` the ranks of a ``world_size`` test run on (see the module
+    docstring): DeepSpeed's accelerator and its communication backend where it has at least
+    ``world_size`` devices and is not the CPU, else ``("cpu", "gloo")``."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu" and world_size <= accelerator.device_count():
+        return accelerator.device_name(), accelerator.communication_backend_name()
+    return "cpu", "gloo"
+
+
+PLACEMENTS = []
+"""``(node id, world size, accelerator, backend)`` of every DistributedTest launch this session."""
+
+
+def _rank_main(rank, world_size, port, init_file, timeout, conn, accelerator="cpu", backend="gloo"):
     """A rank's process: join the process group once, then run tasks until told to stop."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size), DS_ACCELERATOR="cpu",
-                      OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank),
+                      LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size),
+                      LOCAL_SIZE=str(world_size),
+                      DS_ACCELERATOR=accelerator,
+                      OMP_NUM_THREADS="1",
+                      MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     initialized = False
     while True:
         try:
@@ -76,8 +104,14 @@ def _rank_main(rank, world_size, port, init_file, timeout, conn):
                 import torch
                 torch.set_num_threads(1)
                 import deepspeed
-                deepspeed.init_distributed(dist_backend="gloo", init_method=f"file://{init_file}", rank=rank,
-                                           world_size=world_size, timeout=timedelta(seconds=timeout))
+                from deepspeed.accelerator import get_accelerator
+                if accelerator != "cpu":
+                    get_accelerator().set_device(rank)
+                deepspeed.init_distributed(dist_backend=backend,
+                                           init_method=f"file://{init_file}",
+                                           rank=rank,
+                                           world_size=world_size,
+                                           timeout=timedelta(seconds=timeout))
                 initialized = True
             func, kwargs = pickle.loads(payload)
             func(**kwargs)
@@ -94,11 +128,12 @@ def _rank_main(rank, world_size, port, init_file, timeout, conn):
 
 
 class _RankPool:
-    """W processes joined in one gloo process group, running one task at a time on every rank."""
+    """W processes joined in one process group (``placement``), running one task at a time on every rank."""
 
     def __init__(self, world_size, timeout):
         ctx = multiprocessing.get_context("spawn")
         self.world_size = world_size
+        self.accelerator, self.backend = placement(world_size)
         self.tmpdir = tempfile.mkdtemp(prefix=f"ds-test-w{world_size}-")
         init_file = os.path.join(self.tmpdir, "filestore")  # the rendezvous; MASTER_PORT is only set
         with socket.socket() as sock:  # because DeepSpeed looks for it before it uses init_method
@@ -108,7 +143,9 @@ class _RankPool:
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(rank, world_size, port, init_file, timeout, child),
+            proc = ctx.Process(target=_rank_main,
+                               args=(rank, world_size, port, init_file, timeout, child, self.accelerator,
+                                     self.backend),
                                daemon=True)
             proc.start()
             child.close()
@@ -197,7 +234,7 @@ def close_pools():
 class DistributedExec:
     """Settings shared with DeepSpeed's class of the same name (see the module docstring)."""
     world_size = 2
-    backend = "gloo"
+    backend = "gloo"  # DeepSpeed's attribute; here ``placement`` picks the backend by world size
     init_distributed = True
     requires_cuda_env = True
     reuse_dist_env = False
@@ -226,12 +263,15 @@ class DistributedTest(DistributedExec):
         world_sizes = marks[0] if marks else kwargs.get("world_size", self.world_size)
         payload = pickle.dumps((method, kwargs))
         for world_size in [world_sizes] if isinstance(world_sizes, int) else world_sizes:
-            self._launch(world_size, payload)
+            self._launch(world_size, payload, request)
 
-    def _launch(self, world_size, payload):
+    def _launch(self, world_size, payload, request=None):
         pool = _POOLS.pop(world_size, None) if self.reuse_dist_env else None
         if pool is None:
             pool = _RankPool(world_size, self.exec_timeout)
+        if request is not None:
+            PLACEMENTS.append((request.node.nodeid, world_size, pool.accelerator, pool.backend))
+            request.node.user_properties.append(("ranks", f"W={world_size} {pool.accelerator}/{pool.backend}"))
         try:
             replies = pool.run(payload, self.exec_timeout)
         except BaseException:

@@ -83,7 +83,7 @@ def train(params, stage=3, steps=STEPS, model_parameters=None):
         for step in range(steps):
             x, y = step_batch("mixed", step)
             lo = rank * micro
-            engine.backward(loss_fn(engine(x[lo:lo + micro]), y[lo:lo + micro]))
+            engine.backward(loss_fn(engine(x[lo:lo + micro].to(engine.device)), y[lo:lo + micro].to(engine.device)))
             engine.step()
             after.append(gathered_weights(engine))
         engine.destroy()

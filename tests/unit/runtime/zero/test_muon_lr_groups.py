@@ -124,7 +124,8 @@ def train(config, steps=STEPS, model_name="mixed"):
             x, y = step_batch(model_name, step)
             for m in range(gas):
                 lo = (m * world_size + rank) * micro
-                engine.backward(loss_fn(engine(x[lo:lo + micro]), y[lo:lo + micro]))
+                engine.backward(loss_fn(engine(x[lo:lo + micro].to(engine.device)),
+                                        y[lo:lo + micro].to(engine.device)))
                 if m == gas - 1:
                     rates.append(list(engine.get_lr()))
                 engine.step()

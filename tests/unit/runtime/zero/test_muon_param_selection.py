@@ -352,7 +352,8 @@ class TestMuonClientOptimizer(DistributedTest):
                 x, y = step_batch("mixed", step)
                 for m in range(run.gas):
                     lo = (m * world_size + rank) * micro
-                    engine.backward(loss_fn(engine(x[lo:lo + micro]), y[lo:lo + micro]))
+                    engine.backward(
+                        loss_fn(engine(x[lo:lo + micro].to(engine.device)), y[lo:lo + micro].to(engine.device)))
                     engine.step()
         weights = gathered_weights(engine)
         assert engine.muon_selection.muon == ("fc1.weight", "fc2.weight", "fc3.weight")
@@ -397,7 +398,7 @@ class TestMuonClientOptimizer(DistributedTest):
         before = model.fc1.weight.detach().clone()
         engine, *_ = deepspeed.initialize(model=model, optimizer=KellerStyleMuon(groups), config=_client_config(0, 1))
         x, y = step_batch("mixed", 0)
-        engine.backward(loss_fn(engine(x[:8]), y[:8]))
+        engine.backward(loss_fn(engine(x[:8].to(engine.device)), y[:8].to(engine.device)))
         engine.step()
         assert engine.muon_selection is None
         assert not torch.equal(before, engine.module.fc1.weight.detach())

@@ -129,7 +129,8 @@ class TestZero3GradPartitionWindow(DistributedTest):
             x, y = step_batch(step)
             for m in range(gas):
                 start = (m * world_size + rank) * micro
-                loss = torch.nn.functional.mse_loss(engine(x[start:start + micro]), y[start:start + micro])
+                loss = torch.nn.functional.mse_loss(engine(x[start:start + micro].to(engine.device)),
+                                                    y[start:start + micro].to(engine.device))
                 engine.backward(loss)
                 engine.step()
         weights = {}

@@ -44,7 +44,10 @@ def trained_engine(run: Zero3MuonRun):
             x, y = step_batch(run.model, step, run.target_scale, run.samples)
             for m in range(run.gas):
                 lo = (m * world_size + rank) * micro
-                engine.backward(loss_fn(engine(x[lo:lo + micro].to(input_dtype)).float(), y[lo:lo + micro]))
+                engine.backward(
+                    loss_fn(
+                        engine(x[lo:lo + micro].to(engine.device, input_dtype)).float(),
+                        y[lo:lo + micro].to(engine.device)))
                 engine.step()
     return engine
 

@@ -127,21 +127,26 @@ def needs_stage3_fix(fix: str):
     return pytest.mark.skipif(not present, reason=f"needs ZeRO-3's {fix} fix (its own pull request), not installed")
 
 
+def device():
+    """The device the tests' tensors live on: DeepSpeed's accelerator's current device (``"cpu"``
+    on the CPU accelerator, ``"cuda:<local rank>"`` on a GPU). References, replays and the inputs
+    a DeepSpeed engine is fed go there; results come back as CPU numpy arrays."""
+    from deepspeed.accelerator import get_accelerator
+    return torch.device(get_accelerator().current_device_name())
+
+
 @contextlib.contextmanager
 def fp32_newton_schulz():
-    """Newton-Schulz's "gram" kernel in fp32 on the CPU, the tests' premise (FLOOR), on any CPU.
+    """Newton-Schulz's "gram" kernel in fp32, the tests' premise (FLOOR), on any accelerator.
 
-    Upstream's ``ns_compute_dtype`` runs "gram" in fp16 where the accelerator supports fp16, and
-    DeepSpeed's CPU accelerator does on CPUs whose oneDNN has fp16 (AVX512-FP16 or AMX,
-    ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``); there the reference and ZeRO-3 then differ
-    by 5.7e-4 (measured, MixedMLP, 4 steps) instead of the fp32 floor. While a test trains or
-    replays, the CPU accelerator reports no fp16 (fp16 engines claim it back while they are built,
-    ``fp16_allowed_on_cpu``). Other accelerators are left alone."""
+    Upstream's ``ns_compute_dtype`` runs "gram" in fp16 where the accelerator supports fp16: on
+    every GPU, and on CPUs whose oneDNN has fp16 (AVX512-FP16 or AMX,
+    ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``), where the reference and ZeRO-3 then differ
+    by 5.7e-4 (measured on the CPU, MixedMLP, 4 steps) instead of the fp32 floor. While a test
+    trains or replays, the accelerator reports no fp16 (fp16 engines claim it back while they are
+    built, ``fp16_allowed_on_cpu``)."""
     from deepspeed.accelerator import get_accelerator
     accelerator = get_accelerator()
-    if accelerator.device_name() != "cpu":
-        yield
-        return
     original = accelerator.is_fp16_supported
     accelerator.is_fp16_supported = lambda: False
     try:
@@ -154,7 +159,8 @@ def fp32_newton_schulz():
 def fp16_allowed_on_cpu(enabled=True):
     """DeepSpeed refuses fp16 on the CPU accelerator, although fp16 tensors work on the CPU. The
     fp16 tests claim support while the engine is built (and only then, so that Newton-Schulz
-    keeps its fp32 compute dtype on the CPU, the precision the reference uses)."""
+    keeps its fp32 compute dtype, the precision the reference uses; ``fp32_newton_schulz`` takes
+    it away on a GPU too)."""
     if not enabled:
         yield
         return
@@ -450,7 +456,8 @@ def _train_reference(name: str,
         ``(weights, norms)``: final parameters by name (numpy fp32) and the pre-clip global
         gradient norm of every step.
     """
-    model = build_model(name)
+    dev = device()
+    model = build_model(name).to(dev)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     heads = getattr(model, "MUON_HEADS", {}) if per_head else {}
     settings = _muon_settings(model, grouping, hyper)
@@ -465,7 +472,7 @@ def _train_reference(name: str,
     momenta = {n: torch.zeros_like(p) for n, p in muon}
     norms = []
     for step in range(steps):
-        x, y = step_batch(name, step, target_scale, samples)
+        x, y = (t.to(dev) for t in step_batch(name, step, target_scale, samples))
         model.zero_grad(set_to_none=True)
         loss_fn(model(x), y).backward()
         params = [p for _, p in named]
@@ -486,7 +493,7 @@ def _train_reference(name: str,
                 p.add_(update.reshape(p.shape), alpha=-s["lr"])
         if adamw is not None:
             adamw.step()
-    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}, norms
+    return {n: p.detach().cpu().numpy().copy() for n, p in model.named_parameters()}, norms
 
 
 ADAMW = {
@@ -679,7 +686,8 @@ class Zero3MuonRun:
                     lo = (m * world_size + rank) * micro
                     scale = OVERFLOW_FACTOR if (step in self.overflow_steps and m == 0) else 1.0
                     before = counter.count
-                    loss = loss_fn(engine((x[lo:lo + micro] * scale).to(input_dtype)).float(), y[lo:lo + micro])
+                    inputs = (x[lo:lo + micro] * scale).to(engine.device, input_dtype)
+                    loss = loss_fn(engine(inputs).float(), y[lo:lo + micro].to(engine.device))
                     engine.backward(loss)
                     engine.step()
                     if m < self.gas - 1:
@@ -971,18 +979,19 @@ def _replay(records, names, hyper, clip=0.0):
     """
     from deepspeed.runtime.zero.muon.original_muon import muon_update
     steps, initial = records
-    momenta = {n: torch.zeros_like(torch.from_numpy(initial[n])) for n in names}
-    masters = {n: torch.from_numpy(initial[n]).clone() for n in names}
+    dev = device()
+    momenta = {n: torch.zeros_like(torch.from_numpy(initial[n])).to(dev) for n in names}
+    masters = {n: torch.from_numpy(initial[n]).to(dev) for n in names}
     out = []
     for step in steps:
         got = {}
         if step["skipped"]:
             for n in names:
-                got[n] = dict(momentum=(momenta[n].numpy().copy(), step[n]["momentum"]),
-                              master=(masters[n].numpy().copy(), step[n]["master"]))
+                got[n] = dict(momentum=(momenta[n].cpu().numpy().copy(), step[n]["momentum"]),
+                              master=(masters[n].cpu().numpy().copy(), step[n]["master"]))
             out.append(got)
             continue
-        raw = {n: torch.from_numpy(step[n]["accumulated"]) / step["loss_scale"] for n in names}
+        raw = {n: torch.from_numpy(step[n]["accumulated"]).to(dev) / step["loss_scale"] for n in names}
         coef = 1.0
         if clip > 0:
             coef = min(1.0, clip / (step["norm"] + 1e-6))
@@ -993,9 +1002,9 @@ def _replay(records, names, hyper, clip=0.0):
             # As MuonWithAuxAdam applies it to the flat partition.
             masters[n].mul_(1 - hyper["muon_lr"] * hyper["weight_decay"])
             masters[n].add_(update.reshape(masters[n].shape), alpha=-hyper["muon_lr"])
-            got[n] = dict(entered=(entered.numpy(), step[n]["entered"]),
-                          momentum=(momenta[n].numpy().copy(), step[n]["momentum"]),
-                          master=(masters[n].numpy().copy(), step[n]["master"]))
+            got[n] = dict(entered=(entered.cpu().numpy(), step[n]["entered"]),
+                          momentum=(momenta[n].cpu().numpy().copy(), step[n]["momentum"]),
+                          master=(masters[n].cpu().numpy().copy(), step[n]["master"]))
         out.append(got)
     return out
 
@@ -1030,6 +1039,6 @@ def train_one_step(engine, step, poison=False):
     x, y = x[rank * mb:(rank + 1) * mb].clone(), y[rank * mb:(rank + 1) * mb]
     if poison:
         x[0, 0] = float("nan")
-    loss = loss_fn(engine(x), y)
+    loss = loss_fn(engine(x.to(engine.device)), y.to(engine.device))
     engine.backward(loss)
     engine.step()
