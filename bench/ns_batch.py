@@ -7,12 +7,18 @@ default on the CPU). Run under a build's Python, e.g.::
 
     DS_ACCELERATOR=cpu python bench/ns_batch.py --threads 1
 
-Times upstream's ``muon_orthogonalize`` (fp32 input, Muon's default "gram" method, eager) on a
-stack of ``--batch`` random matrices of each size against a loop of one call per matrix; prints
-the median of ``--repeats`` timings after one warm-up and the ratio batched / one by one.
+Times upstream's ``muon_orthogonalize`` (``--dtype`` input, fp32 by default, Muon's default
+"gram" method, eager) on a stack of ``--batch`` random matrices of each size against a loop of one
+call per matrix, on ``--device`` (default: DeepSpeed's accelerator's current device); prints the
+median of ``--repeats`` timings after one warm-up (each timing ends with the accelerator
+synchronized) and the ratio batched / one by one. ``--shapes llama:H:I`` takes a Llama layer's
+three matrix shapes instead (HxH for q, k, v, o; IxH for gate and up; HxI for down); ``--json``
+adds a ``JSON {...}`` line per shape with the median, min and max in milliseconds
+(``dev.py gpu-check`` reads them).
 """
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -24,14 +30,35 @@ import torch  # noqa: E402
 SIZES = ((64, 64), (96, 96), (128, 128), (128, 344), (192, 192), (256, 256), (256, 688), (512, 512), (1024, 1024))
 
 
-def median_seconds(fn, repeats):
+def timings(fn, repeats, sync=lambda: None):
+    """Seconds of ``repeats`` calls of ``fn`` after one warm-up call, each ended by ``sync()``."""
     fn()
+    sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_seconds(fn, repeats, sync=lambda: None):
+    return statistics.median(timings(fn, repeats, sync))
+
+
+def parse_shapes(text):
+    """``"llama:H:I"`` -> ``((H, H), (I, H), (H, I))``; ``None`` -> ``SIZES``. Raises ValueError."""
+    if text is None:
+        return SIZES
+    kind, _, dims = text.partition(":")
+    try:
+        hidden, intermediate = (int(d) for d in dims.split(":"))
+    except ValueError:
+        raise ValueError(f"--shapes {text!r}: expected llama:HIDDEN:INTERMEDIATE, e.g. llama:4096:11008") from None
+    if kind != "llama" or hidden <= 0 or intermediate <= 0:
+        raise ValueError(f"--shapes {text!r}: expected llama:HIDDEN:INTERMEDIATE with positive sizes")
+    return ((hidden, hidden), (intermediate, hidden), (hidden, intermediate))
 
 
 def main(argv=None):
@@ -40,20 +67,48 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=8, help="matrices per shape")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--ns-method", default="gram", choices=("gram", "standard"))
+    p.add_argument("--device", help="torch device (default: the accelerator's current device)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="the matrices' dtype")
+    p.add_argument("--shapes", help="llama:HIDDEN:INTERMEDIATE (default: the fixed size list)")
+    p.add_argument("--json", action="store_true", help="also a JSON line per shape")
     args = p.parse_args(argv)
+    try:
+        sizes = parse_shapes(args.shapes)
+    except ValueError as e:
+        p.error(str(e))
     torch.set_num_threads(args.threads)
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero.muon import original_muon
-    print(f"{args.batch} matrices per shape, {args.threads} thread(s), ns_method {args.ns_method} "
-          f"({original_muon.ns_compute_dtype(args.ns_method)}), median of {args.repeats}")
+    accelerator = get_accelerator()
+    device = torch.device(args.device or accelerator.current_device_name())
+    sync = accelerator.synchronize if device.type != "cpu" else (lambda: None)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    print(f"{args.batch} matrices per shape, {args.dtype} on {device}, {args.threads} thread(s), ns_method "
+          f"{args.ns_method} ({original_muon.ns_compute_dtype(args.ns_method)}), median of {args.repeats}")
     print(f"{'shape':>12} {'one by one ms':>14} {'batched ms':>11} {'ratio':>6}")
     gen = torch.Generator().manual_seed(0)
-    for rows, cols in SIZES:
-        stack = torch.randn(args.batch, rows, cols, generator=gen)
-        one = median_seconds(lambda: [original_muon.muon_orthogonalize(m, 5, args.ns_method) for m in stack],
-                             args.repeats)
-        batched = median_seconds(lambda: original_muon.muon_orthogonalize(stack, 5, args.ns_method, True),
-                                 args.repeats)
-        print(f"{f'{rows}x{cols}':>12} {one * 1e3:14.2f} {batched * 1e3:11.2f} {batched / one:6.2f}")
+    for rows, cols in sizes:
+        stack = torch.randn(args.batch, rows, cols, generator=gen).to(device, dtype)
+        one = timings(lambda: [original_muon.muon_orthogonalize(m, 5, args.ns_method) for m in stack], args.repeats,
+                      sync)
+        batched = timings(lambda: original_muon.muon_orthogonalize(stack, 5, args.ns_method, True), args.repeats, sync)
+        one_med, batched_med = statistics.median(one), statistics.median(batched)
+        print(f"{f'{rows}x{cols}':>12} {one_med * 1e3:14.2f} {batched_med * 1e3:11.2f} {batched_med / one_med:6.2f}")
+        if args.json:
+            print("JSON " + json.dumps(
+                dict(shape=f"{rows}x{cols}",
+                     batch=args.batch,
+                     dtype=args.dtype,
+                     device=str(device),
+                     one_ms=one_med * 1e3,
+                     one_min_ms=min(one) * 1e3,
+                     one_max_ms=max(one) * 1e3,
+                     batched_ms=batched_med * 1e3,
+                     batched_min_ms=min(batched) * 1e3,
+                     batched_max_ms=max(batched) * 1e3,
+                     ratio=batched_med / one_med,
+                     repeats=args.repeats)),
+                  flush=True)
 
 
 if __name__ == "__main__":

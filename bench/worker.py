@@ -26,6 +26,8 @@ non-source ranks.
 Config keys (one dict per workload; ``run_bench.grid`` builds them): ``name``, ``workload`` (a
 key of ``WORKLOADS``, ``LLAMAS`` or ``DECODERS``), ``stage``, ``gas``, ``dtype`` (``fp32``/``bf16``),
 ``offload``, ``micro_batch``, ``steps`` (measured), ``warmup``; optional ``reduce_bucket_size``,
+``torch_adam`` (the optimizer's ``"torch_adam": true``: torch's Adam for AdamW and Muon's auxiliary
+Adam instead of DeepSpeed's JIT-built FusedAdam),
 ``optimizer`` (``muon`` default, ``adamw``), ``pipeline_depth`` and ``batch_ns`` (constructor
 arguments of the patch's Muon update: where either is given and not ``None``, the engine's
 ``optimizer.zero3_muon`` (ZeRO-3) or ``optimizer.zero12_muon`` (ZeRO-1/2) is replaced by a new
@@ -120,11 +122,16 @@ WORKLOADS = {
     "seed64": [64, 64, 64],  # the seed table's two Linear(64, 64)
     "tiny": [20, 36, 20, 36],  # 36x20, 20x36, 36x20: sizes W=2..4 do not divide (tests)
 }
-LLAMAS = {"llama": dict(hidden=256, intermediate=688, layers=4), "llama64": dict(hidden=64, intermediate=172, layers=4)}
+LLAMAS = {
+    "llama": dict(hidden=256, intermediate=688, layers=4),
+    "llama64": dict(hidden=64, intermediate=172, layers=4),
+    "llama-gpu": dict(hidden=1536, intermediate=4096, layers=8),
+}
 """The Llama-shaped workloads' shapes: per layer q, k, v, o (hidden x hidden), gate and up
 (intermediate x hidden), down (hidden x intermediate), as in a small Llama without embeddings;
 ``llama64`` has problems small enough for the CPU to gain from batching them
-(``newton_schulz.CPU_BATCH_MAX_ELEMENTS``)."""
+(``newton_schulz.CPU_BATCH_MAX_ELEMENTS``); ``llama-gpu`` (226,492,416 parameters, all Muon
+matrices) is ``dev.py gpu-check``'s step-time and memory workload on one GPU."""
 DECODERS = {"decoder12": dict(hidden=171, layers=3)}
 """GPT-shaped decoders (``DecoderShaped``): per layer the fused attention input (3 hidden x hidden),
 its output (hidden x hidden), the MLP's up (4 hidden x hidden) and down (hidden x 4 hidden)
@@ -351,8 +358,7 @@ def build_model(workload):
 
         def __init__(self):
             super().__init__()
-            self.layers = torch.nn.ModuleList(
-                torch.nn.Linear(a, b, bias=False) for a, b in zip(dims[:-1], dims[1:]))
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b, bias=False) for a, b in zip(dims[:-1], dims[1:]))
 
         def forward(self, x):
             for i, layer in enumerate(self.layers):
@@ -398,12 +404,14 @@ def ds_config(cfg, world_size):
         "gradient_accumulation_steps": cfg["gas"],
         "train_batch_size": cfg["micro_batch"] * cfg["gas"] * world_size,
         "gradient_clipping": 0.0,
-        "optimizer": OPTIMIZERS[cfg.get("optimizer", "muon")],
+        "optimizer": dict(OPTIMIZERS[cfg.get("optimizer", "muon")]),
         "zero_optimization": zero,
         "wall_clock_breakdown": False,
     }
     if cfg.get("dtype") == "bf16":
         config["bf16"] = {"enabled": True}
+    if cfg.get("torch_adam"):
+        config["optimizer"]["params"] = dict(config["optimizer"]["params"], torch_adam=True)
     return config
 
 
@@ -650,7 +658,8 @@ def run_workload(cfg, ns, comm, peak):
         lifetime = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
         lifetime.__enter__()
     with record_function(INIT_MARK) if lifetime is not None else contextlib.nullcontext():
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+        engine, *_ = deepspeed.initialize(model=model,
+                                          model_parameters=model.parameters(),
                                           config=ds_config(cfg, world_size))
         update = configure_muon_update(engine.optimizer, cfg)
     if lifetime is not None and cfg["warmup"] == 0:  # no warm-up step: the engine as built
@@ -690,8 +699,12 @@ def run_workload(cfg, ns, comm, peak):
                 t2 = time.perf_counter()
             traffic = _diff(comm.snapshot(), c0)
             if is_boundary:
-                rec.update(boundary_time=t2 - t0, boundary_step_time=t2 - t1, boundary_traffic=traffic,
-                           ns_boundary=ns.count - ns0, peak=mem.get("peak"), loss=loss.item())
+                rec.update(boundary_time=t2 - t0,
+                           boundary_step_time=t2 - t1,
+                           boundary_traffic=traffic,
+                           ns_boundary=ns.count - ns0,
+                           peak=mem.get("peak"),
+                           loss=loss.item())
             else:
                 rec["micro_times"].append(t2 - t0)
                 rec["micro_traffic"].append(traffic)
@@ -770,7 +783,8 @@ def allocator_memory_step(engine, cfg, forward_backward):
             engine.step()
             acc.synchronize()
             out.update(alloc_peak_step_bytes=acc.max_memory_allocated() - step_start,
-                       alloc_peak_bytes=max(forward_peak, acc.max_memory_allocated() - start))
+                       alloc_peak_bytes=max(forward_peak,
+                                            acc.max_memory_allocated() - start))
     retained = retained_muon_bytes(engine.optimizer)
     out["retained_muon_bytes"] = retained
     out["alloc_boundary_bytes"] = None if retained is None else out["alloc_peak_step_bytes"] + retained
@@ -809,25 +823,31 @@ def summarize(cfg, per_rank):
     for where in ("boundary", "micro"):
         for kind in ("muon", "other"):
             for unit in ("elements", "bytes"):
-                per = [statistics.mean(traffic(r["steps"][s], where, kind, unit) for s in range(n_steps))
-                       for r in per_rank]
+                per = [
+                    statistics.mean(traffic(r["steps"][s], where, kind, unit) for s in range(n_steps))
+                    for r in per_rank
+                ]
                 row[f"{kind}_{unit}_{where}_mean"] = statistics.mean(per)
                 row[f"{kind}_{unit}_{where}_max"] = max(per)
-    row["boundary_time"] = statistics.median(max(r["steps"][s]["boundary_time"] for r in per_rank)
-                                             for s in range(n_steps))
+    row["boundary_time"] = statistics.median(
+        max(r["steps"][s]["boundary_time"] for r in per_rank) for s in range(n_steps))
     row["boundary_step_time"] = statistics.median(
         max(r["steps"][s]["boundary_step_time"] for r in per_rank) for s in range(n_steps))
-    micro = [max(r["steps"][s]["micro_times"][m] for r in per_rank) for s in range(n_steps)
-             for m in range(cfg["gas"] - 1)]
+    micro = [
+        max(r["steps"][s]["micro_times"][m] for r in per_rank) for s in range(n_steps) for m in range(cfg["gas"] - 1)
+    ]
     row["micro_time"] = statistics.median(micro) if micro else None
     row["step_time"] = statistics.median(
         max(r["steps"][s]["boundary_time"] + sum(r["steps"][s]["micro_times"]) for r in per_rank)
         for s in range(n_steps))
     row["ns_seconds_per_step"] = statistics.median(
         max(r["steps"][s]["ns_seconds"] for r in per_rank) for s in range(n_steps))
-    row["ns_kernel_calls_per_step"] = sum(r["steps"][s]["ns_kernel_calls"] for r in per_rank for s in range(n_steps)) / n_steps
-    peaks = [max(r["steps"][s]["peak"] for r in per_rank) for s in range(n_steps) if per_rank[0]["steps"][s]["peak"]
-             is not None]
+    row["ns_kernel_calls_per_step"] = sum(r["steps"][s]["ns_kernel_calls"] for r in per_rank
+                                          for s in range(n_steps)) / n_steps
+    peaks = [
+        max(r["steps"][s]["peak"] for r in per_rank) for s in range(n_steps)
+        if per_rank[0]["steps"][s]["peak"] is not None
+    ]
     row["boundary_peak_bytes"] = statistics.median(peaks) if peaks else None
     row["loss_last"] = per_rank[0]["steps"][-1]["loss"]
     row["muon_stats"] = per_rank[0].get("muon_stats")
@@ -835,13 +855,19 @@ def summarize(cfg, per_rank):
     row["bucket_bound_bytes"] = max((r.get("bucket_bound_bytes") or 0) for r in per_rank) or None
     row["muon_straddling_matrices"] = per_rank[0].get("muon_straddling_matrices")
     row["muon_straddling_elements"] = per_rank[0].get("muon_straddling_elements")
-    collectives = sorted({k[0].split(":", 1)[1] for r in per_rank for s in r["steps"]
-                          for t in [s["boundary_traffic"], *s["micro_traffic"]] for k in t if k[0].startswith("muon:")})
+    collectives = sorted({
+        k[0].split(":", 1)[1]
+        for r in per_rank
+        for s in r["steps"]
+        for t in [s["boundary_traffic"], *s["micro_traffic"]]
+        for k in t if k[0].startswith("muon:")
+    })
     by_collective = {
-        c: statistics.mean(
-            statistics.mean(traffic(r["steps"][s], "boundary", f"muon:{c}", "elements") +
-                            traffic(r["steps"][s], "micro", f"muon:{c}", "elements") for s in range(n_steps))
-            for r in per_rank)
+        c:
+        statistics.mean(
+            statistics.mean(
+                traffic(r["steps"][s], "boundary", f"muon:{c}", "elements") +
+                traffic(r["steps"][s], "micro", f"muon:{c}", "elements") for s in range(n_steps)) for r in per_rank)
         for c in collectives
     }
     row["muon_elements_by_collective"] = {c: v for c, v in by_collective.items() if v}

@@ -143,8 +143,10 @@ def download_dependencies(requirements, out, python_version, python=sys.executab
     """``pip download`` the binary wheels of ``requirements`` and their dependencies for CPython
     ``python_version`` (e.g. "3.12") on manylinux x86-64 into ``out``; return their paths."""
     with tempfile.TemporaryDirectory(prefix="wheelhouse-deps-") as tmp:
-        cmd = [python, "-m", "pip", "--disable-pip-version-check", "download", "--only-binary=:all:", "-d", tmp,
-               "--python-version", python_version, "--implementation", "cp"]
+        cmd = [
+            python, "-m", "pip", "--disable-pip-version-check", "download", "--only-binary=:all:", "-d", tmp,
+            "--python-version", python_version, "--implementation", "cp"
+        ]
         for platform in PLATFORMS:
             cmd += ["--platform", platform]
         _run(cmd + sorted(requirements))
@@ -186,7 +188,9 @@ def make(out, bases, python_version="3.12", project_root=zb.REPO_ROOT, max_bytes
         shutil.rmtree(out)
     out.mkdir(parents=True)
     built, sdists = build_wheels(bases, out, Path(project_root))
-    requirements = sorted({r for base in bases for r in sdist_requirements(sdists[base], base)} | set(EXTRA_REQUIREMENTS))
+    requirements = sorted({r
+                           for base in bases
+                           for r in sdist_requirements(sdists[base], base)} | set(EXTRA_REQUIREMENTS))
     log(f"DeepSpeed's requirements (torch excluded): {', '.join(requirements)}")
     deps = download_dependencies(requirements, out, python_version)
     versions = {}
@@ -198,18 +202,24 @@ def make(out, bases, python_version="3.12", project_root=zb.REPO_ROOT, max_bytes
         raise WheelhouseError(f"dependencies in more than one version: {twice}")
     files = []
     for kind, base, path in built:
-        files.append(dict(kind=kind, base=base, file=path.name, name="deepspeed",
-                          version=wheel_name_version(path.name)[1]))
+        files.append(
+            dict(kind=kind, base=base, file=path.name, name="deepspeed", version=wheel_name_version(path.name)[1]))
     for path in deps:
         name, version = wheel_name_version(path.name)
-        files.append(dict(kind="dependency", file=path.name, name=name, version=version,
-                          imports=wheel_import_names(path)))
+        files.append(
+            dict(kind="dependency", file=path.name, name=name, version=version, imports=wheel_import_names(path)))
     for entry in files:
         path = out / entry["file"]
         entry.update(bytes=path.stat().st_size, sha256=zb.sha256_of(path))
     total = sum(e["bytes"] for e in files)
-    manifest = dict(bases=list(bases), python_version=python_version, implementation="cp", platforms=list(PLATFORMS),
-                    requirements=requirements, excluded=sorted(EXCLUDED), total_bytes=total, files=files)
+    manifest = dict(bases=list(bases),
+                    python_version=python_version,
+                    implementation="cp",
+                    platforms=list(PLATFORMS),
+                    requirements=requirements,
+                    excluded=sorted(EXCLUDED),
+                    total_bytes=total,
+                    files=files)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     (out / SUMS).write_text("".join(f"{e['sha256']}  {e['file']}\n" for e in files))
     log(f"{len(files)} wheels, {total / 2**20:.1f} MiB in {out}")
