@@ -9,10 +9,11 @@ so nothing is installed into the node's environment. Steps, in priority order (e
 ``OUT/results.json`` with ``status``, ``seconds`` and its result):
 
 a. ``install``: for each build (patched and stock DeepSpeed 0.19.8 and 0.19.7) ``pip install
-   --no-index --no-deps --target OUT/site/<build>`` of its wheel from ``--wheels`` (a ``dev.py
+   --no-index --no-deps --target SITE/<build>`` of its wheel from ``--wheels`` (a ``dev.py
    wheelhouse``, sha256-checked against its manifest), the dependencies the interpreter lacks
-   (hjson, pydantic, ...) into ``OUT/site/deps``, then ``import deepspeed`` under that path: its
-   version label, file, accelerator.
+   (hjson, pydantic, ...) into ``SITE/deps``, then ``import deepspeed`` under that path: its
+   version label, file, accelerator. SITE (``--site``) is a scratch directory by default, out of
+   OUT, so that OUT holds only results.
 b. ``seed``: the seed table on the device: two Linear(64, 64), 3 optimizer steps of 8 samples,
    W=1, ZeRO-3, gas 1 and gas 4, fp32 and bf16, on stock 0.19.7, stock 0.19.8 and patched 0.19.8
    (``bench/worker.py`` under ``torch.distributed.run``): Newton-Schulz calls over the 3 steps
@@ -36,7 +37,7 @@ Choices: TorchDynamo off (``TORCHDYNAMO_DISABLE=1``) except in the compiled test
 benchmark (a compile per matrix shape would eat the budget); Muon's auxiliary Adam and AdamW are
 torch's (``"torch_adam": true``): DeepSpeed's FusedAdam would be JIT-compiled once per build (about
 a minute each with nvcc) for figures that do not measure it; no op is pre-built (``DS_BUILD_OPS``
-unset), each build JIT-compiles what it uses into ``OUT/torch_extensions/<build>`` (on the CPU the
+unset), each build JIT-compiles what it uses into ``<--extensions-dir>/<build>`` (on the CPU the
 shared-memory comm op, about 1.5 minutes per build on 2 cores; the tests' CPU offload needs CPU Adam
 on any device, a few minutes: they come last). ``--device cpu`` runs the same code with the CPU
 accelerator and tiny sizes, as a dry run on a machine without GPU.
@@ -52,6 +53,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -85,8 +87,8 @@ SIZES = {
                  ns_batch=4,
                  llama="llama-gpu",
                  micro_batch=4,
-                 steps=4,
-                 warmup=2),
+                 steps=3,
+                 warmup=1),
     "cpu": dict(ns_hidden=64, ns_intermediate=172, ns_batch=4, llama="llama64", micro_batch=2, steps=2, warmup=1),
 }
 """Sizes by device: Newton-Schulz shapes (a Llama layer's hidden x hidden and intermediate x hidden,
@@ -110,8 +112,9 @@ class Check:
         self.args, self.root = args, Path(root)
         self.out = Path(args.out).resolve()
         self.out.mkdir(parents=True, exist_ok=True)
-        self.site = Path(args.site).resolve() if args.site else self.out / "site"
-        self.extensions = Path(args.extensions_dir).resolve() if args.extensions_dir else self.out / "torch_extensions"
+        scratch = Path(tempfile.gettempdir()) / f"zero3muon-gpu-check-{os.getuid()}"
+        self.site = Path(args.site).resolve() if args.site else scratch / "site"
+        self.extensions = Path(args.extensions_dir).resolve() if args.extensions_dir else scratch / "torch_extensions"
         self.started = time.monotonic()
         self.deadline = self.started + args.budget_s
         self.logfile = open(self.out / "gpu-check.log", "w")
@@ -119,6 +122,8 @@ class Check:
                             budget_s=args.budget_s,
                             python=args.python,
                             wheels=str(args.wheels),
+                            site=str(self.site),
+                            extensions=str(self.extensions),
                             started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                             steps={})
         self.installed = {}
@@ -297,7 +302,11 @@ def _wheel_fits(filename, cp_tag):
     ``py3`` wheel, the ``cp_tag`` itself or the stable ABI ``abi3``."""
     _name, _version, *tags = filename[:-len(".whl")].split("-")
     python_tags, abi = tags[-3].split("."), tags[-2]
-    return any(t in ("py3", "py2", cp_tag) for t in python_tags) or (abi == "abi3" and cp_tag >= "cp36")
+    if any(t in ("py3", "py2", cp_tag) for t in python_tags):
+        return True
+    minor = lambda tag: int(tag[3:]) if tag.startswith("cp3") and tag[3:].isdigit() else None  # noqa: E731
+    # abi3: built for the oldest CPython it names, runs on every later one
+    return abi == "abi3" and any(minor(t) is not None and minor(t) <= minor(cp_tag) for t in python_tags)
 
 
 def wheel_contents_digest(path):
@@ -462,7 +471,9 @@ def junit_results(xml):
             if node is not None:
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
                 message = (node.get("message") or "")[:400]
+        props = {q.get("name"): q.get("value") for q in case.iter("property")}
         results[f"{case.get('classname')}::{case.get('name')}"] = dict(outcome=outcome,
+                                                                       ranks=props.get("ranks"),
                                                                        seconds=float(case.get("time", 0)),
                                                                        message=message)
     return results
@@ -580,7 +591,7 @@ def summary_text(results):
     for group, r in ((results["steps"].get("tests", {}).get("groups")) or {}).items():
         lines.append(f"  tests {group:16} {r['status']:15} {r.get('seconds', 0):6.1f} s")
         for tid, t in r.get("tests", {}).items():
-            lines.append(f"      {t['outcome']:8} {tid.rsplit('::', 1)[-1]} {t['message'][:120]}")
+            lines.append(f"      {t['outcome']:8} {tid.rsplit('::', 1)[-1]} [{t.get('ranks')}] {t['message'][:120]}")
     meas = results["steps"].get("measure", {}).get("result") or {}
     for dtype, rows in (meas.get("ns_batch") or {}).items():
         for r in rows:
@@ -620,9 +631,11 @@ def parse_args(argv):
     p.add_argument("--budget-s", type=float, default=450.0, help="stop after this many seconds (default %(default)s)")
     p.add_argument("--python", default=sys.executable, help="interpreter with torch (default: this one)")
     p.add_argument("--site",
-                   help="where the builds are installed (default OUT/site; kept between runs, a build "
-                   "is reinstalled only when its wheel changed)")
-    p.add_argument("--extensions-dir", help="TORCH_EXTENSIONS_DIR parent (default OUT/torch_extensions)")
+                   help="where the builds are installed (default: $TMPDIR/zero3muon-gpu-check-<uid>/site; "
+                   "kept between runs, a build is reinstalled only when its wheel's contents changed)")
+    p.add_argument("--extensions-dir",
+                   help="parent of each build's TORCH_EXTENSIONS_DIR (default: "
+                   "$TMPDIR/zero3muon-gpu-check-<uid>/torch_extensions)")
     p.add_argument("--builds", nargs="+", default=list(BUILDS), choices=BUILDS, help="builds to install")
     p.add_argument("--steps",
                    nargs="+",
