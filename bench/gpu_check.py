@@ -1,5 +1,7 @@
 # Copyright (c) 2026 The zero3muon authors
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """``python3 dev.py gpu-check``: the patch checked on an offline GPU node, within a time budget.
 
 The driver (this module's ``main``) is stdlib-only, like dev.py: it runs under the node's
@@ -653,8 +655,8 @@ def parse_args(argv):
 def device_probe(check):
     """The GPU (or the CPU for --device cpu), before anything starts; raises if CUDA is absent."""
     code = (
-        "import json, torch; ok = torch.cuda.is_available(); print('PROBE ' + json.dumps(dict(torch=torch.__version__,"
-        " cuda=ok, count=torch.cuda.device_count() if ok else 0, name=torch.cuda.get_device_name(0) if ok else None,"
+        "import json, torch; ok = torch.cuda.is_available(); print('PROBE ' + json.dumps(dict(torch=torch.__version__,"  #ignore-cuda
+        " cuda=ok, count=torch.cuda.device_count() if ok else 0, name=torch.cuda.get_device_name(0) if ok else None,"  #ignore-cuda
         " cuda_version=torch.version.cuda)))")
     out = check.run([check.args.python, "-c", code])
     probe = json.loads(next(ln for ln in out.splitlines() if ln.startswith("PROBE "))[6:])

@@ -1,3 +1,7 @@
+# Copyright (c) 2026 The zero3muon authors
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """Tests of ``python3 dev.py wheelhouse`` (build_backend/zero3muon_wheelhouse.py) and ``python3 dev.py
 gpu-check`` (bench/gpu_check.py).
 
