@@ -112,8 +112,9 @@ def test_measurements_summarized_with_spread_and_ratios():
     samples = {}
     for build, times in (("patched-0.19.8", [1.0, 3.0, 2.0]), ("stock-0.19.8", [4.0, 4.0, 5.0])):
         for t in times:
-            gpu_check._add_samples(samples, build, {"m": dict(boundary_step_time=t, ns_seconds_per_step=t / 2,
-                                                               alloc_peak_step_bytes=None)})
+            gpu_check._add_samples(
+                samples, build,
+                {"m": dict(boundary_step_time=t, ns_seconds_per_step=t / 2, alloc_peak_step_bytes=None)})
     out = gpu_check.summarize_samples(samples)
     assert out["patched-0.19.8"]["m"]["boundary_step_time"] == dict(median=2.0, min=1.0, max=3.0, n=3)
     assert "alloc_peak_step_bytes" not in out["patched-0.19.8"]["m"]  # None is not a sample
