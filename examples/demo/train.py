@@ -68,8 +68,23 @@ def parse_args(argv=None):
     p.add_argument("--max-corpus-bytes", type=int, default=None)
     p.add_argument("--clip", type=float, default=None,
                    help="gradient_clipping (default: the key is left out, so DeepSpeed's default 1.0 applies)")
+    p.add_argument("--muon-param", action="append", default=[], metavar="KEY=VALUE", type=muon_param,
+                   help="another key of the optimizer's params (VALUE is read as JSON, else taken as a string), "
+                   "e.g. ns_method=polar_express; repeatable")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
+
+
+def muon_param(text):
+    """``KEY=VALUE`` of ``--muon-param`` as ``(key, value)``: VALUE read as JSON (numbers, booleans,
+    lists), else taken as a string. Raises argparse.ArgumentTypeError without a ``=``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--muon-param takes KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
 
 
 def newton_schulz_dtype(ns_method="gram"):
@@ -91,8 +106,8 @@ def newton_schulz_dtype(ns_method="gram"):
 
 
 def ds_config(args, micro_batch, patched=True):
-    """The DeepSpeed config dict: fp32, Muon with explicit lr/momentum, ``gradient_clipping`` only
-    with ``--clip`` (else DeepSpeed's default, 1.0).
+    """The DeepSpeed config dict: fp32, Muon with explicit lr/momentum and the ``--muon-param`` keys,
+    ``gradient_clipping`` only with ``--clip`` (else DeepSpeed's default, 1.0).
 
     ``patched``: the +zero3muon build takes ZeRO-3's defaults; stock DeepSpeed refuses Muon at
     stage 3 unless ``reduce_scatter`` is off ("Muon and reduce scatter cannot be used together").
@@ -117,6 +132,7 @@ def ds_config(args, micro_batch, patched=True):
                 "betas": [0.9, 0.95],
                 "eps": 1e-8,
                 "weight_decay": 0.0,
+                **dict(args.muon_param),
             },
         },
         "zero_optimization": zero,
