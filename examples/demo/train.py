@@ -11,7 +11,9 @@ Newton-Schulz runs in fp32 in every rank, on any CPU: upstream's ``ns_compute_dt
 "gram" kernel in fp16 where the accelerator supports fp16, and DeepSpeed's CPU accelerator does
 on CPUs whose oneDNN has fp16 (AVX512-FP16 or AMX). fp16 rounding there (gas=4 vs gas=1 1.1e-3
 after 6 steps, measured) would hide the fp32 agreement the demo shows, so the ranks train inside
-``fp32_newton_schulz()`` (shared with the tests), which makes the CPU accelerator report no fp16.
+``fp32_newton_schulz(every_method=True)`` (shared with the tests), which makes the CPU accelerator
+report no fp16 and no bf16 (the "standard" and "polar_express" kernels compute in bf16 where it is
+reported, which DeepSpeed's CPU accelerator always does).
 
 Rank 0 writes, into ``--out``:
 - ``result.json``: per-step loss (float, nats/token, mean over the global batch), NS-kernel
@@ -170,10 +172,11 @@ def main(argv=None):
     model = LlamaForCausalLM(config).float()
     corpus = data.load_corpus(args.max_corpus_bytes)
 
-    ns_dtype_upstream = newton_schulz_dtype()
+    ns_method = dict(args.muon_param).get("ns_method", "gram")
+    ns_dtype_upstream = newton_schulz_dtype(ns_method)
     pin = contextlib.ExitStack()
-    pin.enter_context(fp32_newton_schulz())  # until training ends, below
-    ns_dtype = newton_schulz_dtype()
+    pin.enter_context(fp32_newton_schulz(every_method=True))  # until training ends, below
+    ns_dtype = newton_schulz_dtype(ns_method)
     counter = NSCounter().install()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=ds_config(args, micro, patched))
