@@ -1,5 +1,7 @@
 # Copyright (c) 2026 The zero3muon authors
 # SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
 """The offline wheelhouse of ``python3 dev.py wheelhouse`` (stdlib only, like dev.py).
 
 A GPU node without network but with torch installed needs, to run ``dev.py gpu-check``:
