@@ -36,9 +36,11 @@ left); ``skipped`` (not applicable, ``error`` says why, e.g. its build did not i
 command and its output. Exit status 0 when no step failed (skips included), else 1.
 
 Choices: TorchDynamo off (``TORCHDYNAMO_DISABLE=1``) except in the compiled test, as in the
-benchmark (a compile per matrix shape would eat the budget); Muon's auxiliary Adam and AdamW are
-torch's (``"torch_adam": true``): DeepSpeed's FusedAdam would be JIT-compiled once per build (about
-a minute each with nvcc) for figures that do not measure it; no op is pre-built (``DS_BUILD_OPS``
+benchmark (a compile per matrix shape would eat the budget); in the seed table and the
+measurements Muon's auxiliary Adam and AdamW are torch's (``"torch_adam": true``): DeepSpeed's
+FusedAdam would be JIT-compiled once per build (about a minute each with nvcc) for figures that do
+not measure it; the tests keep their configs (a user's default: FusedAdam, compiled once, for the
+patched 0.19.8 build, in the first test group; CPU Adam for the offload group, last); no op is pre-built (``DS_BUILD_OPS``
 unset), each build JIT-compiles what it uses into ``<--extensions-dir>/<build>`` (on the CPU the
 shared-memory comm op, about 1.5 minutes per build on 2 cores; the tests' CPU offload needs CPU Adam
 on any device, a few minutes: they come last). ``--device cpu`` runs the same code with the CPU
