@@ -76,7 +76,7 @@ TESTS = (
         ZERO + "test_zero3_muon_gas.py::TestZero3MuonGas::test_gas4_matches_gas1_zero2_and_reference[1]",
         ZERO + "test_zero3_muon_gas.py::TestZero3MuonGas::test_clipping_feeds_the_momentum_like_clip_grad_norm[1]"
     ]),
-    ("bf16", [SINGLE + "test_precision_matches_replay[bf16]"]),
+    ("bf16", [SINGLE + "test_precision_matches_replay[bf16]", SINGLE + "test_precision_matches_replay[bf16_clip]"]),
     ("fp16_overflow", [SINGLE + "test_precision_matches_replay[fp16]"]),
     ("checkpoint", [SINGLE + "test_resume_is_bit_identical[fp32]", SINGLE + "test_resume_is_bit_identical[bf16]"]),
     ("compiled", [SINGLE + "test_compiled_newton_schulz_matches_eager_reference"]),

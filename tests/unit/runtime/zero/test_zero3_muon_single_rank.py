@@ -13,11 +13,6 @@ the single-process reference; upstream's ``torch.compile``d Newton-Schulz; a che
 bit-identical, as in ``test_zero3_muon_checkpoint.py``. Same runs, checks and tolerances as
 those tests (``FLOOR``, ``REPLAY_FLOOR``), at W=1 gas 2 (the accumulation boundary still takes
 two micro-steps).
-
-Not here: ``bf16_clip`` of the precision test. At W=1 its replay matches (the gradient entering
-Muon, the momentum and the master weights within ``REPLAY_FLOOR``), but its step-size property
-(``clip_bites_but_muon_steps_keep_their_size``) fails: fc1.weight moved 4.5 times an orthogonal
-update's norm (measured on the CPU); at W=2 it holds. Open, to be understood before it is added.
 """
 
 import numpy as np
@@ -31,7 +26,7 @@ from unit.runtime.zero.test_zero3_muon_precision import MARKS, MUON_NAMES, RUNS
 from unit.runtime.zero.zero3_muon_helpers import (FLOOR, HYPER, REPLAY_FLOOR, Zero3MuonRun, max_relative_error,
                                                   relative_difference, replay)
 
-PRECISION = ("bf16", "fp16")
+PRECISION = ("bf16", "bf16_clip", "fp16")
 OFFLOAD = {
     "offload_optimizer": Zero3MuonRun(gas=2, offload="cpu"),
     "offload_param": Zero3MuonRun(gas=2, offload="cpu", zero=(("offload_param", {

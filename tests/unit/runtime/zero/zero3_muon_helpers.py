@@ -1006,7 +1006,7 @@ def _replay(records, names, hyper, clip=0.0):
     steps, initial = records
     dev = device()
     momenta = {n: torch.zeros_like(torch.from_numpy(initial[n])).to(dev) for n in names}
-    masters = {n: torch.from_numpy(initial[n]).to(dev) for n in names}
+    masters = {n: torch.from_numpy(initial[n]).to(dev).clone() for n in names}  # not a view of the records
     out = []
     for step in steps:
         got = {}
