@@ -152,7 +152,9 @@ CORE = Group(
     patterns=(
         "deepspeed/runtime/zero/muon/owner_exchange.py",
         "deepspeed/runtime/zero/muon/pipeline.py",
+        "deepspeed/runtime/zero/muon/owner_state.py",
         "tests/unit/runtime/zero/test_muon_pipeline.py",
+        "tests/unit/runtime/zero/test_muon_owner_state.py",
     ),
     notes={},
     template="pr_muon_core.md",
@@ -380,10 +382,39 @@ MUON_CONFIG = Group(
     },
     template="pr_muon_config.md",
     tests_need=("zero3-muon", ),
+    code_needs=("muon-update-seam", ),
+)
+
+MUON_VARIANTS = Group(
+    "muon-variants", 12, "Muon variants: Polar Express as an ns_method, and NorMuon with its per-row state on the "
+    "owner rank",
+    patterns=(
+        "deepspeed/runtime/zero/muon/polar_express.py",
+        "patches/*/0017-*.patch",
+        "patches/*/0018-*.patch",
+        "tests/unit/runtime/zero/test_muon_polar_express.py",
+        "tests/unit/runtime/zero/test_zero3_polar_express.py",
+        "tests/unit/runtime/zero/test_zero3_normuon*.py",
+    ),
+    notes={
+        "deepspeed/runtime/zero/muon/original_muon.py":
+        "\"polar_express\" joins `NS_METHODS`; `muon_orthogonalize` and `_per_head_orthogonalize` run "
+        "`polar_express.zeropower_via_polar_express` for it (the aspect-ratio scale stays upstream's).",
+        "deepspeed/runtime/engine.py":
+        "the Muon half of a parameter group keeps `variant`, `normuon_beta2` and `normuon_eps`; the Muon branch of "
+        "`_configure_basic_optimizer` checks them (`owner_state.check_variant_config`: values, defaults, and a "
+        "refusal where no owner rank runs).",
+        STAGE3:
+        "`state_dict()` first puts a variant's owner state into the optimizer state, per parameter "
+        "(`Zero3MuonUpdate.export_owner_state`).",
+    },
+    template="pr_muon_variants.md",
+    tests_need=("zero3-muon", ),
+    code_needs=("muon-owner-plan", ),
 )
 
 ALLGATHER_BACKPORT = Group(
-    "allgather-wait-backport", 12, "ZeRO-3: wait on every handle of a coalesced parameter all-gather (backport)",
+    "allgather-wait-backport", 13, "ZeRO-3: wait on every handle of a coalesced parameter all-gather (backport)",
     patterns=(
         "patches/*/0005-*.patch",
         "tests/unit/runtime/zero/test_zero3_allgather_coalesced_wait.py",
@@ -401,7 +432,7 @@ ALLGATHER_BACKPORT = Group(
 )
 
 GROUPS = (SEAM, PLAN, CORE, MUON, GRAD_WINDOW, LOSS_SCALE, UNIVERSAL, UNIVERSAL_MUON, SELECTION, ZERO12_CLIPPING,
-          MUON_CONFIG, ALLGATHER_BACKPORT)
+          MUON_CONFIG, MUON_VARIANTS, ALLGATHER_BACKPORT)
 
 
 class ExportError(zb.BuildError):
@@ -550,8 +581,8 @@ def _deepspeed_imports(path):
 def code_imported_groups(group, owners, repo_root):
     """{other group key: [(module of ``group``, imported module of that group)]}: the other groups
     whose new modules ``group``'s new modules import, and those whose patches add to an upstream
-    module they import (``original_muon.py``'s new functions, e.g.) where that module is patched by
-    exactly one group."""
+    module they import (``original_muon.py``'s new functions, e.g.); a module patched by several
+    groups counts as the lowest-numbered one's."""
     owner_of = {path: key for key, paths in owners.items() for path in paths}
     patched_by = {}
     for key, paths in owners.items():
@@ -559,9 +590,11 @@ def code_imported_groups(group, owners, repo_root):
             if path.startswith("patches/"):
                 for target in _patched_files(Path(repo_root) / path):
                     patched_by.setdefault(target, set()).add(key)
+    number = {g.key: g.number for g in GROUPS}
     for target, keys in patched_by.items():
-        if len(keys) == 1:
-            owner_of.setdefault(target, next(iter(keys)))
+        # Patched by several groups: the later ones patch on top of the first, whose additions
+        # (new functions) are what an importer needs.
+        owner_of.setdefault(target, min(keys, key=lambda k: number.get(k, 0)))
     needed = {}
     for path in owners.get(group.key, []):
         if not (path.startswith("deepspeed/") and path.endswith(".py")):
