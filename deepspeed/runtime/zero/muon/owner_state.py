@@ -149,8 +149,26 @@ def _problems(settings: Mapping[str, Any], where: str) -> List[str]:
     return problems
 
 
+def _where_no_owner_runs(engine) -> Optional[str]:
+    """Why ``engine``'s Muon update runs outside the owner-centric core, or None where it runs there.
+
+    Stage 0 runs upstream's ``MuonWithAuxAdam.step`` on whole weights; ZeRO stage 1 with bf16
+    parameters, fp32 gradient accumulation and no optimizer offload runs DeepSpeed's
+    ``BF16_Optimizer`` (the engine's optimizer-wrapper choice), whose Muon is upstream's too.
+    """
+    stage = engine.zero_optimization_stage()
+    if stage == 0:
+        return "zero_optimization.stage 0"
+    model_dtype, grad_accum_dtype = engine.get_data_types()
+    if (stage == 1 and model_dtype == torch.bfloat16 and grad_accum_dtype == torch.float32
+            and not engine.zero_cpu_offload()):
+        return ("zero_optimization.stage 1 with bf16 and data_types.grad_accum_dtype fp32 (DeepSpeed's "
+                "BF16_Optimizer)")
+    return None
+
+
 def check_variant_config(optimizer_parameters: Mapping[str, Any], model_parameters, param_groups: Sequence[dict],
-                         zero_stage: int) -> None:
+                         engine) -> None:
     """Check the variant keys where the engine builds Muon, and fill NorMuon's defaults in.
 
     Called by the engine (patch 0018) right after ``_muon_param_groups``. A Muon group whose
@@ -162,12 +180,13 @@ def check_variant_config(optimizer_parameters: Mapping[str, Any], model_paramete
         model_parameters: what ``deepspeed.initialize`` got (only a list or tuple of group dicts is
             checked for its own keys; the built groups are checked in any case).
         param_groups: the groups the engine built (``use_muon`` halves); modified as above.
-        zero_stage: ``zero_optimization.stage``.
+        engine: the ``DeepSpeedEngine`` (its ZeRO stage, data types and offload).
 
     Raises:
         ValueError: naming each key: an unknown ``variant``, ``normuon_beta2`` outside [0, 1),
-            ``normuon_eps`` <= 0; and ``variant: "normuon"`` at ZeRO stage 0, where no owner rank
-            runs the update (upstream's ``MuonWithAuxAdam.step`` orthogonalizes there).
+            ``normuon_eps`` <= 0; and ``variant: "normuon"`` where no owner rank runs the update
+            (``_where_no_owner_runs``: ZeRO stage 0, where upstream's ``MuonWithAuxAdam.step``
+            orthogonalizes, and ZeRO-1's ``BF16_Optimizer``).
     """
     problems = _problems(optimizer_parameters or {}, "optimizer.params")
     if isinstance(model_parameters, (list, tuple)):
@@ -177,10 +196,11 @@ def check_variant_config(optimizer_parameters: Mapping[str, Any], model_paramete
     if not problems:
         for index, group in enumerate(param_groups):
             if group.get("use_muon") and group.get(VARIANT_KEY) == NORMUON:
-                if zero_stage == 0:
+                where = _where_no_owner_runs(engine)
+                if where is not None:
                     problems.append(f"optimizer.params.{VARIANT_KEY}: 'normuon' needs ZeRO stage 1, 2 or 3 (its "
-                                    "per-row state lives on the rank that orthogonalizes each matrix); at "
-                                    "zero_optimization.stage 0 use the default variant 'muon'.")
+                                    "per-row state lives on the rank that orthogonalizes each matrix), and does not "
+                                    f"run with {where}; use the default variant 'muon' there.")
                     break
                 group.setdefault(BETA2_KEY, NORMUON_BETA2)
                 group.setdefault(EPS_KEY, NORMUON_EPS)

@@ -204,11 +204,18 @@ class TestNorMuonRefusals(DistributedTest):
         ({
             "variant": "normuon"
         }, 0, "optimizer.params.variant: 'normuon' needs ZeRO stage 1, 2 or 3"),
+        ({
+            "variant": "normuon"
+        }, "bf16-stage1", "does not run with zero_optimization.stage 1 with bf16 and data_types.grad_accum_dtype "
+         "fp32 (DeepSpeed's BF16_Optimizer)"),
     ])
     def test_refused_at_initialize_naming_the_key(self, params, stage, expected):
         block = ds_config(3, 1, 1)["optimizer"]
         block["params"].update(params)
-        error = initialize_error(Zero3MuonRun(stage=stage, extra=(("optimizer", block), )))
+        run = Zero3MuonRun(stage=stage, extra=(("optimizer", block), ))
+        if stage == "bf16-stage1":  # the engine picks BF16_Optimizer, which runs upstream's Muon
+            run = run.with_(stage=1, dtype="bf16", extra=run.extra + (("data_types", {"grad_accum_dtype": "fp32"}), ))
+        error = initialize_error(run)
         assert error is not None and error.startswith("ValueError:"), error
         assert expected in error, error
 
