@@ -184,7 +184,7 @@ def check_variant_config(optimizer_parameters: Mapping[str, Any], model_paramete
 
     Raises:
         ValueError: naming each key: an unknown ``variant``, ``normuon_beta2`` outside [0, 1),
-            ``normuon_eps`` <= 0; and ``variant: "normuon"`` where no owner rank runs the update
+            ``normuon_eps`` <= 0, NorMuon's keys where no Muon group uses NorMuon; and ``variant: "normuon"`` where no owner rank runs the update
             (``_where_no_owner_runs``: ZeRO stage 0, where upstream's ``MuonWithAuxAdam.step``
             orthogonalizes, and ZeRO-1's ``BF16_Optimizer``).
     """
@@ -193,6 +193,12 @@ def check_variant_config(optimizer_parameters: Mapping[str, Any], model_paramete
         for index, group in enumerate(model_parameters):
             if isinstance(group, dict):
                 problems += _problems(group, f"model_parameters[{index}]")
+    muon_groups = [g for g in param_groups if g.get("use_muon")]
+    if not problems and muon_groups and not any(g.get(VARIANT_KEY) == NORMUON for g in muon_groups):
+        unused = sorted({k for g in muon_groups for k in (BETA2_KEY, EPS_KEY) if k in g})
+        if unused:
+            problems.append(f"{', '.join(unused)}: NorMuon's settings, but no Muon group has {VARIANT_KEY} 'normuon', "
+                            f"so they would do nothing; add \"{VARIANT_KEY}\": \"normuon\" or remove them.")
     if not problems:
         for index, group in enumerate(param_groups):
             if group.get("use_muon") and group.get(VARIANT_KEY) == NORMUON:
