@@ -59,10 +59,9 @@ CHECKED_PAIRS = (("zero3-gas4", "zero3-gas1"), ("zero3-gas4", "zero2-gas4"))
 QUICK = dict(steps=6, seq_len=64, global_batch=8)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", default="out/demo", help="output directory (created)")
+def add_run_arguments(p):
+    """The arguments of each training run (model, data, optimizer, clipping, --quick, --eager),
+    shared with ``compare_variants.py``."""
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     p.add_argument("--global-batch", type=int, default=16,
                    help="windows per optimizer step over both ranks; a multiple of 2 x 4")
@@ -83,11 +82,10 @@ def parse_args(argv=None):
                    "saves ~10 s of compilation per run; on by default only with --quick")
     p.add_argument("--clip", type=float, default=None,
                    help="gradient_clipping of every run (default: DeepSpeed's, 1.0; 0 turns clipping off)")
-    p.add_argument("--tolerance", type=float, default=TOLERANCE,
-                   help="max relative weight difference, ZeRO-3 gas=4 vs gas=1 and vs ZeRO-2 gas=4")
-    p.add_argument("--no-check", action="store_true", help="report the difference without failing on it")
-    p.add_argument("--no-plot", action="store_true", help="skip loss.png")
-    args = p.parse_args(argv)
+
+
+def apply_quick(p, args):
+    """--quick's sizes where the user left the default, and --eager's default (on with --quick)."""
     if args.quick:
         for key, value in QUICK.items():
             if getattr(args, key) == p.get_default(key):
@@ -95,6 +93,18 @@ def parse_args(argv=None):
     if args.eager is None:
         args.eager = args.quick
     return args
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", default="out/demo", help="output directory (created)")
+    add_run_arguments(p)
+    p.add_argument("--tolerance", type=float, default=TOLERANCE,
+                   help="max relative weight difference, ZeRO-3 gas=4 vs gas=1 and vs ZeRO-2 gas=4")
+    p.add_argument("--no-check", action="store_true", help="report the difference without failing on it")
+    p.add_argument("--no-plot", action="store_true", help="skip loss.png")
+    return apply_quick(p, p.parse_args(argv))
 
 
 def extensions_dir():
@@ -113,8 +123,9 @@ def extensions_dir():
     return str(pathlib.Path.home() / ".cache" / "torch_extensions" / f"deepspeed-demo-{tag}")
 
 
-def launch(args, stage, gas, run_dir):
-    """Run one training on NPROC ranks; returns (exit code, wall seconds)."""
+def launch(args, stage, gas, run_dir, extra=()):
+    """Run one training on NPROC ranks (``extra``: more ``train.py`` arguments); returns (exit code,
+    wall seconds)."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(NPROC),
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
@@ -128,6 +139,7 @@ def launch(args, stage, gas, run_dir):
         cmd += ["--max-corpus-bytes", str(args.max_corpus_bytes)]
     if args.clip is not None:
         cmd += ["--clip", str(args.clip)]
+    cmd += [str(a) for a in extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.setdefault("DS_ACCELERATOR", "cpu")
     env.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())

@@ -11,7 +11,9 @@ Newton-Schulz runs in fp32 in every rank, on any CPU: upstream's ``ns_compute_dt
 "gram" kernel in fp16 where the accelerator supports fp16, and DeepSpeed's CPU accelerator does
 on CPUs whose oneDNN has fp16 (AVX512-FP16 or AMX). fp16 rounding there (gas=4 vs gas=1 1.1e-3
 after 6 steps, measured) would hide the fp32 agreement the demo shows, so the ranks train inside
-``fp32_newton_schulz()`` (shared with the tests), which makes the CPU accelerator report no fp16.
+``fp32_newton_schulz(every_method=True)`` (shared with the tests), which makes the CPU accelerator
+report no fp16 and no bf16 (the "standard" and "polar_express" kernels compute in bf16 where it is
+reported, which DeepSpeed's CPU accelerator always does).
 
 Rank 0 writes, into ``--out``:
 - ``result.json``: per-step loss (float, nats/token, mean over the global batch), NS-kernel
@@ -68,8 +70,23 @@ def parse_args(argv=None):
     p.add_argument("--max-corpus-bytes", type=int, default=None)
     p.add_argument("--clip", type=float, default=None,
                    help="gradient_clipping (default: the key is left out, so DeepSpeed's default 1.0 applies)")
+    p.add_argument("--muon-param", action="append", default=[], metavar="KEY=VALUE", type=muon_param,
+                   help="another key of the optimizer's params (VALUE is read as JSON, else taken as a string), "
+                   "e.g. ns_method=polar_express; repeatable")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
+
+
+def muon_param(text):
+    """``KEY=VALUE`` of ``--muon-param`` as ``(key, value)``: VALUE read as JSON (numbers, booleans,
+    lists), else taken as a string. Raises argparse.ArgumentTypeError without a ``=``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--muon-param takes KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
 
 
 def newton_schulz_dtype(ns_method="gram"):
@@ -91,8 +108,8 @@ def newton_schulz_dtype(ns_method="gram"):
 
 
 def ds_config(args, micro_batch, patched=True):
-    """The DeepSpeed config dict: fp32, Muon with explicit lr/momentum, ``gradient_clipping`` only
-    with ``--clip`` (else DeepSpeed's default, 1.0).
+    """The DeepSpeed config dict: fp32, Muon with explicit lr/momentum and the ``--muon-param`` keys,
+    ``gradient_clipping`` only with ``--clip`` (else DeepSpeed's default, 1.0).
 
     ``patched``: the +zero3muon build takes ZeRO-3's defaults; stock DeepSpeed refuses Muon at
     stage 3 unless ``reduce_scatter`` is off ("Muon and reduce scatter cannot be used together").
@@ -117,6 +134,7 @@ def ds_config(args, micro_batch, patched=True):
                 "betas": [0.9, 0.95],
                 "eps": 1e-8,
                 "weight_decay": 0.0,
+                **dict(args.muon_param),
             },
         },
         "zero_optimization": zero,
@@ -154,10 +172,11 @@ def main(argv=None):
     model = LlamaForCausalLM(config).float()
     corpus = data.load_corpus(args.max_corpus_bytes)
 
-    ns_dtype_upstream = newton_schulz_dtype()
+    ns_method = dict(args.muon_param).get("ns_method", "gram")
+    ns_dtype_upstream = newton_schulz_dtype(ns_method)
     pin = contextlib.ExitStack()
-    pin.enter_context(fp32_newton_schulz())  # until training ends, below
-    ns_dtype = newton_schulz_dtype()
+    pin.enter_context(fp32_newton_schulz(every_method=True))  # until training ends, below
+    ns_dtype = newton_schulz_dtype(ns_method)
     counter = NSCounter().install()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=ds_config(args, micro, patched))

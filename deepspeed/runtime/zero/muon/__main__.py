@@ -51,6 +51,8 @@ PATCH_MARKERS = (
     ("0014", "runtime/engine.py", "import scheduler_params_for_groups", None),
     ("0015", "runtime/engine.py", "import momenta_by_group, rates_by_group", None),
     ("0016", "runtime/engine.py", "import check_muon_keys", None),
+    # Polar Express as an ns_method of upstream's Muon (muon_orthogonalize's dispatch, NS_METHODS)
+    ("0017", "runtime/zero/muon/original_muon.py", "import zeropower_via_polar_express", None),
     # Muon variants: NorMuon's keys reach the Muon groups (checked); its owner state saved per parameter
     ("0018", "runtime/engine.py", "import check_variant_config", None),
 )

@@ -10,7 +10,10 @@ parameter group passed as ``model_parameters``, and drops every other key. A mis
 (``muon_momentum``, ``lr_muon``) or one meant for another optimizer (``amsgrad``, ``ns_steps``)
 therefore trained silently with the defaults. ``check_muon_keys`` (called where the engine
 builds Muon) refuses such a key with a ``ValueError`` naming it and the accepted keys, as
-DeepSpeed's own config sections refuse unknown fields.
+DeepSpeed's own config sections refuse unknown fields. It also refuses an ``ns_method`` that is
+not one of upstream's Newton-Schulz methods (``original_muon.NS_METHODS``: "gram", "standard",
+and "polar_express" with patch 0017), which the optimizer would otherwise reject with a bare
+``AssertionError`` (``MuonWithAuxAdam``), or, where nothing checks it, run as "standard".
 
 Precedence of the learning rates: a Muon group's rate is the parameter group's own ``lr``, else
 ``muon_lr``, else ``lr``, else 0.02; an Adam group's the group's own ``lr``, else ``adam_lr``,
@@ -98,8 +101,24 @@ def _accepted(keys: Iterable[str]) -> str:
     return ", ".join(sorted(keys))
 
 
+def ns_methods() -> frozenset:
+    """The ``ns_method`` values upstream's Muon accepts (``original_muon.NS_METHODS``)."""
+    from deepspeed.runtime.zero.muon import original_muon
+    return frozenset(original_muon.NS_METHODS)
+
+
+def _is_ns_method(value) -> bool:
+    return isinstance(value, str) and value in ns_methods()
+
+
+def _bad_ns_method(where: str, value) -> str:
+    return (f"{where}.ns_method: {value!r} is not a Newton-Schulz method of Muon. "
+            f"Accepted: {_accepted(ns_methods())}.")
+
+
 def check_muon_keys(optimizer_parameters: Mapping[str, Any], model_parameters) -> None:
-    """Refuse every key of the Muon block and of its parameter groups that the engine would drop.
+    """Refuse every key of the Muon block and of its parameter groups that the engine would drop,
+    and every ``ns_method`` Muon has no kernel for.
 
     Args:
         optimizer_parameters: the config's ``optimizer.params`` (not modified).
@@ -110,10 +129,14 @@ def check_muon_keys(optimizer_parameters: Mapping[str, Any], model_parameters) -
     Raises:
         ValueError: one message listing each unknown key: ``optimizer.params.<key>`` with the
             accepted config keys, ``model_parameters[<i>].<key>`` with the accepted group keys, and
-            for ``per_head_muon`` on a DeepSpeed without per-head Muon, that this base lacks it.
+            for ``per_head_muon`` on a DeepSpeed without per-head Muon, that this base lacks it;
+            then each ``ns_method`` (in ``optimizer.params`` or a group) that is not one of
+            ``ns_methods()``, with the accepted values.
     """
     accepted = config_keys()
-    problems = []
+    problems, values = [], []
+    if "ns_method" in (optimizer_parameters or {}) and not _is_ns_method(optimizer_parameters["ns_method"]):
+        values.append(_bad_ns_method("optimizer.params", optimizer_parameters["ns_method"]))
     for key in (optimizer_parameters or {}):
         if key in accepted:
             continue
@@ -132,6 +155,14 @@ def check_muon_keys(optimizer_parameters: Mapping[str, Any], model_parameters) -
                     why = GROUP_HINTS.get(key, "not a key of a Muon parameter group")
                     problems.append(f"model_parameters[{index}].{key}: {why}, so it would do nothing. Accepted: "
                                     f"{_accepted(GROUP_KEYS)}.")
+            if "ns_method" in group and not _is_ns_method(group["ns_method"]):
+                values.append(_bad_ns_method(f"model_parameters[{index}]", group["ns_method"]))
+    sections = []
     if problems:
-        raise ValueError("The Muon optimizer's configuration has keys that would do nothing:\n" +
-                         "\n".join(f"- {problem}" for problem in problems))
+        sections.append("The Muon optimizer's configuration has keys that would do nothing:\n" +
+                        "\n".join(f"- {problem}" for problem in problems))
+    if values:
+        sections.append("The Muon optimizer's configuration has values it cannot use:\n" +
+                        "\n".join(f"- {value}" for value in values))
+    if sections:
+        raise ValueError("\n".join(sections))

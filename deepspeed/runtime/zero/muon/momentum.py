@@ -32,7 +32,7 @@ class MuonSettings:
     Attributes:
         momentum: beta of the momentum (the group's ``momentum``; required).
         nesterov: Nesterov blend of gradient and momentum (default True).
-        ns_method: Newton-Schulz kernel, "gram" or "standard" (default "gram").
+        ns_method: Newton-Schulz kernel, "gram", "standard" or "polar_express" (default "gram").
         ns_steps: Newton-Schulz iterations (default 5).
     """
     momentum: float

@@ -49,7 +49,8 @@ class MatrixSpec:
 
     Attributes:
         shape: the full parameter shape (``param.ds_shape``), at least 2-D.
-        ns_method: ``"gram"`` or ``"standard"`` (the parameter group's ``ns_method``).
+        ns_method: ``"gram"``, ``"standard"`` or ``"polar_express"`` (the parameter group's
+            ``ns_method``).
         is_expert_group: ``param.is_expert_group``; NS is batched over the leading dimensions.
         num_heads: ``param.muon_num_heads``; NS runs per attention head (rows split into heads).
         ns_problem: ``(batch, rows, cols)``, the matrices Newton-Schulz runs on for this
@@ -84,14 +85,18 @@ class MatrixSpec:
     @property
     def ns_workspace_numel(self) -> int:
         """Elements Newton-Schulz allocates for this parameter beyond its input: per problem, with
-        ``m = min(rows, cols)`` and ``n = max(rows, cols)``, ``2 m n + 4 m^2`` (the normalized copy
-        and the result, and at most four ``m x m`` Gram and iteration matrices). Measured as the
-        allocator's peak above the input of upstream's eager kernels in fp32 on the CPU: exactly
-        this for ``"gram"``, at most ``2 m n + 3.1 m^2`` for ``"standard"``; a half-precision
-        kernel needs fewer bytes, a compiled one fuses temporaries."""
+        ``m = min(rows, cols)`` and ``n = max(rows, cols)``, ``2 m n + 4 m^2`` for ``"gram"`` (the
+        normalized copy and the result, and at most four ``m x m`` Gram and iteration matrices) and
+        ``4 m n + 2 m^2`` for the iterations on the whole matrix, ``"standard"`` and
+        ``"polar_express"`` (the iterate, ``a X``, ``B X`` and their sum, beside ``A = X X^T`` and
+        ``B``). Measured as the allocator's peak above the input of the eager kernels in fp32 on the
+        CPU: exactly these; a half-precision kernel needs fewer bytes, a compiled one fuses
+        temporaries."""
         batch, rows, cols = self.ns_problem
         m, n = min(rows, cols), max(rows, cols)
-        return batch * (2 * m * n + 4 * m * m)
+        if self.ns_method == "gram":
+            return batch * (2 * m * n + 4 * m * m)
+        return batch * (4 * m * n + 2 * m * m)
 
 
 def newton_schulz_cost(spec: MatrixSpec, ns_steps: int = NS_STEPS_DEFAULT) -> float:
@@ -101,7 +106,8 @@ def newton_schulz_cost(spec: MatrixSpec, ns_steps: int = NS_STEPS_DEFAULT) -> fl
     the standard quintic iteration (upstream ``zeropower_via_newtonschulz5``) costs per step
     ``X X^T`` (2 m^2 n), ``A A`` (2 m^3) and ``B X`` (2 m^2 n). The Gram variant (upstream
     ``zeropower_via_gram_newtonschulz``, used when ``m < n``) forms ``X X^T`` once, iterates on the
-    ``m x m`` Gram matrix (about 6 m^3 per step) and applies ``Q X`` twice (restart and end).
+    ``m x m`` Gram matrix (about 6 m^3 per step) and applies ``Q X`` twice (restart and end). Polar
+    Express (``polar_express``) is the standard iteration with other coefficients: the same cost.
 
     Returns:
         float: the operation count (a cost for balancing, not a time).

@@ -10,8 +10,9 @@ import time
 
 import torch
 
-NS_KERNELS = ("zeropower_via_gram_newtonschulz", "zeropower_via_newtonschulz5")
-"""Upstream's Newton-Schulz kernels, module attributes of ``deepspeed.runtime.zero.muon.original_muon``."""
+NS_KERNELS = ("zeropower_via_gram_newtonschulz", "zeropower_via_newtonschulz5", "zeropower_via_polar_express")
+"""Upstream's Newton-Schulz kernels, module attributes of ``deepspeed.runtime.zero.muon.original_muon``
+(Polar Express's where patch 0017 imports it there, ``polar_express.zeropower_via_polar_express``)."""
 
 
 class NSCounter:
@@ -21,7 +22,8 @@ class NSCounter:
     Install before the first optimizer step: where ``muon_update`` itself is ``torch.compile``d
     (0.19.7) and TorchDynamo is on, it is traced with the kernels it finds then, and the counting
     is replayed as a side effect of each call. ``uninstall`` (or leaving the ``with`` block)
-    restores the kernels. Works on stock DeepSpeed too.
+    restores the kernels. Works on stock DeepSpeed too (a kernel ``original_muon`` lacks, Polar
+    Express there, is not counted; its count stays 0).
 
     Attributes:
         count: matrices orthogonalized, over all calls: a call on a batch of shape
@@ -46,6 +48,8 @@ class NSCounter:
     def install(self):
         from deepspeed.runtime.zero.muon import original_muon
         for name in NS_KERNELS:
+            if not hasattr(original_muon, name):
+                continue
             kernel = self._saved[name] = getattr(original_muon, name)
 
             def counted(*args, _kernel=kernel, _name=name, **kwargs):
@@ -107,6 +111,8 @@ def reference_muon_update(grad, momentum, beta, ns_method="gram", is_expert_grou
     kernel = original_muon.zeropower_via_gram_newtonschulz
     if ns_method == "standard":
         kernel = original_muon.zeropower_via_newtonschulz5
+    elif ns_method == "polar_express":
+        kernel = original_muon.zeropower_via_polar_express
     return kernel(x, steps=5) * max(1, grad.size(-2) / grad.size(-1))**0.5
 
 

@@ -207,8 +207,9 @@ class TestEachKeyReachesItsHalf(DistributedTest):
 
 def test_check_muon_keys_accepts_every_key_it_lists():
     from deepspeed.runtime.zero.muon import config_keys
-    params = {key: None for key in config_keys.config_keys()}
-    config_keys.check_muon_keys(params, [{key: None for key in config_keys.GROUP_KEYS}, torch.zeros(1)])
+    params = {key: None for key in config_keys.config_keys()} | {"ns_method": "gram"}
+    group = {key: None for key in config_keys.GROUP_KEYS} | {"ns_method": "standard"}
+    config_keys.check_muon_keys(params, [group, torch.zeros(1)])
     # a generator is left alone (not consumed)
     gen = (p for p in [torch.zeros(1)])
     config_keys.check_muon_keys({}, gen)
@@ -227,6 +228,28 @@ def test_check_muon_keys_refusals():
         config_keys.check_muon_keys({"nesterov": False}, None)
     with pytest.raises(ValueError, match=r"model_parameters\[0\]\.ns_steps: not a key of a Muon parameter group"):
         config_keys.check_muon_keys({}, [{"params": [], "ns_steps": 3}])
+
+
+def test_check_muon_keys_ns_method_values():
+    """Every Newton-Schulz method of upstream's Muon is accepted, in the config and in a group
+    ("polar_express" where patch 0017 adds it); anything else is refused naming the key, the value
+    and the accepted methods, after the unknown keys."""
+    from deepspeed.runtime.zero.muon import config_keys, original_muon
+    assert config_keys.ns_methods() == set(original_muon.NS_METHODS) >= {"gram", "standard"}
+    for method in config_keys.ns_methods():
+        config_keys.check_muon_keys({"ns_method": method}, [{"params": [], "ns_method": method}])
+    accepted = f"Accepted: {', '.join(sorted(original_muon.NS_METHODS))}."
+    for bad in ("polar-express", "Gram", None, 5, ["gram"]):
+        with pytest.raises(ValueError) as info:
+            config_keys.check_muon_keys({"ns_method": bad}, [{"params": []}, {"params": [], "ns_method": bad}])
+        message = str(info.value)
+        assert message.startswith("The Muon optimizer's configuration has values it cannot use:"), message
+        assert f"- optimizer.params.ns_method: {bad!r} is not a Newton-Schulz method of Muon. {accepted}" in message
+        assert f"- model_parameters[1].ns_method: {bad!r} is not a Newton-Schulz method of Muon. {accepted}" in message
+    with pytest.raises(ValueError) as info:
+        config_keys.check_muon_keys({"ns_method": "newton", "ns_steps": 3}, None)
+    keys, values = str(info.value).split("\nThe Muon optimizer's configuration has values it cannot use:\n")
+    assert "optimizer.params.ns_steps" in keys and "optimizer.params.ns_method: 'newton'" in values
 
 
 def test_per_head_muon_on_each_base():

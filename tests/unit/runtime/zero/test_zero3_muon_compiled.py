@@ -32,7 +32,7 @@ def compiled_newton_schulz():
     import torch
     from deepspeed.runtime.zero.muon import original_muon
     saved_env = os.environ.get("TORCHDYNAMO_DISABLE")
-    saved = {name: getattr(original_muon, name) for name in NS_KERNELS}
+    saved = {name: getattr(original_muon, name) for name in NS_KERNELS if hasattr(original_muon, name)}
     os.environ["TORCHDYNAMO_DISABLE"] = "0"
     try:
         for name, kernel in saved.items():

@@ -128,7 +128,7 @@ def needs_stage3_fix(fix: str):
 
 
 @contextlib.contextmanager
-def fp32_newton_schulz():
+def fp32_newton_schulz(every_method: bool = False):
     """Newton-Schulz's "gram" kernel in fp32 on the CPU, the tests' premise (FLOOR), on any CPU.
 
     Upstream's ``ns_compute_dtype`` runs "gram" in fp16 where the accelerator supports fp16, and
@@ -136,18 +136,24 @@ def fp32_newton_schulz():
     ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``); there the reference and ZeRO-3 then differ
     by 5.7e-4 (measured, MixedMLP, 4 steps) instead of the fp32 floor. While a test trains or
     replays, the CPU accelerator reports no fp16 (fp16 engines claim it back while they are built,
-    ``fp16_allowed_on_cpu``). Other accelerators are left alone."""
+    ``fp16_allowed_on_cpu``). Other accelerators are left alone.
+
+    With ``every_method`` the CPU accelerator reports no bf16 either, so the kernels that compute
+    in bf16 where it is supported ("standard", "polar_express") run in fp32 too: for fp32 runs only
+    (``bf16.enabled`` needs bf16 at ``deepspeed.initialize``)."""
     from deepspeed.accelerator import get_accelerator
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
         yield
         return
-    original = accelerator.is_fp16_supported
+    original, original_bf16 = accelerator.is_fp16_supported, accelerator.is_bf16_supported
     accelerator.is_fp16_supported = lambda: False
+    if every_method:
+        accelerator.is_bf16_supported = lambda: False
     try:
         yield
     finally:
-        accelerator.is_fp16_supported = original
+        accelerator.is_fp16_supported, accelerator.is_bf16_supported = original, original_bf16
 
 
 @contextlib.contextmanager
@@ -387,6 +393,12 @@ GROUPINGS = {
         dict(params=list(model.fc1.parameters()), ns_method="standard"),
         dict(params=[p for n, p in model.named_parameters() if not n.startswith("fc1.")]),
     ],
+    # The first layer orthogonalized by Polar Express, the rest by "gram".
+    "polar_express_first":
+    lambda model: [
+        dict(params=list(model.fc1.parameters()), ns_method="polar_express"),
+        dict(params=[p for n, p in model.named_parameters() if not n.startswith("fc1.")]),
+    ],
 }
 
 
@@ -397,10 +409,10 @@ def param_groups(model, grouping=None):
     return GROUPINGS[grouping](model)
 
 
-def _muon_settings(model, grouping, hyper):
+def _muon_settings(model, grouping, hyper, ns_method="gram"):
     """Per parameter name, the Muon or AdamW settings DeepSpeed's Muon engine resolves: the
-    config's shared values, ``muon_lr`` / ``adam_lr``, then the group's own (engine
-    ``_muon_param_groups``)."""
+    config's shared values (``ns_method``: the config's), ``muon_lr`` / ``adam_lr``, then the
+    group's own (engine ``_muon_param_groups``)."""
     names = {id(p): n for n, p in model.named_parameters()}
     settings = {}
     for group in param_groups(model, grouping) if grouping else [dict(params=list(model.parameters()))]:
@@ -411,7 +423,7 @@ def _muon_settings(model, grouping, hyper):
                 base = dict(lr=hyper["muon_lr"],
                             momentum=hyper["momentum"],
                             weight_decay=hyper["weight_decay"],
-                            ns_method="gram")
+                            ns_method=ns_method)
                 keys = ("lr", "momentum", "weight_decay", "ns_method")
             else:
                 base = dict(lr=hyper["adam_lr"],
@@ -424,9 +436,10 @@ def _muon_settings(model, grouping, hyper):
     return settings
 
 
-def train_reference(*args, **kwargs):
-    """``_train_reference`` with Newton-Schulz in fp32 (``fp32_newton_schulz``)."""
-    with fp32_newton_schulz():
+def train_reference(*args, ns_fp32=False, **kwargs):
+    """``_train_reference`` with Newton-Schulz in fp32 (``fp32_newton_schulz``; with ``ns_fp32``
+    for every method)."""
+    with fp32_newton_schulz(every_method=ns_fp32):
         return _train_reference(*args, **kwargs)
 
 
@@ -438,13 +451,15 @@ def _train_reference(name: str,
                      grouping=None,
                      adamw_only=False,
                      per_head=False,
-                     samples: int = TOTAL_SAMPLES):
+                     samples: int = TOTAL_SAMPLES,
+                     ns_method: Optional[str] = None):
     """Single-process PyTorch + upstream ``muon_update`` training; see the module docstring.
 
     A parameter without a gradient in a step (a branch no sample used) gets a zero gradient, as
     DeepSpeed's optimizers treat it; a frozen parameter is left out. With ``adamw_only`` every
     parameter uses AdamW (lr ``adam_lr``), the reference for DeepSpeed's ``"AdamW"`` optimizer.
-    With ``per_head`` the model's ``MUON_HEADS`` are orthogonalized per head.
+    With ``per_head`` the model's ``MUON_HEADS`` are orthogonalized per head. ``ns_method``: the
+    config's (``optimizer.params.ns_method``; None: upstream's default, "gram").
 
     Returns:
         ``(weights, norms)``: final parameters by name (numpy fp32) and the pre-clip global
@@ -453,7 +468,7 @@ def _train_reference(name: str,
     model = build_model(name)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     heads = getattr(model, "MUON_HEADS", {}) if per_head else {}
-    settings = _muon_settings(model, grouping, hyper)
+    settings = _muon_settings(model, grouping, hyper, ns_method or "gram")
     muon = [(n, p) for n, p in named if is_muon_param(n, p) and not adamw_only]
     other = [(n, p) for n, p in named if adamw_only or not is_muon_param(n, p)]
     if adamw_only:
@@ -533,6 +548,10 @@ class Zero3MuonRun:
             converted on rank 0) and load with ``"checkpoint": {"load_universal": true}``.
         resume_from: start at this step from the checkpoint a run with ``restart_after`` equal
             to it saved in ``checkpoint_dir`` (at any world size when ``universal``).
+        ns_method: ``optimizer.params.ns_method`` (None: not set, upstream's "gram"); the reference
+            uses it too. ns_fp32: every Newton-Schulz kernel in fp32 on the CPU, in the run and its
+            reference ("standard" and "polar_express" compute in bf16 there otherwise;
+            ``fp32_newton_schulz(every_method=True)``); fp32 runs only.
         momentum_to_bf16: before that ``load_checkpoint``, store the checkpoint's Muon momentum in
             bf16, as stock 0.19.8 writes it under bf16 training.
     """
@@ -559,6 +578,8 @@ class Zero3MuonRun:
     momentum_to_bf16: bool = False
     universal: bool = False
     resume_from: Optional[int] = None
+    ns_method: Optional[str] = None
+    ns_fp32: bool = False
 
     def with_(self, **changes) -> "Zero3MuonRun":
         return dataclasses.replace(self, **changes)
@@ -587,13 +608,15 @@ class Zero3MuonRun:
             config["optimizer"] = ADAMW
         if self.per_head:
             config["optimizer"]["params"]["per_head_muon"] = True
+        if self.ns_method is not None:
+            config["optimizer"]["params"]["ns_method"] = self.ns_method
         config.update(dict(self.extra))
         return config
 
     def reference_key(self) -> tuple:
         """What ``reference()`` depends on: runs with equal keys have the same reference."""
         return (self.model, self.steps, self.clip, self.target_scale, self.groups, self.optimizer, self.per_head,
-                self.samples)
+                self.samples, self.ns_method, self.ns_fp32)
 
     def reference(self):
         """``train_reference`` of the same model, steps and samples: ``(weights, norms)``."""
@@ -604,7 +627,9 @@ class Zero3MuonRun:
                                grouping=self.groups,
                                adamw_only=self.optimizer == "AdamW",
                                per_head=self.per_head,
-                               samples=self.samples)
+                               samples=self.samples,
+                               ns_method=self.ns_method,
+                               ns_fp32=self.ns_fp32)
 
     def build_engine(self, config):
         import deepspeed
@@ -629,7 +654,7 @@ class Zero3MuonRun:
         With ``record`` a ``Recorder`` is installed (ZeRO-3 Muon runs only). Newton-Schulz
         computes in fp32 (``fp32_newton_schulz``).
         """
-        with fp32_newton_schulz():
+        with fp32_newton_schulz(every_method=self.ns_fp32):
             return self._train(checkpoint_dir, nvme_dir, record)
 
     def _save(self, engine, checkpoint_dir, rank):

@@ -1,0 +1,110 @@
+# Copyright (c) 2026 The zero3muon authors
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""``ns_method: "polar_express"`` through DeepSpeed, on W gloo ranks (``DS_ACCELERATOR=cpu``).
+
+MixedMLP, 4 optimizer steps of the same 16 samples, fp32, with Newton-Schulz in fp32 for every
+method (``Zero3MuonRun(ns_fp32=True)``: Polar Express computes in bf16 on DeepSpeed's CPU
+accelerator, like "standard", and one bf16 rounding that falls the other way would hide the fp32
+agreement). The weights must equal the single-process reference (``train_reference``: upstream
+``muon_update`` with "polar_express", patch 0017) to the fp32 floor ``FLOOR`` (2e-6; measured
+below 5e-7 here) at ZeRO-3 for W=1, 2 (gas 1 and 4) and 4 (gas 4), at ZeRO-2 with optimizer
+offload (the same distributed core, W=2) and at stage 0 (no ZeRO: upstream's optimizer runs
+``muon_update`` itself), with Polar Express run once per Muon matrix per step summed over ranks
+and no other kernel; with "polar_express" in one parameter group only, that group's matrix goes
+to it and the others to "gram". The method matters: the same run with "gram" ends 1e-2 away.
+An ``ns_method`` Muon has no kernel for is refused at ``deepspeed.initialize`` at every stage, in
+the config and in a parameter group, naming the key and the accepted methods.
+"""
+
+import deepspeed
+import pytest
+
+from unit.common import DistributedTest
+from unit.runtime.zero.zero3_muon_helpers import (FLOOR, Zero3MuonRun, build_model, initialize_error,
+                                                  newton_schulz_problem_count, relative_difference)
+
+STEPS = 4
+RUN = Zero3MuonRun(model="mixed", gas=4, steps=STEPS, ns_method="polar_express", ns_fp32=True)
+FIRST = Zero3MuonRun(model="mixed", gas=4, steps=STEPS, groups="polar_express_first", ns_fp32=True)
+ACCEPTED = "Accepted: gram, polar_express, standard."
+
+
+@pytest.fixture(scope="module")
+def references():
+    """Reference weights of RUN, of RUN with "gram" (the default), and of FIRST."""
+    return RUN.reference()[0], RUN.with_(ns_method=None).reference()[0], FIRST.reference()[0]
+
+
+def check(name, result, references, problems=None):
+    """``result`` equals RUN's reference, far from the "gram" one; Polar Express once per problem
+    per step summed over ranks, no other kernel."""
+    reference, gram, _ = references
+    diff = relative_difference(reference, result.weights)
+    print(f"MEASURED {name}: {diff:.2e} from the reference, {relative_difference(gram, result.weights):.2e} "
+          "from the gram reference")
+    assert diff <= FLOOR, name
+    assert relative_difference(gram, result.weights) > 1000 * FLOOR, name
+    problems = newton_schulz_problem_count("mixed") if problems is None else problems
+    assert result.ns_by_kernel() == {
+        "zeropower_via_polar_express": problems * STEPS,
+        "zeropower_via_gram_newtonschulz": 0,
+        "zeropower_via_newtonschulz5": 0
+    }, name
+
+
+class TestPolarExpress(DistributedTest):
+    reuse_dist_env = True
+
+    @pytest.mark.core
+    @pytest.mark.parametrize("world_size", [1, 2])
+    @pytest.mark.parametrize("gas", [1, 4])
+    def test_zero3_matches_reference(self, world_size, gas, references):
+        result = RUN.with_(gas=gas).train()
+        check(f"zero3 W={world_size} gas={gas}", result, references)
+        assert sum(r.stats["ns_calls"] for r in result.per_rank) == newton_schulz_problem_count("mixed") * STEPS
+
+    @pytest.mark.world_size(4)
+    def test_zero3_four_ranks(self, references):
+        check("zero3 W=4 gas=4", RUN.train(), references)
+
+    @pytest.mark.world_size(2)
+    def test_zero2_offload_runs_the_same_core(self, references):
+        result = RUN.with_(stage=2, offload="cpu").train()
+        check("zero2 offload W=2", result, references)
+        assert result.per_rank[0].stats["optimizer_steps"] == STEPS
+
+    @pytest.mark.world_size(1)
+    def test_stage0_runs_it_in_upstreams_optimizer(self, references):
+        check("stage 0", RUN.with_(stage=0).train(), references)
+
+    @pytest.mark.world_size(2)
+    def test_one_group_on_polar_express(self, references):
+        result = FIRST.train()
+        diff = relative_difference(references[2], result.weights)
+        print(f"MEASURED polar_express_first: {diff:.2e}")
+        assert diff <= FLOOR
+        assert result.ns_by_kernel() == {
+            "zeropower_via_polar_express": STEPS,
+            "zeropower_via_gram_newtonschulz": 2 * STEPS,
+            "zeropower_via_newtonschulz5": 0
+        }
+
+    @pytest.mark.world_size(1)
+    def test_unknown_ns_method_refused_at_initialize(self):
+        for stage in (0, 1, 2, 3):
+            error = initialize_error(RUN.with_(stage=stage, ns_method="polar-express"))
+            assert error is not None and error.startswith("ValueError: "), (stage, error)
+            assert f"optimizer.params.ns_method: 'polar-express' is not a Newton-Schulz method of Muon. {ACCEPTED}" \
+                in error, (stage, error)
+            config = RUN.with_(stage=stage, ns_method=None).config(1)
+            model = build_model("mixed")
+            groups = [
+                dict(params=list(model.fc1.parameters()), ns_method="quintic"),
+                dict(params=[p for n, p in model.named_parameters() if not n.startswith("fc1.")])
+            ]
+            with pytest.raises(ValueError,
+                               match=rf"model_parameters\[0\]\.ns_method: 'quintic' is not a "
+                               rf"Newton-Schulz method of Muon\. {ACCEPTED}"):
+                deepspeed.initialize(model=model, config=config, model_parameters=groups)
