@@ -52,9 +52,17 @@ def _problem(shape, is_expert_group, num_heads):
     return int(np.prod(shape[:-2])), shape[-2], shape[-1]
 
 
-def normuon_reference(model_name="mixed", steps=5, beta2=BETA2, eps=EPS, samples=16, num_heads=None):
-    """Single-process NorMuon training of ``model_name``; returns the final weights by name (numpy)."""
-    with fp32_newton_schulz():
+def normuon_reference(model_name="mixed",
+                      steps=5,
+                      beta2=BETA2,
+                      eps=EPS,
+                      samples=16,
+                      num_heads=None,
+                      ns_method="gram",
+                      ns_fp32=False):
+    """Single-process NorMuon training of ``model_name``; returns the final weights by name (numpy).
+    ``ns_method``: the Newton-Schulz kernel of O; ``ns_fp32``: every kernel in fp32 on the CPU."""
+    with fp32_newton_schulz(every_method=ns_fp32):
         model = build_model(model_name)
         heads = num_heads or {}
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -74,7 +82,7 @@ def normuon_reference(model_name="mixed", steps=5, beta2=BETA2, eps=EPS, samples
             loss_fn(model(x), y).backward()
             with torch.no_grad():
                 for n, p in muon:
-                    o = reference_muon_update(p.grad.clone(), momenta[n], HYPER["momentum"], "gram",
+                    o = reference_muon_update(p.grad.clone(), momenta[n], HYPER["momentum"], ns_method,
                                               getattr(p, "is_expert_group", False), heads.get(n))
                     o = o.reshape(problems[n]).float()
                     second[n] = beta2 * second[n] + (1 - beta2) * (o * o).mean(dim=-1)
@@ -151,6 +159,21 @@ class TestZero3NorMuon(DistributedTest):
               f"{relative_difference(plain_heads, result.weights):.2e}")
         assert diff <= FLOOR
         assert relative_difference(plain_heads, result.weights) > 100 * FLOOR
+
+    @pytest.mark.world_size(2)
+    def test_with_polar_express(self):
+        """NorMuon on another ns_method's result (Polar Express, patch 0017), fp32 kernels."""
+        from deepspeed.runtime.zero.muon import original_muon
+        if "polar_express" not in original_muon.NS_METHODS:
+            pytest.skip("this build has no polar_express ns_method (patch 0017)")
+        result = normuon_run(gas=2, ns_fp32=True,
+                             extra=(("optimizer", normuon_block(ns_method="polar_express")), )).train()
+        expected = normuon_reference(ns_method="polar_express", ns_fp32=True)
+        diff = relative_difference(expected, result.weights)
+        print(f"MEASURED normuon + polar_express W=2 gas=2: {diff:.2e}; from gram's NorMuon "
+              f"{relative_difference(normuon_reference(), result.weights):.2e}")
+        assert diff <= FLOOR
+        assert relative_difference(normuon_reference(), result.weights) > 100 * FLOOR
 
     @pytest.mark.world_size(2)
     @pytest.mark.parametrize("stage, offload", [(1, None), (2, None), (2, "cpu")])
