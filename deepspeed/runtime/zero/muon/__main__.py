@@ -53,6 +53,8 @@ PATCH_MARKERS = (
     ("0016", "runtime/engine.py", "import check_muon_keys", None),
     # Polar Express as an ns_method of upstream's Muon (muon_orthogonalize's dispatch, NS_METHODS)
     ("0017", "runtime/zero/muon/original_muon.py", "import zeropower_via_polar_express", None),
+    # Muon variants: NorMuon's keys reach the Muon groups (checked); its owner state saved per parameter
+    ("0018", "runtime/engine.py", "import check_variant_config", None),
 )
 MODE = "owner-centric at the accumulation boundary"
 

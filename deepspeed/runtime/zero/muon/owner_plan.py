@@ -289,7 +289,11 @@ def reserved_numel(plan: OwnerPlan, pieces: Sequence[Sequence[int]], slots: int)
     return [busy * (a + b) for a, b in zip(most_out, most_in)]
 
 
-def within_budget(plan: OwnerPlan, pieces: Sequence[Sequence[int]], slots: int, result_itemsize: int = 4) -> bool:
+def within_budget(plan: OwnerPlan,
+                  pieces: Sequence[Sequence[int]],
+                  slots: int,
+                  result_itemsize: int = 4,
+                  state_numels: Optional[Sequence[int]] = None) -> bool:
     """Whether every rank's reserved buffers (``reserved_numel``) and what it allocates as owner
     together fit the elements it holds (its momentum partition). Then Muon's state, buffers and
     owner working set take no more than the second moment Adam would keep, and Muon's peak in
@@ -298,11 +302,16 @@ def within_budget(plan: OwnerPlan, pieces: Sequence[Sequence[int]], slots: int, 
     What an owner allocates: its Newton-Schulz working set (``OwnerPlan.workspace``) and, where
     the results are narrower than the fp32 exchange (``result_itemsize`` bytes: fp16 or bf16
     Newton-Schulz on an accelerator), the results of its largest bucket, which it holds until the
-    bucket's calls are done (``pipeline``), counted in fp32 elements.
+    bucket's calls are done (``pipeline``), counted in fp32 elements; and, for a Muon variant
+    with owner state (``owner_state``), the fp32 state of the matrices it owns (``state_numels``:
+    per matrix; ``None`` for plain Muon, which keeps none).
     """
     _, most_in = _largest_buffers(plan, pieces)
     held = [-(-n * result_itemsize // 4) if result_itemsize < 4 else 0 for n in most_in]
-    budget = [sum(p[r] for p in pieces) - plan.workspace(r) - held[r] for r in range(plan.world_size)]
+    state = [0] * plan.world_size
+    for owner, n in zip(plan.owners, state_numels or ()):
+        state[owner] += n
+    budget = [sum(p[r] for p in pieces) - plan.workspace(r) - held[r] - state[r] for r in range(plan.world_size)]
     return all(n <= b for n, b in zip(reserved_numel(plan, pieces, slots), budget))
 
 
@@ -314,7 +323,8 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
                        ns_steps: int = NS_STEPS_DEFAULT,
                        initial_load: Optional[Sequence[float]] = None,
                        holders: Optional[Sequence[Sequence[int]]] = None,
-                       result_itemsize: int = 4) -> OwnerPlan:
+                       result_itemsize: int = 4,
+                       state_numels: Optional[Sequence[int]] = None) -> OwnerPlan:
     """``plan_owners`` with the largest bucket size whose exchange buffers fit every rank's budget.
 
     The budget of rank ``r`` is the elements it holds (``sum(pieces[j][r])``, the size of its
@@ -331,6 +341,7 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
         max_bucket_numel: the largest bucket size to use (elements of whole matrices).
         slots: buckets in flight at once.
         result_itemsize: bytes per element of the Newton-Schulz results (``within_budget``).
+        state_numels: per matrix, the owner state of a Muon variant (``within_budget``).
 
     Returns:
         OwnerPlan: deterministic in its inputs (every rank picks the same bucket size).
@@ -343,7 +354,7 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
         return plan_owners(specs, world_size, bucket_numel, ns_steps, initial_load, holders)
 
     def fits(candidate):
-        return within_budget(candidate, pieces, slots, result_itemsize)
+        return within_budget(candidate, pieces, slots, result_itemsize, state_numels)
 
     # Candidate sizes: the first k matrices' total for every k (each gives a different bucketing),
     # at most max_bucket_numel. The buffers grow with the bucket size but, with LPT owners, not
@@ -386,14 +397,15 @@ def plan_for_depth(specs: Sequence[MatrixSpec], pieces: Sequence[Sequence[int]],
     Args:
         specs, pieces, world_size, max_bucket_numel: as for ``plan_within_budget``.
         depth: the depth asked for (at least 1).
-        plan_args: ``ns_steps``, ``initial_load``, ``holders``, ``result_itemsize`` of
-            ``plan_within_budget``.
+        plan_args: ``ns_steps``, ``initial_load``, ``holders``, ``result_itemsize``,
+            ``state_numels`` of ``plan_within_budget``.
 
     Returns:
         ``(plan, depth)``.
     """
     for d in range(depth, 0, -1):
         plan = plan_within_budget(specs, pieces, world_size, max_bucket_numel, slots_for_depth(d), **plan_args)
-        if within_budget(plan, pieces, slots_for_depth(d), plan_args.get("result_itemsize", 4)):
+        if within_budget(plan, pieces, slots_for_depth(d), plan_args.get("result_itemsize", 4),
+                         plan_args.get("state_numels")):
             return plan, d
     return plan, 1

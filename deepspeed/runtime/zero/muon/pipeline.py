@@ -33,6 +33,11 @@ working set and results, not the bucket's. A narrower result dtype (fp16/bf16 Ne
 an accelerator) views the same bytes at other offsets, so those results are written once the
 bucket's calls are done.
 
+A Muon variant with owner state (``owner_state``, e.g. NorMuon) is applied in compute, to each
+Newton-Schulz result with the whole matrix in hand, before it is written back; its state lives in
+``MuonPipeline.owner_state`` on the owner. Plain Muon (``variant=None``) allocates and runs
+nothing of it.
+
 The schedule follows torchtitan's DistributedMuon (prepare/compute/finalize over a reserved
 transfer layout) and microsoft/dion's overlap of one batch's exchange with another's compute.
 """
@@ -46,6 +51,7 @@ from deepspeed.runtime.zero.muon.momentum import MuonSettings, momentum_step
 from deepspeed.runtime.zero.muon.newton_schulz import orthogonalize_each
 from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeBuffers, ExchangeStats, OwnerExchange
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, OwnerPlan, plan_for_depth, slots_for_depth
+from deepspeed.runtime.zero.muon.owner_state import OwnerState
 
 DEFAULT_DEPTH = 2
 """Buckets prepared ahead of the one being orthogonalized: one exchange in each direction overlaps NS."""
@@ -69,6 +75,13 @@ class MuonPipeline:
             offload).
         depth: see the module docstring; at least 1.
         batch_ns: passed to ``orthogonalize_each`` (None: batch same-shape problems where it pays).
+        variant: a Muon variant with owner state (``owner_state.NorMuon``), or None for plain Muon.
+        state_flat: storage for the owner state (``OwnerState``'s ``flat``; None: allocated on
+            ``device``).
+
+    Attributes:
+        owner_state: the variant's ``OwnerState`` of the matrices this rank owns (None for plain
+            Muon).
 
     Raises:
         ValueError: ``depth`` below 1.
@@ -83,7 +96,9 @@ class MuonPipeline:
                  device,
                  piece_device,
                  depth: int = DEFAULT_DEPTH,
-                 batch_ns=None):
+                 batch_ns=None,
+                 variant=None,
+                 state_flat=None):
         if depth < 1:
             raise ValueError(f"the Muon pipeline depth must be at least 1, got {depth}")
         self.plan = plan
@@ -103,6 +118,11 @@ class MuonPipeline:
                          pieces=tuple(tuple(pieces[j]) for j in bucket),
                          rank=exchange.rank) for bucket in plan.buckets
         ]
+        self.owner_state = None
+        self._variant = None
+        if variant is not None:
+            owned = [j for j, owner in enumerate(plan.owners) if owner == exchange.rank]
+            self.owner_state = OwnerState(variant, self.specs, owned, device=device, flat=state_flat)
 
     @classmethod
     def for_process_group(cls,
@@ -116,6 +136,7 @@ class MuonPipeline:
                           max_bucket_numel: int,
                           depth: int,
                           batch_ns=None,
+                          variant=None,
                           **plan_args) -> "MuonPipeline":
         """The pipeline of one sub-group on this rank of ``group``, with its owner plan.
 
@@ -125,7 +146,8 @@ class MuonPipeline:
         on ``group``, counted into ``stats``.
 
         Args:
-            specs, pieces, slices, device, piece_device, depth, batch_ns: as for the constructor.
+            specs, pieces, slices, device, piece_device, depth, batch_ns, variant: as for the
+                constructor (the plan's budget counts the variant's owner state).
             group: the sub-group's process group.
             stats: the binding's ``ExchangeStats``.
             max_bucket_numel: the largest bucket (elements of whole matrices).
@@ -135,9 +157,11 @@ class MuonPipeline:
         """
         from deepspeed import comm as dist
         rank, world_size = dist.get_rank(group=group), dist.get_world_size(group=group)
+        if variant is not None:
+            plan_args["state_numels"] = [variant.state_numel(spec) for spec in specs]
         plan, depth = plan_for_depth(specs, pieces, world_size, max_bucket_numel, depth, **plan_args)
         exchange = OwnerExchange(group, rank, world_size, dist.all_to_all_single, stats)
-        return cls(plan, specs, pieces, slices, exchange, device, piece_device, depth, batch_ns)
+        return cls(plan, specs, pieces, slices, exchange, device, piece_device, depth, batch_ns, variant)
 
     @property
     def buffer_demand(self) -> Tuple[int, int, int, torch.device]:
@@ -150,8 +174,13 @@ class MuonPipeline:
                     max(1, len(self.layouts))), max((layout.send_numel for layout in self.layouts), default=0),
                 max((layout.recv_numel for layout in self.layouts), default=0), self.piece_device)
 
-    def run(self, grad_flat: torch.Tensor, momentum_flat: torch.Tensor, settings: MuonSettings,
-            update_dtype: torch.dtype, buffers: ExchangeBuffers) -> None:
+    def run(self,
+            grad_flat: torch.Tensor,
+            momentum_flat: torch.Tensor,
+            settings: MuonSettings,
+            update_dtype: torch.dtype,
+            buffers: ExchangeBuffers,
+            variant=None) -> None:
         """Replace this rank's pieces of the gradient with its pieces of the Muon update.
 
         Call on every rank of the process group, once per optimizer step.
@@ -163,7 +192,16 @@ class MuonPipeline:
             settings: the parameter group's ``MuonSettings``.
             update_dtype: dtype of the back exchange (the kernel's compute dtype: no loss).
             buffers: at least ``buffer_demand``; nothing else may use them during the call.
+            variant: the step's variant settings (the parameter group's), of the kind the
+                pipeline was built with; None for plain Muon.
+
+        Raises:
+            RuntimeError: ``variant`` of another kind than the one the pipeline was built with.
         """
+        if (variant is None) != (self.owner_state is None):
+            raise RuntimeError(f"MuonPipeline built {'with' if self.owner_state is not None else 'without'} "
+                               f"owner state, run with variant {variant!r}.")
+        self._variant = variant
         if self.alone:
             self._run_alone(grad_flat, momentum_flat, settings, update_dtype)
             return
@@ -205,6 +243,8 @@ class MuonPipeline:
                                                          self.plan.workspace(0)):
                 self.exchange.stats.ns_calls += len(results)
                 for position, result in zip(positions, results):
+                    if self._variant is not None:
+                        result = self.owner_state.apply(layout.matrices[layout.owned[position]], result, self._variant)
                     matrix(position).copy_(result)
 
     def _prepare(self, b: int, slot: int, grad_flat, momentum_flat, settings, buffers: ExchangeBuffers):
@@ -237,6 +277,8 @@ class MuonPipeline:
         for positions, results in calls:
             self.exchange.stats.ns_calls += len(results)
             for position, result in zip(positions, results):
+                if self._variant is not None:
+                    result = self.owner_state.apply(layout.matrices[layout.owned[position]], result, self._variant)
                 if in_place:
                     layout.write_result(position, result, back)
                 else:

@@ -12,6 +12,10 @@ apart only by ``use_muon``, so a checkpoint whose groups pair with the run's by 
 kind would hand Muon settings to Adam groups. These checks refuse such checkpoints, naming the
 parameter or group; the ZeRO-3 loader calls ``check_zero3_universal_state`` first, the ZeRO-1/2
 one ``zero12_universal_momentum.check_before_load``.
+
+A Muon variant with owner state (NorMuon, ``owner_state``) saves it per parameter too (file
+``normuon_second_moment.pt``); ``check_variant_state`` requires it where the run's group uses the
+variant and refuses it where the group does not.
 """
 
 import os
@@ -19,6 +23,7 @@ from typing import Iterable, List
 
 from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_GROUPS
 from deepspeed.checkpoint.zero3_universal import FP32, STEP, check_groups_pair, state_files
+from deepspeed.runtime.zero.muon.owner_state import NORMUON_STATE_KEY, VARIANT_KEY, variant_of
 
 MOMENTUM = "momentum_buffer"
 """State name of the Muon momentum (``MuonWithAuxAdam``'s key, and the file name in a universal
@@ -51,6 +56,29 @@ def check_muon_state(name: str, folder: str, states: Iterable[str], is_muon: boo
         raise ValueError(f"Universal checkpoint: parameter '{name}' holds Muon's {MOMENTUM} in {folder}, but "
                          "this run optimizes it with Adam (use_muon False). Set use_muon (and the optimizer) as "
                          "the checkpoint was trained; refusing to drop its momentum.")
+
+
+def check_variant_state(name: str, folder: str, states: Iterable[str], param_group: dict) -> None:
+    """Refuse a Muon parameter whose folder lacks its variant's state, or holds one its group does not use.
+
+    Args:
+        name, folder, states: as for ``check_muon_state``.
+        param_group: the loading run's parameter group of the parameter (its ``variant``).
+
+    Raises:
+        ValueError: a NorMuon group's parameter without ``normuon_second_moment`` (it would restart
+            at zero), or a plain Muon group's parameter with it (it would be dropped).
+    """
+    states = set(states)
+    variant = variant_of(param_group) if param_group.get("use_muon") else None
+    if variant is not None and variant.state_key not in states:
+        raise ValueError(f"Universal checkpoint: Muon parameter '{name}' has no {variant.state_key} in {folder}, "
+                         f"which its {VARIANT_KEY} '{variant.name}' needs (a checkpoint of a plain Muon run?). "
+                         "Loading would restart it from zero; refusing.")
+    if variant is None and NORMUON_STATE_KEY in states:
+        raise ValueError(f"Universal checkpoint: parameter '{name}' holds NorMuon's {NORMUON_STATE_KEY} in {folder}, "
+                         f"but this run's group has no {VARIANT_KEY} 'normuon'; set the {VARIANT_KEY} the "
+                         "checkpoint was trained with (refusing to drop the state).")
 
 
 def check_muon_groups_pair(param_groups: List[dict], saved_groups: List[dict]) -> None:
@@ -98,4 +126,7 @@ def check_zero3_universal_state(optimizer, zero_dir: str, optim_sd: dict) -> Non
             if name is None:
                 continue
             folder = os.path.join(zero_dir, name)
-            check_muon_state(name, folder, state_files(folder), is_muon, never_stepped)
+            files = state_files(folder)
+            check_muon_state(name, folder, files, is_muon, never_stepped)
+            check_variant_state(name, folder, files,
+                                optimizer.optimizer.param_groups[optimizer.sub_group_to_group_id[sub_group_id]])

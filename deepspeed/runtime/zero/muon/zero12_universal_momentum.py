@@ -39,6 +39,7 @@ from typing import Dict, List, Optional
 import torch
 
 from deepspeed.checkpoint.zero3_universal import FP32, STEP, check_state_fits, state_files
+from deepspeed.runtime.zero.muon.owner_state import VARIANT_KEY, variant_of
 from deepspeed.runtime.zero.muon.universal_state_checks import (MOMENTUM as MOMENTUM_KEY, check_muon_groups_pair,
                                                                 check_muon_state)
 
@@ -145,6 +146,11 @@ def check_before_load(zero_optimizer, checkpoint_folder) -> None:
     zero_folder = os.path.join(checkpoint_folder, "zero")
     saved = torch.load(os.path.join(zero_folder, OPTIMIZER_STATE_FILE), map_location="cpu", weights_only=False)
     check_muon_groups_pair(base.param_groups, saved.get("param_groups", []))
+    for index, group in enumerate(base.param_groups):
+        if group.get("use_muon") and variant_of(group) is not None:
+            raise ValueError(f"Cannot load the universal checkpoint {checkpoint_folder} at ZeRO stage 1/2: parameter "
+                             f"group {index} uses the Muon variant '{group[VARIANT_KEY]}', whose per-row state this "
+                             "stage cannot restore from a universal checkpoint yet; load it at ZeRO-3.")
     never_stepped = _never_stepped(zero_optimizer, zero_folder)
     for group, lp_group in zip(base.param_groups, _lp_groups(zero_optimizer)):
         for lp in lp_group:

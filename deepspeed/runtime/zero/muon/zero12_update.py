@@ -38,6 +38,14 @@ check), so the group agrees one flag (a MIN all-reduce of one integer): where it
 the gradient is left as it is and the momentum unchanged, which is what ``muon_update`` does for
 a non-finite gradient. Nothing runs on the micro-steps and nothing on a step the overflow check
 discards. The optimizer (``MuonWithAuxAdam``) then applies weight decay and ``-lr * update``.
+
+A Muon group with ``variant: "normuon"`` (``owner_state.NorMuon``) keeps NorMuon's per-row state
+in the optimizer state of the group's flat partition under ``owner_state.NORMUON_STATE_KEY``
+(fp32), so ZeRO-1/2 checkpoints carry it: without offload every rank keeps it for the whole
+matrices of its ``params_in_partition`` (each holder of a straddling matrix advances its own
+copy, on the same inputs); with offload it is the pipeline's owner state (the matrices this rank
+owns), with the owned matrices' indices under ``NORMUON_STATE_KEY + "_matrices"``, checked at load.
+A loaded optimizer state without it is refused.
 """
 
 from typing import Dict, List, Optional
@@ -50,6 +58,7 @@ from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings, momentum_step
 from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec, orthogonalize_each
 from deepspeed.runtime.zero.muon.owner_exchange import ExchangeBuffers, ExchangeStats
+from deepspeed.runtime.zero.muon.owner_state import OwnerState, check_same_kind, variant_of
 from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline
 
 
@@ -85,6 +94,11 @@ class Zero12MuonUpdate:
                 if self.is_muon_group(i):
                     self.pipelines[i] = self._build_pipeline(i, pipeline_depth)
         self.buffers = ExchangeBuffers.covering([p.buffer_demand for p in self.pipelines.values()], self.device)
+        self._variants = {
+            i: variant_of(zero_optimizer.optimizer.param_groups[i])
+            for i in range(len(zero_optimizer.round_robin_bit16_groups)) if self.is_muon_group(i)
+        }
+        self._state_seen = {i: zero_optimizer.optimizer.state for i in self._variants}
 
     @classmethod
     def create(cls, zero_optimizer) -> Optional["Zero12MuonUpdate"]:
@@ -130,6 +144,7 @@ class Zero12MuonUpdate:
                                               opt.reduce_bucket_size,
                                               depth,
                                               self.batch_ns,
+                                              variant=variant_of(opt.optimizer.param_groups[group_idx]),
                                               holders=holders,
                                               result_itemsize=original_muon.ns_compute_dtype(ns_method).itemsize)
 
@@ -181,16 +196,20 @@ class Zero12MuonUpdate:
         if not self._group_is_finite(group_idx, grad_partition if held is None else held):
             return
         settings = self._settings(group_idx)
+        variant = variant_of(self.zero_optimizer.optimizer.param_groups[group_idx])
+        check_same_kind(self._variants[group_idx], variant, f"ZeRO-1/2 Muon, parameter group {group_idx}")
         if group_idx == min(i for i in range(len(self.zero_optimizer.round_robin_bit16_groups))
                             if self.is_muon_group(i)):
             self.stats.optimizer_steps += 1
         if group_idx in self.pipelines:
             momentum = self._momentum(group_idx, grad_partition.numel(), grad_partition.device)
+            if variant is not None:
+                self._pipeline_owner_state(group_idx)
             self.pipelines[group_idx].run(grad_partition, momentum, settings,
-                                          original_muon.ns_compute_dtype(settings.ns_method), self.buffers)
+                                          original_muon.ns_compute_dtype(settings.ns_method), self.buffers, variant)
         elif held is not None:
             momentum = self._momentum(group_idx, held.numel(), held.device)
-            self._update_whole(group_idx, held, momentum, settings, grad_partition, total_norm)
+            self._update_whole(group_idx, held, momentum, settings, grad_partition, total_norm, variant)
 
     def _group_is_finite(self, group_idx: int, grads: torch.Tensor) -> bool:
         flag = torch.isfinite(grads).all().to(device=self.device, dtype=torch.int32).view(1)
@@ -226,8 +245,64 @@ class Zero12MuonUpdate:
             momentum = state[MOMENTUM_KEY] = momentum.to(device=device, dtype=torch.float32)
         return momentum
 
-    def _update_whole(self, group_idx: int, grad_flat: torch.Tensor, momentum: torch.Tensor, settings: MuonSettings,
-                      grad_partition: torch.Tensor, total_norm) -> None:
+    def _loaded_without(self, group_idx: int, state: dict, key: str) -> None:
+        """Refuse an optimizer state that ``load_state_dict`` replaced without the variant's ``key``."""
+        base = self.zero_optimizer.optimizer
+        replaced = base.state is not self._state_seen[group_idx]
+        self._state_seen[group_idx] = base.state
+        if replaced and key not in state:
+            raise RuntimeError(f"ZeRO-1/2 Muon, parameter group {group_idx}: the loaded optimizer state has no "
+                               f"'{key}' for the {self._variants[group_idx].name} variant (a checkpoint of a plain "
+                               "Muon run?); refusing to restart it at zero. Load a checkpoint of the same variant.")
+
+    def _whole_owner_state(self, group_idx: int, specs, variant, device) -> OwnerState:
+        """Without offload: the variant's state of every matrix of ``params_in_partition``, kept in
+        the optimizer state (created zero on the first step, checked after a load).
+
+        Raises:
+            RuntimeError: a loaded state without it, or with another number of elements.
+        """
+        base = self.zero_optimizer.optimizer
+        state = base.state.setdefault(base.param_groups[group_idx]["params"][0], {})
+        self._loaded_without(group_idx, state, variant.state_key)
+        owner = OwnerState(variant, specs, range(len(specs)), device=device, flat=state.get(variant.state_key))
+        if state.get(variant.state_key) is None:
+            state[variant.state_key] = owner.flat
+        return owner
+
+    def _pipeline_owner_state(self, group_idx: int) -> None:
+        """With offload: the pipeline's owner state is the optimizer state's tensor; a loaded one is
+        copied in after its matrices are checked.
+
+        Raises:
+            RuntimeError: a loaded state without it, or kept for other matrices (another world size,
+                ``reduce_bucket_size`` or parameters: another owner plan).
+        """
+        base = self.zero_optimizer.optimizer
+        owner = self.pipelines[group_idx].owner_state
+        key = owner.variant.state_key
+        state = base.state.setdefault(base.param_groups[group_idx]["params"][0], {})
+        self._loaded_without(group_idx, state, key)
+        owned = torch.tensor(sorted(owner.spans), dtype=torch.float32)
+        loaded, matrices = state.get(key), state.get(key + "_matrices")
+        if loaded is not None and loaded is not owner.flat:
+            if matrices is None or not torch.equal(matrices.cpu().float(), owned):
+                raise RuntimeError(f"ZeRO-1/2 Muon, parameter group {group_idx}: the loaded '{key}' belongs to "
+                                   "another owner plan (world size, zero_optimization.reduce_bucket_size or "
+                                   "parameters differ); load the checkpoint with the configuration it was saved "
+                                   "with.")
+            owner.flat.copy_(loaded.reshape(-1))
+        state[key] = owner.flat
+        state[key + "_matrices"] = owned
+
+    def _update_whole(self,
+                      group_idx: int,
+                      grad_flat: torch.Tensor,
+                      momentum: torch.Tensor,
+                      settings: MuonSettings,
+                      grad_partition: torch.Tensor,
+                      total_norm,
+                      variant=None) -> None:
         """Without offload: Muon on the held whole gradients, this rank's slices written back."""
         opt = self.zero_optimizer
         params = opt.params_in_partition[group_idx]
@@ -246,9 +321,12 @@ class Zero12MuonUpdate:
         calls = orthogonalize_each(inputs.__getitem__, specs, settings.ns_steps, settings.ns_method,
                                    original_muon.ns_compute_dtype(settings.ns_method), grad_flat.device, self.batch_ns,
                                    max(spec.ns_workspace_numel for spec in specs))
+        owner = None if variant is None else self._whole_owner_state(group_idx, specs, variant, grad_flat.device)
         for indices, updates in calls:
             self.stats.ns_calls += len(indices)
             for k, update in zip(indices, updates):
+                if owner is not None:
+                    update = owner.apply(k, update, variant)
                 param_id = opt.get_param_id(params[k])
                 source = int(opt.grad_start_offset[group_idx][rank][param_id])
                 dest = int(opt.grad_partition_insertion_offset[group_idx][rank][param_id])

@@ -19,6 +19,13 @@ of the update, written into the gradient partition. The momentum never leaves it
 
 The optimizer (``MuonWithAuxAdam``) then applies weight decay and ``-lr * update`` to the flat
 fp32 partition, as it already does for ZeRO partitions. The update is not rescaled afterwards.
+
+A Muon group with ``variant: "normuon"`` (``owner_state.NorMuon``) keeps NorMuon's per-row state
+on each matrix's owner (``MuonPipeline.owner_state``). Checkpoints hold it per parameter:
+``export_owner_state`` (called by ``state_dict()``, patch 0018) gathers it and puts its broadcast
+form (``owner_state.expand_rows``) into the optimizer state of the flat partition under
+``owner_state.NORMUON_STATE_KEY``; the next ``update_gradient`` takes a loaded one back to the
+owners (``rows_in_piece``, one small all-reduce) and refuses a loaded optimizer state without it.
 """
 
 import hashlib
@@ -32,6 +39,7 @@ from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings
 from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec
 from deepspeed.runtime.zero.muon.owner_exchange import ExchangeBuffers, ExchangeStats
+from deepspeed.runtime.zero.muon.owner_state import check_same_kind, expand_rows, rows_in_piece, variant_of
 from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline
 from deepspeed.utils import logger
 
@@ -127,6 +135,10 @@ class Zero3MuonUpdate:
                 self.pipelines[i] = self._build_pipeline(i, params, loads, pipeline_depth, batch_ns)
         self._check_plans_agree()
         self.buffers = ExchangeBuffers.covering([p.buffer_demand for p in self.pipelines.values()], self.device)
+        # Owner state: the optimizer-state dict each sub-group last ran with (``load_state_dict``
+        # replaces it) and the broadcast states ``export_owner_state`` put there.
+        self._state_seen = {i: optimizer.optimizer.state for i in self.pipelines}
+        self._exported: Dict[int, torch.Tensor] = {}
         self._log_plan()
 
     @staticmethod
@@ -149,6 +161,7 @@ class Zero3MuonUpdate:
     def _build_pipeline(self, i, params, loads, depth, batch_ns) -> MuonPipeline:
         opt = self.optimizer
         ns_method = MuonSettings.of(self._param_group(i)).ns_method
+        variant = variant_of(self._param_group(i))
         group = opt._get_sub_group_process_group(i)
         world_size = dist.get_world_size(group=group)
         # Every rank meets its sub-groups in the same order, so keying by the local group object
@@ -170,6 +183,7 @@ class Zero3MuonUpdate:
                                                   opt.reduce_bucket_size,
                                                   depth,
                                                   batch_ns,
+                                                  variant=variant,
                                                   initial_load=load,
                                                   result_itemsize=original_muon.ns_compute_dtype(ns_method).itemsize)
         for r, cost in enumerate(pipeline.plan.load()):
@@ -277,10 +291,116 @@ class Zero3MuonUpdate:
         pipeline = self.pipelines.get(sub_group_id)
         if pipeline is None:
             return
-        settings = MuonSettings.of(self._param_group(sub_group_id))
+        group = self._param_group(sub_group_id)
+        settings = MuonSettings.of(group)
+        variant = variant_of(group)
+        check_same_kind(pipeline.owner_state and pipeline.owner_state.variant, variant,
+                        f"ZeRO-3 Muon, sub-group {sub_group_id}")
         grad_flat = self.optimizer.fp32_partitioned_groups_flat[sub_group_id].grad
         momentum_flat = self.momentum_partition(sub_group_id, grad_flat)
+        if pipeline.owner_state is not None:
+            self._take_loaded_owner_state(sub_group_id, pipeline)
         pipeline.run(grad_flat, momentum_flat, settings, original_muon.ns_compute_dtype(settings.ns_method),
-                     self.buffers)
+                     self.buffers, variant)
         if sub_group_id == min(self.pipelines):
             self.stats.optimizer_steps += 1
+
+    def _full_owner_state(self, pipeline: MuonPipeline) -> torch.Tensor:
+        """Every matrix's owner state of a sub-group, concatenated in sub-group order, on every
+        rank (1-D fp32 on the accelerator: one all-reduce SUM, each matrix has one owner)."""
+        state = pipeline.owner_state
+        numels = [state.variant.state_numel(spec) for spec in pipeline.specs]
+        full = torch.zeros(sum(numels), dtype=torch.float32, device=self.device)
+        offset = 0
+        for j, n in enumerate(numels):
+            if j in state.spans:
+                full.narrow(0, offset, n).copy_(state.view(j))
+            offset += n
+        if pipeline.exchange.world_size > 1:
+            dist.all_reduce(full, op=dist.ReduceOp.SUM, group=pipeline.exchange.group)
+        return full
+
+    @torch.no_grad()
+    def export_owner_state(self) -> None:
+        """Put each Muon variant's owner state into the optimizer state, per parameter, for a checkpoint.
+
+        Collective over each variant sub-group's partition group; called by the stage's
+        ``state_dict()`` (patch 0018), which every rank runs in ``save_checkpoint``. For each such
+        sub-group, the flat partition's state gets, under the variant's ``state_key``, a host fp32
+        tensor of the partition's layout (``fp16_partitioned_groups_flat_numel`` elements): each
+        element holds its row's state (``expand_rows``), padding zero. A plain Muon run does nothing.
+        """
+        opt = self.optimizer
+        for i, pipeline in self.pipelines.items():
+            if pipeline.owner_state is None:
+                continue
+            full = self._full_owner_state(pipeline).cpu()
+            broadcast = torch.zeros(opt.fp16_partitioned_groups_flat_numel[i], dtype=torch.float32)
+            rank, offset = pipeline.exchange.rank, 0
+            for spec, (start, numel) in zip(pipeline.specs, pipeline.slices):
+                n, cols = pipeline.owner_state.variant.state_rows(spec)
+                first = rank * numel
+                count = max(0, min(numel, spec.numel - first))
+                if count:
+                    broadcast.narrow(0, start, count).copy_(expand_rows(full.narrow(0, offset, n), cols, first, count))
+                offset += n
+            opt.optimizer.state.setdefault(opt.fp32_partitioned_groups_flat[i],
+                                           {})[pipeline.owner_state.variant.state_key] = broadcast
+            self._exported[i] = broadcast
+
+    @torch.no_grad()
+    def _take_loaded_owner_state(self, sub_group_id: int, pipeline: MuonPipeline) -> None:
+        """Before a variant sub-group's update: take back the state a checkpoint loaded.
+
+        Collective over the sub-group's partition group, with the same outcome on every rank (every
+        rank loads the same checkpoint). A broadcast state in the optimizer state that this engine
+        did not export itself (``load_checkpoint``, regular or universal) is read back into the
+        owners' state (``rows_in_piece``, one all-reduce SUM); either way it is removed from the
+        optimizer state. An optimizer state that ``load_state_dict`` replaced without one refuses.
+
+        Raises:
+            RuntimeError: a loaded optimizer state without the variant's state (a checkpoint of a
+                plain Muon run, or of a build without variants): training on would restart it at
+                zero.
+        """
+        opt = self.optimizer
+        state_key = pipeline.owner_state.variant.state_key
+        state = opt.optimizer.state.get(opt.fp32_partitioned_groups_flat[sub_group_id], {})
+        exported = self._exported.pop(sub_group_id, None)
+        loaded = state.pop(state_key, None)
+        replaced = opt.optimizer.state is not self._state_seen[sub_group_id]
+        self._state_seen[sub_group_id] = opt.optimizer.state
+        if loaded is None:
+            if replaced:
+                raise RuntimeError(f"ZeRO-3 Muon, sub-group {sub_group_id}: the loaded optimizer state has no "
+                                   f"'{state_key}' for the {pipeline.owner_state.variant.name} variant (a checkpoint "
+                                   "of a plain Muon run?); refusing to restart it at zero. Load a checkpoint of "
+                                   "the same variant.")
+            return
+        if loaded is exported:
+            return
+        numel = opt.fp16_partitioned_groups_flat_numel[sub_group_id]
+        if loaded.numel() != numel:
+            raise RuntimeError(f"ZeRO-3 Muon, sub-group {sub_group_id}: '{state_key}' has {loaded.numel()} elements "
+                               f"for a partition of {numel} (another partitioning); load it as a universal "
+                               "checkpoint.")
+        loaded = loaded.to(device=self.device, dtype=torch.float32)
+        variant = pipeline.owner_state.variant
+        numels = [variant.state_numel(spec) for spec in pipeline.specs]
+        full = torch.zeros(sum(numels), dtype=torch.float32, device=self.device)
+        rank, offset = pipeline.exchange.rank, 0
+        for spec, (start, part), n in zip(pipeline.specs, pipeline.slices, numels):
+            _, cols = variant.state_rows(spec)
+            first = rank * part
+            count = max(0, min(part, spec.numel - first))
+            if count:
+                row, values = rows_in_piece(loaded.narrow(0, start, count), cols, first)
+                full.narrow(0, offset + row, values.numel()).copy_(values)
+            offset += n
+        if pipeline.exchange.world_size > 1:
+            dist.all_reduce(full, op=dist.ReduceOp.SUM, group=pipeline.exchange.group)
+        offset = 0
+        for j, n in enumerate(numels):
+            if j in pipeline.owner_state.spans:
+                pipeline.owner_state.view(j).copy_(full.narrow(0, offset, n))
+            offset += n

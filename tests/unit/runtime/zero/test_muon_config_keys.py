@@ -201,7 +201,8 @@ class TestEachKeyReachesItsHalf(DistributedTest):
         message = str(info.value)
         assert "- model_parameters[0].muon_lr: a group's lr applies to both of its halves" in message, message
         assert "- model_parameters[1].use_muon: which half a tensor goes to is its own flag" in message, message
-        assert "Accepted: betas, eps, lr, moe, momentum, name, ns_method, params, weight_decay." in message
+        assert ("Accepted: betas, eps, lr, moe, momentum, name, normuon_beta2, normuon_eps, ns_method, params, "
+                "variant, weight_decay.") in message
 
 
 def test_check_muon_keys_accepts_every_key_it_lists():

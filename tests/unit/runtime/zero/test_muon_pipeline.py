@@ -160,7 +160,15 @@ def _record_order(pipeline):
     pipeline._prepare, pipeline._compute = recorded_prepare, recorded_compute
 
 
-def _run(layout, world_size, bucket_numel, depth, steps=2, specs=None, batch_ns=False, update_dtype=torch.float32):
+def _run(layout,
+         world_size,
+         bucket_numel,
+         depth,
+         steps=2,
+         specs=None,
+         batch_ns=False,
+         update_dtype=torch.float32,
+         variant=None):
     specs = specs or _specs()
     pieces, slices = layout(specs, world_size)
     holders = [[r for r, n in enumerate(p) if n] for p in pieces] if layout is _zero12_layout else None
@@ -180,7 +188,8 @@ def _run(layout, world_size, bucket_numel, depth, steps=2, specs=None, batch_ns=
                      "cpu",
                      "cpu",
                      depth,
-                     batch_ns=batch_ns) for r in range(world_size)
+                     batch_ns=batch_ns,
+                     variant=variant) for r in range(world_size)
     ]
     buffers = [ExchangeBuffers.covering([p.buffer_demand], "cpu") for p in pipelines]
     for pipeline in pipelines:
@@ -191,7 +200,7 @@ def _run(layout, world_size, bucket_numel, depth, steps=2, specs=None, batch_ns=
         try:
             for t in range(steps):
                 grad = _scatter(grads[t], pieces, slices, r, numel)
-                pipelines[r].run(grad, momenta[r], SETTINGS, update_dtype, buffers[r])
+                pipelines[r].run(grad, momenta[r], SETTINGS, update_dtype, buffers[r], variant)
                 results[r][t] = grad
         except Exception as e:  # reported by the main thread
             errors.append(e)

@@ -1,0 +1,259 @@
+# Copyright (c) 2026 The zero3muon authors
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""NorMuon (``"variant": "normuon"``) through the owner-centric Muon core, on W gloo ranks.
+
+The reference (``normuon_reference``) is written here from the paper's Algorithm 1 (Li, Liu,
+Liang, Chen, Zhao 2025, "NorMuon: Making Muon more efficient and scalable", arXiv:2510.05491),
+with the norm-preserving rescale of the authors' released code and microsoft/dion: one process,
+the whole batch of a step, upstream ``muon_update`` for O (Nesterov momentum, Newton-Schulz, the
+aspect-ratio scale), then per row of each Newton-Schulz problem ``v = beta2 v + (1 - beta2)
+mean_cols(O^2)``, ``O / (sqrt(v) + eps)`` rescaled to ``||O||_F``; AdamW for the rest. It does not
+call ``owner_state``.
+
+ZeRO-3 at W = 1, 2 (gas 1 and 4) and 4 (gas 4), ZeRO-1 and ZeRO-2 (and ZeRO-2 with optimizer
+offload, through the pipeline) must equal it to the fp32 floor ``FLOOR`` (2e-6; the measured
+differences are printed, MEASURED lines), and be far from plain Muon (the variant does something).
+The default path keeps no owner state, and ``variant: "muon"`` gives plain Muon's weights bit
+for bit, with the same exchange counters.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from unit.common import DistributedTest
+from unit.runtime.zero.zero3_muon_helpers import (FLOOR, HYPER, Zero3MuonRun, build_model, ds_config,
+                                                  fp32_newton_schulz, initialize_error, is_muon_param, loss_fn,
+                                                  reference_muon_update, relative_difference, step_batch)
+
+BETA2, EPS = 0.9, 1e-8
+"""The tests' NorMuon settings (beta2 off its 0.95 default, so the key is seen to reach the update)."""
+
+
+def normuon_block(**extra) -> dict:
+    """The tests' Muon block (``ds_config``'s) with ``variant: "normuon"`` and ``extra``."""
+    block = ds_config(3, 1, 1)["optimizer"]
+    block["params"].update(variant="normuon", normuon_beta2=BETA2, normuon_eps=EPS, **extra)
+    return block
+
+
+def normuon_run(**changes) -> Zero3MuonRun:
+    return Zero3MuonRun(**{"steps": 5, "extra": (("optimizer", normuon_block()), ), **changes})
+
+
+def _problem(shape, is_expert_group, num_heads):
+    """(batch, rows, cols) of the Newton-Schulz problems of a Muon parameter, as Muon defines them."""
+    if num_heads is not None:
+        return num_heads, shape[0] // num_heads, shape[1]
+    if len(shape) == 4 and not is_expert_group:
+        return 1, shape[0], shape[1] * shape[2] * shape[3]
+    return int(np.prod(shape[:-2])), shape[-2], shape[-1]
+
+
+def normuon_reference(model_name="mixed",
+                      steps=5,
+                      beta2=BETA2,
+                      eps=EPS,
+                      samples=16,
+                      num_heads=None,
+                      ns_method="gram",
+                      ns_fp32=False):
+    """Single-process NorMuon training of ``model_name``; returns the final weights by name (numpy).
+    ``ns_method``: the Newton-Schulz kernel of O; ``ns_fp32``: every kernel in fp32 on the CPU."""
+    with fp32_newton_schulz(every_method=ns_fp32):
+        model = build_model(model_name)
+        heads = num_heads or {}
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        muon = [(n, p) for n, p in named if is_muon_param(n, p)]
+        other = [p for n, p in named if not is_muon_param(n, p)]
+        adamw = torch.optim.AdamW(other,
+                                  lr=HYPER["adam_lr"],
+                                  betas=HYPER["betas"],
+                                  eps=HYPER["eps"],
+                                  weight_decay=HYPER["weight_decay"])
+        momenta = {n: torch.zeros_like(p) for n, p in muon}
+        problems = {n: _problem(p.shape, getattr(p, "is_expert_group", False), heads.get(n)) for n, p in muon}
+        second = {n: torch.zeros(problems[n][:2]) for n, _ in muon}
+        for step in range(steps):
+            x, y = step_batch(model_name, step, samples=samples)
+            model.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+            with torch.no_grad():
+                for n, p in muon:
+                    o = reference_muon_update(p.grad.clone(), momenta[n], HYPER["momentum"], ns_method,
+                                              getattr(p, "is_expert_group", False), heads.get(n))
+                    o = o.reshape(problems[n]).float()
+                    second[n] = beta2 * second[n] + (1 - beta2) * (o * o).mean(dim=-1)
+                    normalized = o / (second[n].sqrt() + eps)[..., None]
+                    normalized = normalized * (o.norm(dim=(-2, -1)) / normalized.norm(dim=(-2, -1)))[:, None, None]
+                    p.mul_(1 - HYPER["muon_lr"] * HYPER["weight_decay"])
+                    p.add_(normalized.reshape(p.shape), alpha=-HYPER["muon_lr"])
+            adamw.step()
+        return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {
+        "mixed": normuon_reference("mixed"),
+        "mixed-muon": Zero3MuonRun(steps=5).reference()[0],
+        "shapes": normuon_reference("shapes"),
+    }
+
+
+def _owner_rows(engine) -> int:
+    """Elements of owner state this rank keeps (ZeRO-3), 0 without."""
+    return sum(p.owner_state.numel for p in engine.optimizer.zero3_muon.pipelines.values()
+               if p.owner_state is not None)
+
+
+def _rows(model_name) -> int:
+    """Rows of every Newton-Schulz problem of the model's Muon matrices (NorMuon's state)."""
+    return sum(
+        int(np.prod(_problem(p.shape, getattr(p, "is_expert_group", False), None)[:2]))
+        for n, p in build_model(model_name).named_parameters() if is_muon_param(n, p))
+
+
+class TestZero3NorMuon(DistributedTest):
+    reuse_dist_env = True
+
+    @pytest.mark.parametrize("world_size, gases", [(1, (1, 4)), (2, (1, 4)), (4, (4, ))])
+    def test_matches_the_reference(self, world_size, gases, references):
+        from deepspeed import comm as dist
+        for gas in gases:
+            result = normuon_run(gas=gas).train()
+            diff = relative_difference(references["mixed"], result.weights)
+            print(f"MEASURED normuon W={world_size} gas={gas}: {diff:.2e} from the reference, "
+                  f"{relative_difference(references['mixed-muon'], result.weights):.2e} from plain Muon's")
+            assert diff <= FLOOR
+            assert relative_difference(references["mixed-muon"], result.weights) > 1000 * FLOOR
+        # The state lives on the owners: one fp32 value per row of each Muon matrix, over the ranks.
+        engine = normuon_run(steps=0).build_engine(normuon_run().config(world_size))
+        rows = [None] * world_size
+        dist.all_gather_object(rows, _owner_rows(engine))
+        engine.destroy()
+        assert sum(rows) == _rows("mixed")
+
+    @pytest.mark.world_size(2)
+    def test_expert_conv_and_tiny_matrices(self, references):
+        """3-D expert weights (rows per expert), a 4-D conv filter (flattened), a 1x3 matrix."""
+        result = normuon_run(model="shapes", gas=2).train()
+        diff = relative_difference(references["shapes"], result.weights)
+        print(f"MEASURED normuon shapes W=2 gas=2: {diff:.2e}")
+        assert diff <= FLOOR
+
+    @pytest.mark.world_size(2)
+    def test_per_head(self):
+        from deepspeed.runtime.zero.muon.config_keys import has_per_head_muon
+        if not has_per_head_muon():
+            pytest.skip("this DeepSpeed has no per-head Muon")
+        block = normuon_block(per_head_muon=True)
+        result = normuon_run(model="heads", gas=2, extra=(("optimizer", block), )).train()
+        expected = normuon_reference("heads", num_heads=result.muon_num_heads)
+        plain_heads = normuon_reference("heads")
+        assert any(v is not None for v in result.muon_num_heads.values())
+        diff = relative_difference(expected, result.weights)
+        print(f"MEASURED normuon per-head W=2: {diff:.2e}; whole-matrix rows instead: "
+              f"{relative_difference(plain_heads, result.weights):.2e}")
+        assert diff <= FLOOR
+        assert relative_difference(plain_heads, result.weights) > 100 * FLOOR
+
+    @pytest.mark.world_size(2)
+    def test_with_polar_express(self):
+        """NorMuon on another ns_method's result (Polar Express, patch 0017), fp32 kernels."""
+        from deepspeed.runtime.zero.muon import original_muon
+        if "polar_express" not in original_muon.NS_METHODS:
+            pytest.skip("this build has no polar_express ns_method (patch 0017)")
+        result = normuon_run(gas=2, ns_fp32=True,
+                             extra=(("optimizer", normuon_block(ns_method="polar_express")), )).train()
+        expected = normuon_reference(ns_method="polar_express", ns_fp32=True)
+        diff = relative_difference(expected, result.weights)
+        print(f"MEASURED normuon + polar_express W=2 gas=2: {diff:.2e}; from gram's NorMuon "
+              f"{relative_difference(normuon_reference(), result.weights):.2e}")
+        assert diff <= FLOOR
+        assert relative_difference(normuon_reference(), result.weights) > 100 * FLOOR
+
+    @pytest.mark.world_size(2)
+    @pytest.mark.parametrize("stage, offload", [(1, None), (2, None), (2, "cpu")])
+    def test_zero12_through_the_same_core(self, stage, offload, references):
+        result = normuon_run(stage=stage, gas=2, offload=offload).train()
+        diff = relative_difference(references["mixed"], result.weights)
+        print(f"MEASURED normuon ZeRO-{stage} offload={offload} W=2: {diff:.2e}")
+        assert diff <= FLOOR
+
+    @pytest.mark.world_size(2)
+    def test_default_muon_keeps_no_state_and_is_unchanged(self):
+        """No variant key: no owner state on any pipeline; ``variant: "muon"`` is the same run bit for
+        bit, with the same exchange counters (no extra collective)."""
+        plain = Zero3MuonRun(steps=3, gas=2)
+        engine = plain.build_engine(plain.config(2))
+        assert all(p.owner_state is None for p in engine.optimizer.zero3_muon.pipelines.values())
+        assert all("variant" not in g for g in engine.optimizer.optimizer.param_groups)
+        engine.destroy()
+        block = ds_config(3, 1, 1)["optimizer"]
+        block["params"]["variant"] = "muon"
+        a, b = plain.train(), plain.with_(extra=(("optimizer", block), )).train()
+        for key in a.weights:
+            assert np.array_equal(a.weights[key], b.weights[key]), key
+        assert [r.stats for r in a.per_rank] == [r.stats for r in b.per_rank]
+
+
+class TestNorMuonRefusals(DistributedTest):
+    world_size = 1
+    reuse_dist_env = True
+
+    @pytest.mark.parametrize("params, stage, expected", [
+        ({
+            "variant": "adamuon"
+        }, 3, "optimizer.params.variant: 'adamuon' is not a Muon variant"),
+        ({
+            "variant": "normuon",
+            "normuon_beta2": 1.0
+        }, 3, "optimizer.params.normuon_beta2: 1.0"),
+        ({
+            "variant": "normuon",
+            "normuon_beta2": -0.1
+        }, 3, "optimizer.params.normuon_beta2: -0.1"),
+        ({
+            "variant": "normuon",
+            "normuon_eps": 0.0
+        }, 3, "optimizer.params.normuon_eps: 0.0"),
+        ({
+            "variant": "normuon",
+            "normuon_eps": "1e-8"
+        }, 3, "optimizer.params.normuon_eps: '1e-8'"),
+        ({
+            "variant": "normuon"
+        }, 0, "optimizer.params.variant: 'normuon' needs ZeRO stage 1, 2 or 3"),
+        ({
+            "normuon_beta2": 0.9
+        }, 3, "normuon_beta2: NorMuon's settings, but no Muon group has variant 'normuon'"),
+        ({
+            "variant": "normuon"
+        }, "bf16-stage1", "does not run with zero_optimization.stage 1 with bf16 and data_types.grad_accum_dtype "
+         "fp32 (DeepSpeed's BF16_Optimizer)"),
+    ])
+    def test_refused_at_initialize_naming_the_key(self, params, stage, expected):
+        block = ds_config(3, 1, 1)["optimizer"]
+        block["params"].update(params)
+        run = Zero3MuonRun(stage=stage, extra=(("optimizer", block), ))
+        if stage == "bf16-stage1":  # the engine picks BF16_Optimizer, which runs upstream's Muon
+            run = run.with_(stage=1, dtype="bf16", extra=run.extra + (("data_types", {"grad_accum_dtype": "fp32"}), ))
+        error = initialize_error(run)
+        assert error is not None and error.startswith("ValueError:"), error
+        assert expected in error, error
+
+    def test_group_keys_refused_naming_the_group(self):
+        run = Zero3MuonRun(groups="two_muon_groups")
+        from unit.runtime.zero import zero3_muon_helpers as helpers
+        original = helpers.GROUPINGS["two_muon_groups"]
+        helpers.GROUPINGS[
+            "normuon_bad_group"] = lambda model: [dict(original(model)[0], normuon_beta2=2.0),
+                                                  original(model)[1]]
+        try:
+            error = initialize_error(run.with_(groups="normuon_bad_group"))
+        finally:
+            del helpers.GROUPINGS["normuon_bad_group"]
+        assert error is not None and "model_parameters[0].normuon_beta2: 2.0" in error, error

@@ -1,0 +1,146 @@
+# Copyright (c) 2026 The zero3muon authors
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Checkpoints of NorMuon runs: the owner-held per-row state travels per parameter.
+
+- ZeRO-3, same W = 2: save at step 3, load into a fresh engine, continue to step 6: bit-identical
+  to the run that never stopped.
+- Universal checkpoints: W = 2 saves and converts (``ds_to_universal``: a
+  ``normuon_second_moment.pt`` per parameter, the parameter's shape), W' = 1 and 4 load: the
+  loaded state equals the saved one exactly, and the run continued at W' equals the single-process
+  NorMuon reference to the fp32 floor (another W is another owner plan: the state reaches each
+  matrix's new owner; at the same W these small models get the same plan whatever
+  ``reduce_bucket_size`` is, one matrix per bucket within the momentum budget).
+- ZeRO-1/2 (stage 2, with and without optimizer offload), same W: bit-identical resume.
+- Refused: a plain Muon checkpoint loaded into a NorMuon run, a NorMuon checkpoint whose state was
+  removed (regular and universal), and a NorMuon universal checkpoint loaded at ZeRO-1/2.
+"""
+
+import glob
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from unit.common import DistributedTest
+from unit.checkpoint.zero3_universal_helpers import unequal_states
+from unit.runtime.zero.test_zero3_normuon import normuon_reference, normuon_run
+from unit.runtime.zero.zero3_muon_helpers import FLOOR, Zero3MuonRun, relative_difference
+
+KEY = "normuon_second_moment"
+SAVED_AT = 3
+
+
+def _drop_state(checkpoint_dir, tag):
+    """Remove KEY from every optimizer-state file of ``tag`` (one process)."""
+    dropped = []
+
+    def drop(node):
+        if isinstance(node, dict):
+            if KEY in node:
+                del node[KEY]
+                dropped.append(KEY)
+            for value in node.values():
+                drop(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                drop(value)
+
+    for path in glob.glob(os.path.join(checkpoint_dir, tag, "*optim_states.pt")):
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        drop(state)
+        torch.save(state, path)
+    assert dropped, "no NorMuon state in the checkpoint"
+
+
+class TestNorMuonCheckpoint(DistributedTest):
+    world_size = 2
+    reuse_dist_env = True
+
+    @pytest.mark.parametrize("stage, offload", [(3, None), (2, None), (2, "cpu")])
+    def test_resume_is_bit_identical(self, stage, offload, tmp_path):
+        run = normuon_run(stage=stage, offload=offload, gas=2, steps=6)
+        straight = run.train()
+        restarted = run.with_(restart_after=SAVED_AT).train(checkpoint_dir=str(tmp_path))
+        for key in straight.weights:
+            assert np.array_equal(straight.weights[key], restarted.weights[key]), key
+        assert straight.norms == restarted.norms
+        if stage == 3:
+            saved = restarted.optimizer_state
+            assert not any(k[1] == KEY for k in saved), "the state is handed back to the owners after a load"
+
+    def test_checkpoint_without_the_state_is_refused(self, tmp_path):
+        from deepspeed import comm as dist
+        plain = str(tmp_path / "plain")
+        Zero3MuonRun(gas=2, steps=SAVED_AT, restart_after=SAVED_AT).train(checkpoint_dir=plain)
+        with pytest.raises(RuntimeError, match="built with Muon variant 'normuon', but the parameter group now says"):
+            normuon_run(gas=2, steps=4, resume_from=SAVED_AT).train(checkpoint_dir=plain)
+        dropped = str(tmp_path / "dropped")
+        normuon_run(gas=2, steps=SAVED_AT, restart_after=SAVED_AT).train(checkpoint_dir=dropped)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            _drop_state(dropped, "restart")
+        dist.barrier()
+        with pytest.raises(RuntimeError, match=f"the loaded optimizer state has no '{KEY}'"):
+            normuon_run(gas=2, steps=4, resume_from=SAVED_AT).train(checkpoint_dir=dropped)
+
+
+UNIVERSAL = normuon_run(gas=2, steps=5, samples=24, universal=True)
+
+
+class TestNorMuonUniversal(DistributedTest):
+    reuse_dist_env = True
+
+    @pytest.mark.parametrize("world_size", [[2, 1], [2, 4]], ids=["2to1", "2to4"])
+    def test_resume_at_another_world_size(self, world_size, tmp_path):
+        import deepspeed.comm as dist
+        saved_file = tmp_path / "saved_state.pt"
+        if not saved_file.exists():  # first launch: train, save, convert
+            saved = UNIVERSAL.with_(steps=SAVED_AT, restart_after=SAVED_AT).train(checkpoint_dir=str(tmp_path))
+            names = os.listdir(tmp_path / "restart_universal" / "zero" / "fc1.weight")
+            assert f"{KEY}.pt" in names, names
+            dist.barrier()
+            if dist.get_rank() == 0:
+                torch.save(saved.optimizer_state, saved_file)
+            dist.barrier()
+            return
+        saved_state = torch.load(saved_file, weights_only=False)
+        assert any(k[1] == KEY for k in saved_state)
+        resumed = UNIVERSAL.with_(resume_from=SAVED_AT).train(checkpoint_dir=str(tmp_path))
+        assert unequal_states(saved_state, resumed.loaded_state) == []
+        diff = relative_difference(normuon_reference(steps=5, samples=24), resumed.weights)
+        print(f"MEASURED normuon universal {world_size[0]}->{world_size[1]}: {diff:.2e} from the reference")
+        assert diff <= FLOOR
+
+    @pytest.mark.parametrize("world_size", [[2, 2]])
+    def test_refusals(self, world_size, tmp_path):
+        import deepspeed.comm as dist
+        if not (tmp_path / "restart_universal").exists():
+            UNIVERSAL.with_(steps=SAVED_AT, restart_after=SAVED_AT).train(checkpoint_dir=str(tmp_path))
+            return
+        config = dict(UNIVERSAL.config(2), checkpoint={"load_universal": True})
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.copytree(tmp_path / "restart_universal", tmp_path / "missing")
+            for path in glob.glob(str(tmp_path / "missing" / "zero" / "*" / f"{KEY}.pt")):
+                os.remove(path)
+        dist.barrier()
+        engine = UNIVERSAL.build_engine(config)
+        with pytest.raises(ValueError, match=f"has no {KEY}"):
+            engine.load_checkpoint(str(tmp_path), tag="missing")
+        engine.destroy()
+        # Into a plain Muon run: refused (the state would be dropped).
+        plain = Zero3MuonRun(gas=2, steps=5, samples=24, universal=True)
+        engine = plain.build_engine(config | {"optimizer": plain.config(2)["optimizer"]})
+        with pytest.raises(ValueError, match=f"holds NorMuon's {KEY}"):
+            engine.load_checkpoint(str(tmp_path), tag="restart_universal")
+        engine.destroy()
+        # At ZeRO-2: refused, naming the variant.
+        zero2 = UNIVERSAL.with_(stage=2)
+        engine = zero2.build_engine(dict(zero2.config(2), checkpoint={"load_universal": True}))
+        with pytest.raises(ValueError, match="uses the Muon variant 'normuon'"):
+            engine.load_checkpoint(str(tmp_path), tag="restart_universal")
+        engine.destroy()
