@@ -7,7 +7,7 @@ creates needs Python >= 3.10).
   python3 dev.py demo  [--base X] [ARGS...]  setup, then examples/demo/run_demo.py ARGS
   python3 dev.py bench [--all-bases] [ARGS...]  patched and stock venvs of the default base (every base with
                                              --all-bases), then bench/run_bench.py ARGS
-  python3 dev.py export [--base X] [--out DIR] the change as eleven pull requests (a diff and a description
+  python3 dev.py export [--base X] [--out DIR] the change as twelve pull requests (a diff and a description
                                              each) and the combined diff, against the release
                                              (default DIR: out/export/<X>/; needs no venv)
   python3 dev.py intree --deepspeed-repo PATH [--base X] [--stock] [--cpu-fp16] [-- PYTEST ARGS]
@@ -538,7 +538,7 @@ def main(argv=None):
                                   "every base), then bench/run_bench.py (extra args go to it: --net RATE|auto, "
                                   "--repeats, --world-sizes, --grid, --steps, --out; all of them: "
                                   "python bench/run_bench.py --help under a venv's Python)"),
-                                 ("export", cmd_export, "write the change as eleven pull requests (diff and "
+                                 ("export", cmd_export, "write the change as twelve pull requests (diff and "
                                   "description each) and the combined diff, against the release"),
                                  ("intree", cmd_intree, "setup, then run the exported tests inside a copy of "
                                   "DeepSpeed's tests/ (args after -- go to pytest, run in that tests/)"),

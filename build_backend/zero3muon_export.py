@@ -310,7 +310,7 @@ UNIVERSAL_MUON = Group(
     },
     template="pr_universal_muon.md",
     tests_need=("zero3-muon", "universal-checkpoint"),
-    code_needs=("universal-checkpoint", ),
+    code_needs=("muon-pipeline", "universal-checkpoint"),
 )
 
 SELECTION = Group(
@@ -409,8 +409,8 @@ MUON_VARIANTS = Group(
         "(`Zero3MuonUpdate.export_owner_state`).",
     },
     template="pr_muon_variants.md",
-    tests_need=("zero3-muon", ),
-    code_needs=("muon-owner-plan", ),
+    tests_need=("muon-owner-plan", "universal-checkpoint", "zero3-muon"),
+    code_needs=("muon-update-seam", ),
 )
 
 ALLGATHER_BACKPORT = Group(
