@@ -47,7 +47,14 @@ def parse_args(argv=None):
     p.add_argument("--tail", type=int, default=20, help="steps at the end whose mean loss is compared")
     p.add_argument("--variants", nargs="+", choices=[v[0] for v in VARIANTS], default=[v[0] for v in VARIANTS])
     p.add_argument("--no-plot", action="store_true", help="skip variants_loss.png")
+    p.add_argument("--from-summary", type=pathlib.Path, default=None,
+                   help="train nothing: print and plot the runs of this summary.json (its variants, seeds and steps)")
     args = run_demo.apply_quick(p, p.parse_args(argv))
+    if args.from_summary is not None:
+        saved = json.loads(args.from_summary.read_text())["args"]
+        for key in ("steps", "seeds", "gas", "variants", "global_batch", "seq_len", "hidden", "layers", "muon_lr",
+                    "momentum", "adam_lr"):
+            setattr(args, key, saved[key])
     if args.tail > args.steps:
         p.error(f"--tail {args.tail} exceeds --steps {args.steps}")
     return args
@@ -57,23 +64,43 @@ def tail_mean(losses, tail):
     return sum(losses[-tail:]) / tail
 
 
-def plot(curves, labels, path, title):
-    """``curves``: {variant: [losses per seed]}; mean per step, shaded min..max over seeds."""
+def moving_average(values, window):
+    """Mean of each ``window`` consecutive values (shorter at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot(curves, labels, path, title, window=10):
+    """``curves``: {variant: [losses per seed]}. Top: loss per step, mean over seeds, shaded min..max.
+    Bottom: each variant's loss minus Muon's at the same step and seed, mean over seeds, as a moving
+    average over ``window`` steps (the per-step batches' noise is common to all variants and cancels)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=(3, 2))
     for i, (name, runs) in enumerate(curves.items()):
         steps = range(1, len(runs[0]) + 1)
         per_step = list(zip(*runs))
-        ax.plot(steps, [statistics.fmean(s) for s in per_step], color=f"C{i}", lw=1.8, label=labels[name])
+        top.plot(steps, [statistics.fmean(s) for s in per_step], color=f"C{i}", lw=1.5, label=labels[name])
         if len(runs) > 1:
-            ax.fill_between(steps, [min(s) for s in per_step], [max(s) for s in per_step], color=f"C{i}", alpha=0.2)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss (nats / byte)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
+            top.fill_between(steps, [min(s) for s in per_step], [max(s) for s in per_step], color=f"C{i}", alpha=0.2)
+        if "muon" in curves and name != "muon":
+            deltas = [statistics.fmean(r[k] - m[k] for r, m in zip(runs, curves["muon"])) for k in range(len(runs[0]))]
+            bottom.plot(steps, moving_average(deltas, window), color=f"C{i}", lw=1.5, label=f"{labels[name]} - Muon")
+    top.set_ylabel("training loss (nats / byte)")
+    top.set_title(title)
+    top.grid(alpha=0.3)
+    top.legend()
+    bottom.axhline(0.0, color="C0", lw=1)
+    bottom.set_ylabel(f"loss - Muon's ({window}-step mean)")
+    bottom.set_xlabel("optimizer step")
+    bottom.grid(alpha=0.3)
+    bottom.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -94,21 +121,26 @@ def main(argv=None):
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     curves, failed, results = {}, [], {}
+    if args.from_summary is not None:
+        saved = json.loads(args.from_summary.read_text())
+        failed, results = saved["failed"], saved["runs"]
     for name, label, extra in variants:
         for seed in args.seeds:
-            run_dir = out / f"{name}-seed{seed}"
-            (run_dir / "result.json").unlink(missing_ok=True)
-            print(f"== {name}, seed {seed}: {label}", flush=True)
-            run_args = argparse.Namespace(**{**vars(args), "seed": seed})
-            code, seconds = run_demo.launch(run_args, STAGE, args.gas, run_dir, extra)
-            if code != 0 or not (run_dir / "result.json").exists():
-                print(f"FAILED: {name} seed {seed} exited with code {code}", flush=True)
-                failed.append(f"{name}-seed{seed}")
-                continue
-            result = json.loads((run_dir / "result.json").read_text())
-            print(f"   {seconds:.1f} s wall, final loss {result['losses'][-1]:.4f}", flush=True)
-            results[f"{name}-seed{seed}"] = result
-            curves.setdefault(name, []).append(result["losses"])
+            key = f"{name}-seed{seed}"
+            if args.from_summary is None:
+                run_dir = out / key
+                (run_dir / "result.json").unlink(missing_ok=True)
+                print(f"== {name}, seed {seed}: {label}", flush=True)
+                run_args = argparse.Namespace(**{**vars(args), "seed": seed})
+                code, seconds = run_demo.launch(run_args, STAGE, args.gas, run_dir, extra)
+                if code != 0 or not (run_dir / "result.json").exists():
+                    print(f"FAILED: {name} seed {seed} exited with code {code}", flush=True)
+                    failed.append(key)
+                    continue
+                results[key] = json.loads((run_dir / "result.json").read_text())
+                print(f"   {seconds:.1f} s wall, final loss {results[key]['losses'][-1]:.4f}", flush=True)
+            if key in results:
+                curves.setdefault(name, []).append(results[key]["losses"])
 
     print(f"\nloss per optimizer step (nats/byte, mean over the global batch{' and seeds' if len(args.seeds) > 1 else ''})")
     print(f"{'step':>5}" + "".join(f"{n:>16}" for n in curves))
@@ -129,7 +161,8 @@ def main(argv=None):
         table[name] = row
         print(line)
 
-    summary = {"deepspeed": deepspeed.__version__, "torch": torch.__version__, "args": vars(args),
+    summary = {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
+               "args": {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()},
                "failed": failed, "tail_loss": table, "runs": results}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"\nwrote {out / 'summary.json'}")
