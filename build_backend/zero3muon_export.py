@@ -11,7 +11,8 @@ another for their tests only: they import its test helpers (e.g. the muon tests'
 the export checks the declaration against the ``unit.`` imports of the group's tests
 (``imported_groups``): an undeclared or stale one stops it. A group whose new modules import
 another group's modules (the Muon universal-checkpoint checks import the generic ZeRO-3 universal
-module) declares it in ``code_needs``, checked against its ``deepspeed.`` imports the same way.
+module), or whose patches add an import of one, declares it in ``code_needs``, checked against its
+``deepspeed.`` imports the same way.
 
 For each pull request the export takes the pristine release (the pinned sdist, verified and
 unpacked as ``pip install .`` does, committed to a throw-away git index), adds that pull request's
@@ -397,9 +398,13 @@ MUON_VARIANTS = Group(
         "tests/unit/runtime/zero/test_zero3_normuon*.py",
     ),
     notes={
-        "deepspeed/runtime/zero/muon/original_muon.py":
-        "\"polar_express\" joins `NS_METHODS`; `muon_orthogonalize` and `_per_head_orthogonalize` run "
-        "`polar_express.zeropower_via_polar_express` for it (the aspect-ratio scale stays upstream's).",
+        "deepspeed/runtime/zero/muon/original_muon.py": {
+            "*":
+            "\"polar_express\" joins `NS_METHODS`; the Newton-Schulz dispatch of `muon_update` (of "
+            "`muon_orthogonalize` once the muon-update-seam pull request has split it out) runs "
+            "`polar_express.zeropower_via_polar_express` for it (the aspect-ratio scale stays upstream's).",
+            "0.19.8": " So does `_per_head_orthogonalize`'s.",
+        },
         "deepspeed/runtime/engine.py":
         "the Muon half of a parameter group keeps `variant`, `normuon_beta2` and `normuon_eps`; the Muon branch of "
         "`_configure_basic_optimizer` checks them (`owner_state.check_variant_config`: values, defaults, and a "
@@ -410,7 +415,7 @@ MUON_VARIANTS = Group(
     },
     template="pr_muon_variants.md",
     tests_need=("muon-owner-plan", "universal-checkpoint", "zero3-muon"),
-    code_needs=("muon-update-seam", ),
+    code_needs=("muon-update-seam", "muon-pipeline"),
 )
 
 ALLGATHER_BACKPORT = Group(
@@ -565,8 +570,26 @@ def _deepspeed_imports(path):
     """Repository paths (``deepspeed/...py``) of the modules that the module ``path`` imports as
     ``deepspeed.<...>`` (the module itself; a package's ``__init__.py`` is not resolved)."""
     try:
-        tree = ast.parse(Path(path).read_text())
-    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return _deepspeed_imports_in(Path(path).read_text())
+    except (UnicodeDecodeError, ValueError):
+        return []
+
+
+def _patch_deepspeed_imports(patch):
+    """The same for the import statements a patch adds (its ``+`` lines that are a whole ``import``
+    or ``from ... import`` statement, e.g. an import inside a method of the upstream file)."""
+    out = []
+    for line in Path(patch).read_text().splitlines():
+        code = line[1:].strip()
+        if line.startswith("+") and not line.startswith("+++") and code.startswith(("import ", "from ")):
+            out += _deepspeed_imports_in(code)
+    return out
+
+
+def _deepspeed_imports_in(source):
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
         return []
     modules = []
     for node in ast.walk(tree):
@@ -579,10 +602,12 @@ def _deepspeed_imports(path):
 
 
 def code_imported_groups(group, owners, repo_root):
-    """{other group key: [(module of ``group``, imported module of that group)]}: the other groups
-    whose new modules ``group``'s new modules import, and those whose patches add to an upstream
-    module they import (``original_muon.py``'s new functions, e.g.); a module patched by several
-    groups counts as the lowest-numbered one's."""
+    """{other group key: [(module or patch of ``group``, imported module of that group)]}: the other
+    groups whose new modules ``group``'s new modules import or its patches add an import of (an
+    upstream method importing a new module of another group), and those whose patches add to an
+    upstream module they import (``original_muon.py``'s new functions, e.g.); a module patched by
+    several groups counts as the first one's in ``owners`` (``assign`` keeps the groups' order: the
+    lowest-numbered)."""
     owner_of = {path: key for key, paths in owners.items() for path in paths}
     patched_by = {}
     for key, paths in owners.items():
@@ -590,16 +615,20 @@ def code_imported_groups(group, owners, repo_root):
             if path.startswith("patches/"):
                 for target in _patched_files(Path(repo_root) / path):
                     patched_by.setdefault(target, set()).add(key)
-    number = {g.key: g.number for g in GROUPS}
+    order = {key: i for i, key in enumerate(owners)}
     for target, keys in patched_by.items():
         # Patched by several groups: the later ones patch on top of the first, whose additions
         # (new functions) are what an importer needs.
-        owner_of.setdefault(target, min(keys, key=lambda k: number.get(k, 0)))
+        owner_of.setdefault(target, min(keys, key=order.__getitem__))
     needed = {}
     for path in owners.get(group.key, []):
-        if not (path.startswith("deepspeed/") and path.endswith(".py")):
+        if path.startswith("deepspeed/") and path.endswith(".py"):
+            deps = _deepspeed_imports(Path(repo_root) / path)
+        elif path.startswith("patches/"):
+            deps = _patch_deepspeed_imports(Path(repo_root) / path)
+        else:
             continue
-        for dep in _deepspeed_imports(Path(repo_root) / path):
+        for dep in deps:
             key = owner_of.get(dep)
             if key is not None and key != group.key:
                 needed.setdefault(key, []).append((path, dep))
@@ -892,8 +921,8 @@ def describe(piece, base, cfg, sdist, sha256, repo_root, everything):
 def _stale_outputs(out_dir, written):
     """Files of an earlier export in ``out_dir`` that this export did not write (e.g. of a
     pull request since renamed, or of the single-diff layout before the split)."""
-    names = ("[0-9]-*.diff", "[0-9]-*.md", "combined.diff", "combined.md", "zero3muon-deepspeed-*.diff",
-             "PR_DESCRIPTION.md")
+    names = ("[0-9]-*.diff", "[0-9]-*.md", "[0-9][0-9]-*.diff", "[0-9][0-9]-*.md", "combined.diff", "combined.md",
+             "zero3muon-deepspeed-*.diff", "PR_DESCRIPTION.md")
     return [p for name in names for p in out_dir.glob(name) if p not in written]
 
 

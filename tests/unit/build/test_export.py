@@ -15,8 +15,9 @@ Two parts:
   must stop the export (a file no pull request claims, a file two claim, a pull request whose
   patch needs another's context, one without a test, a modified file without a note, tests
   importing another pull request's test file undeclared in ``tests_need``, or a stale declaration;
-  the same for modules and ``code_needs``, where importing an upstream module that exactly one
-  group's patches modify depends on that group, and one that two groups' patches modify on neither).
+  the same for modules and ``code_needs``, where importing an upstream module that a group's patches
+  modify depends on that group (on the first, lowest-numbered, of several), and an import a patch adds
+  counts as one of the group's code).
 
 Unpacking a release writes ~3000 files, so the real part does it only where a whole tree matters
 (the export itself, the build's tree, the ``git apply`` targets). ``patch`` runs on a tree holding
@@ -167,7 +168,7 @@ def test_layout_and_membership(case):
     assert [p.stem for p in result.pull_requests] == [
         "1-muon-update-seam", "2-muon-owner-plan", "3-muon-pipeline", "4-zero3-muon", "5-grad-window", "6-loss-scale",
         "7-universal-checkpoint", "8-universal-muon", "9-muon-selection", "10-zero12-muon-clipping",
-        "11-muon-config"
+        "11-muon-config", "12-muon-variants"
     ]
     assert sorted(p.name for p in result.out_dir.iterdir()) == sorted(f"{p.stem}.{ext}" for p in result.pieces
                                                                       for ext in ("diff", "md"))
@@ -194,7 +195,7 @@ def test_layout_and_membership(case):
         return [f"patches/{case.base}/{p.name}" for p in zb.list_patches(case.base, REPO) if p.name[:4] in numbers]
 
     # the split Muon pull request: the seam (0004 and its test), the plan's and the pipeline's modules
-    # and tests, and the ZeRO-3 binding (zero3_update, 0001, the ZeRO-3 Muon tests and their helpers)
+    # and tests (the pipeline's with the owner-state extension point and NorMuon), and the ZeRO-3 binding (zero3_update, 0001, the ZeRO-3 Muon tests and their helpers)
     assert by_key["muon-update-seam"].sources == [*patches("0004"), f"{ZERO_TESTS}/test_muon_update_split.py"]
     assert by_key["muon-owner-plan"].sources == [
         f"{MUON_DIR}/momentum.py", f"{MUON_DIR}/newton_schulz.py", f"{MUON_DIR}/owner_plan.py",
@@ -202,7 +203,8 @@ def test_layout_and_membership(case):
         f"{ZERO_TESTS}/test_muon_owner_plan.py"
     ]
     assert by_key["muon-pipeline"].sources == [
-        f"{MUON_DIR}/owner_exchange.py", f"{MUON_DIR}/pipeline.py", f"{ZERO_TESTS}/test_muon_pipeline.py"
+        f"{MUON_DIR}/owner_exchange.py", f"{MUON_DIR}/owner_state.py", f"{MUON_DIR}/pipeline.py",
+        f"{ZERO_TESTS}/test_muon_owner_state.py", f"{ZERO_TESTS}/test_muon_pipeline.py"
     ]
     zero3_muon = by_key["zero3-muon"].sources
     assert [p for p in zero3_muon if not p.startswith("tests/")] == [f"{MUON_DIR}/zero3_update.py", *patches("0001")]
@@ -222,6 +224,11 @@ def test_layout_and_membership(case):
     assert patch_numbers["muon-update-seam"] == ["0004"] and patch_numbers["zero3-muon"] == ["0001"]
     assert patch_numbers["muon-owner-plan"] == patch_numbers["muon-pipeline"] == []
     assert patch_numbers["grad-window"] == ["0002"] and patch_numbers["loss-scale"] == ["0003"]
+    assert patch_numbers["muon-selection"] == ["0010", "0011"] and patch_numbers["zero12-muon-clipping"] == ["0012"]
+    # 0014 (scheduler rates per group), 0015 (the progress log's rates by group), 0016 (Muon keys checked)
+    assert patch_numbers["muon-config"] == ["0014", "0015", "0016"]
+    # 0017 (Polar Express as an ns_method), 0018 (NorMuon's keys in the engine, its state in state_dict())
+    assert patch_numbers["muon-variants"] == ["0017", "0018"]
     # generic: 0006 (ds_to_universal), 0007 (stage3's universal loader), 0008 (the resize error), 0009
     # (ZeRO-3 sources at ZeRO-1/2); Muon's: 0013 (its state checks, its ZeRO-1/2 momentum)
     assert patch_numbers["universal-checkpoint"] == ["0006", "0007", "0008", "0009"]
@@ -242,12 +249,13 @@ def test_layout_and_membership(case):
     split = ("muon-update-seam", "muon-owner-plan", "muon-pipeline", "zero3-muon")
     assert not [p for key in split for p in by_key[key].sources if "universal" in p]
     # the four split pull requests' modules: every module of ours under muon/ but the wheel report and the
-    # other pull requests' (universal_state_checks, zero12_universal_momentum, param_selection, zero12_update)
+    # other pull requests' (universal_state_checks, zero12_universal_momentum, param_selection, zero12_update,
+    # lr_groups, config_keys, polar_express)
     muon_dir = REPO / MUON_DIR
     assert sorted(p for key in split for p in by_key[key].sources if p.startswith("deepspeed/")) == sorted(
         p.relative_to(REPO).as_posix() for p in muon_dir.glob("*.py")
         if p.name not in ("__main__.py", "param_selection.py", "zero12_update.py", "universal_state_checks.py",
-                          "zero12_universal_momentum.py", "lr_groups.py", "config_keys.py")
+                          "zero12_universal_momentum.py", "lr_groups.py", "config_keys.py", "polar_express.py")
         and not p.name.startswith("_build_info"))
     assert sorted(by_key["muon-selection"].sources) == sorted([
         "deepspeed/runtime/zero/muon/param_selection.py", *patches("0010", "0011"),
@@ -261,10 +269,23 @@ def test_layout_and_membership(case):
     ])
     assert [p for p in by_key["zero12-muon-clipping"].sources if p.startswith("tests/")
             ] == sorted(p.relative_to(REPO).as_posix() for p in (REPO / ZERO_TESTS).glob("test_zero12_muon_*.py"))
-    # stacking: the plan's code imports original_muon.py as the seam patches it, the pipeline's the plan's
-    # modules, the two bindings all three; the ZeRO-3 binding's tests import the plan's NS test helpers, the
-    # universal, universal-muon, selection and ZeRO-1/2 pull requests' tests the ZeRO-3 Muon tests' helpers;
-    # universal-muon's also the universal one's, whose module its code imports
+    # the variants: Polar Express (its kernel, 0017, its tests) and NorMuon's keys and checkpoint state (0018, its
+    # tests; NorMuon itself is the pipeline's owner_state.py)
+    variants = by_key["muon-variants"].sources
+    assert [p for p in variants if not p.startswith("tests/")] == [f"{MUON_DIR}/polar_express.py",
+                                                                   *patches("0017", "0018")]
+    variant_tests = [p for p in variants if p.startswith("tests/")]
+    assert variant_tests == sorted([
+        f"{ZERO_TESTS}/test_muon_polar_express.py", f"{ZERO_TESTS}/test_zero3_polar_express.py",
+        *(p.relative_to(REPO).as_posix() for p in (REPO / ZERO_TESTS).glob("test_zero3_normuon*.py"))
+    ])
+    assert f"{ZERO_TESTS}/test_zero3_normuon.py" in variant_tests
+    # stacking: the plan's, muon-config's and the variants' code import original_muon.py as the seam patches it
+    # (the lower-numbered of the two groups patching it), the pipeline's the plan's modules, the two bindings all
+    # three; universal-muon's code imports the pipeline's owner_state.py and the universal module, the variants'
+    # patch 0018 owner_state.py; the ZeRO-3 binding's tests import the plan's NS test helpers, the universal,
+    # universal-muon, selection, ZeRO-1/2, config and variants pull requests' tests the ZeRO-3 Muon tests'
+    # helpers; universal-muon's and the variants' also the universal one's, the variants' the plan's too
     assert {
         g.key: g.code_needs
         for g in ze.GROUPS if g.pull_request and g.code_needs
@@ -272,8 +293,10 @@ def test_layout_and_membership(case):
         "muon-owner-plan": ("muon-update-seam", ),
         "muon-pipeline": ("muon-owner-plan", ),
         "zero3-muon": SEAM_KEYS,
-        "universal-muon": ("universal-checkpoint", ),
-        "zero12-muon-clipping": SEAM_KEYS
+        "universal-muon": ("muon-pipeline", "universal-checkpoint"),
+        "zero12-muon-clipping": SEAM_KEYS,
+        "muon-config": ("muon-update-seam", ),
+        "muon-variants": ("muon-update-seam", "muon-pipeline")
     }
     assert {
         g.key: g.tests_need
@@ -289,7 +312,8 @@ def test_layout_and_membership(case):
         "universal-muon": ("zero3-muon", "universal-checkpoint"),
         "muon-selection": ("zero3-muon", ),
         "zero12-muon-clipping": ("zero3-muon", ),
-        "muon-config": ("zero3-muon", )
+        "muon-config": ("zero3-muon", ),
+        "muon-variants": ("muon-owner-plan", "universal-checkpoint", "zero3-muon")
     }
     owners = {p.group.key: p.sources for p in result.pull_requests}
     assert {dep
@@ -307,10 +331,31 @@ def test_layout_and_membership(case):
         dep
         for _, dep in ze.code_imported_groups(ze.UNIVERSAL_MUON, owners, REPO)["universal-checkpoint"]
     }
-    # original_muon.py is upstream's; only the seam's patch changes it, so importing it needs the seam
+    assert {dep
+            for _, dep in ze.code_imported_groups(ze.UNIVERSAL_MUON, owners, REPO)["muon-pipeline"]
+            } == {f"{MUON_DIR}/owner_state.py"}
+    assert {key: {dep
+                  for _, dep in deps}
+            for key, deps in ze.imported_groups(ze.MUON_VARIANTS, owners, REPO).items()} == {
+                "muon-owner-plan": {f"{ZERO_TESTS}/newton_schulz_testing.py"},
+                "zero3-muon": {f"{ZERO_TESTS}/zero3_muon_helpers.py"},
+                "universal-checkpoint": {"tests/unit/checkpoint/zero3_universal_helpers.py"},
+            }
+    # original_muon.py is upstream's; the seam's patch and the variants' 0017 change it, and it counts as the
+    # seam's (the lower-numbered group: 0017 patches on top of the seam's functions), so importing it needs the
+    # seam, except in the variants' own code
     original = f"{MUON_DIR}/original_muon.py"
     assert ze.code_imported_groups(ze.PLAN, owners, REPO) == {
         "muon-update-seam": [(f"{MUON_DIR}/newton_schulz.py", original)]
+    }
+    assert ze.code_imported_groups(ze.MUON_CONFIG, owners, REPO) == {
+        "muon-update-seam": [(f"{MUON_DIR}/config_keys.py", original)]
+    }
+    # the variants: polar_express.py imports original_muon.py, and patch 0018 adds an import of the pipeline's
+    # owner_state.py to the engine (check_variant_config)
+    assert ze.code_imported_groups(ze.MUON_VARIANTS, owners, REPO) == {
+        "muon-update-seam": [(f"{MUON_DIR}/polar_express.py", original)],
+        "muon-pipeline": [(patches("0018")[0], f"{MUON_DIR}/owner_state.py")],
     }
     assert {dep
             for _, dep in ze.code_imported_groups(ze.CORE, owners, REPO)["muon-owner-plan"]
@@ -321,7 +366,7 @@ def test_layout_and_membership(case):
         assert {dep for _, dep in imported["muon-update-seam"]} == {original}, binding
         assert {dep
                 for _, dep in imported["muon-pipeline"]
-                } == {f"{MUON_DIR}/owner_exchange.py", f"{MUON_DIR}/pipeline.py"}, binding
+                } == {f"{MUON_DIR}/owner_exchange.py", f"{MUON_DIR}/owner_state.py", f"{MUON_DIR}/pipeline.py"}, binding
     backport_patches = [Path(p).name[:4] for b in result.backports for p in b.sources if p.startswith("patches/")]
     assert backport_patches == (["0005"] if any(p.name.startswith("0005-")
                                                 for p in zb.list_patches(case.base, REPO)) else [])
@@ -490,21 +535,30 @@ def test_descriptions_cover_every_file(case):
         return text[0].upper() + text[1:] if start else text
 
     stacked = f"tests import test helpers of {prs('zero3-muon')}: it is stacked on that one for its tests"
-    dependents = ('universal-checkpoint', 'universal-muon', 'muon-selection', 'zero12-muon-clipping', 'muon-config')
+    dependents = ('universal-checkpoint', 'universal-muon', 'muon-selection', 'zero12-muon-clipping', 'muon-config',
+                  'muon-variants')
     needed = (f"{prs(*dependents, start=True)} "
               "apply without this one, but their tests import this one's test helpers")
+    # the variants' tests import the plan's and the universal pull request's test helpers, not their code
+    variants_needed = (f"{prs('muon-variants', start=True)} applies without this one, but its tests import this one's "
+                       "test helpers (stacked on this one for its tests).")
     core_stacked = f"Its code imports modules of {prs(*SEAM_KEYS)}: it is stacked on those and goes in after them."
     plan_stacked = f"Its code imports modules of {prs('muon-update-seam')}: it is stacked on that one and goes in after it."
     pipeline_stacked = (f"Its code imports modules of {prs('muon-owner-plan')}: it is stacked on that one and goes in "
                         "after it.")
     zero12_tests = f"Its tests also import test helpers of {prs('zero3-muon')} and run with that one applied too."
-    universal_stacked = (f"Its code imports modules of {prs('universal-checkpoint')} and its tests that one's "
-                         "test helpers: it is stacked on that one and goes in after it. Its tests also import test "
-                         f"helpers of {prs('zero3-muon')}")
+    universal_stacked = (f"Its code imports modules of {prs('muon-pipeline', 'universal-checkpoint')}: it is stacked "
+                         "on those and goes in after them. Its tests also import test helpers of "
+                         f"{prs('zero3-muon')} and run with that one applied too.")
+    variants_stacked = (f"Its code imports modules of {prs('muon-update-seam', 'muon-pipeline')}: it is stacked on "
+                        "those and goes in after them. Its tests also import test helpers of "
+                        f"{prs('muon-owner-plan', 'zero3-muon', 'universal-checkpoint')} and run with those applied "
+                        "too.")
     imported_by = {
-        "muon-update-seam": prs("muon-owner-plan", "zero3-muon", "zero12-muon-clipping", start=True),
+        "muon-update-seam":
+        prs("muon-owner-plan", "zero3-muon", "zero12-muon-clipping", "muon-config", "muon-variants", start=True),
         "muon-owner-plan": prs("muon-pipeline", "zero3-muon", "zero12-muon-clipping", start=True),
-        "muon-pipeline": prs("zero3-muon", "zero12-muon-clipping", start=True),
+        "muon-pipeline": prs("zero3-muon", "universal-muon", "zero12-muon-clipping", "muon-variants", start=True),
         "universal-checkpoint": prs("universal-muon", start=True),
     }
     for key, who in imported_by.items():
@@ -512,26 +566,30 @@ def test_descriptions_cover_every_file(case):
         sentence = f"{who} {verb} this one's modules (stacked on this one)."
         assert sentence in texts[key] and sentence in heads[key], (key, sentence)
     for key, text in [*texts.items(), *heads.items()]:
-        assert (stacked in text) == (key in ("universal-checkpoint", "muon-selection", "muon-config")), key
+        assert (stacked in text) == (key in ("universal-checkpoint", "muon-selection")), key
         assert (core_stacked in text) == (key in ("zero3-muon", "zero12-muon-clipping")), key
-        assert (plan_stacked in text) == (key == "muon-owner-plan"), key
+        assert (plan_stacked in text) == (key in ("muon-owner-plan", "muon-config")), key
         assert (pipeline_stacked in text) == (key == "muon-pipeline"), key
-        assert (zero12_tests in text) == (key in ("zero12-muon-clipping", "universal-muon")), key
+        assert (zero12_tests in text) == (key in ("zero12-muon-clipping", "universal-muon", "muon-config")), key
         assert (universal_stacked in text) == (key == "universal-muon"), key
+        assert (variants_stacked in text) == (key == "muon-variants"), key
         assert (needed in text) == (key == "zero3-muon"), key
-        assert ("apply without this one" in text or "applies without this one" in text) == (key == "zero3-muon"), key
+        assert (variants_needed in text) == (key in ("muon-owner-plan", "universal-checkpoint")), key
+        assert ("apply without this one" in text
+                or "applies without this one" in text) == (key in ("zero3-muon", "muon-owner-plan",
+                                                                   "universal-checkpoint")), key
         assert ("import this one's modules" in text or "imports this one's modules" in text) == (key
                                                                                                  in imported_by), key
         assert "two other pull requests" not in text
     # which pull requests each says are independent of it: those it needs nothing of, for code or tests,
     # and that need nothing of it
     independent = {
-        "muon-update-seam": ("muon-pipeline", "grad-window", "loss-scale", "universal-checkpoint", "universal-muon",
-                             "muon-selection", "muon-config"),
+        "muon-update-seam":
+        ("muon-pipeline", "grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection"),
         "muon-owner-plan":
         ("grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection", "muon-config"),
-        "muon-pipeline": ("muon-update-seam", "grad-window", "loss-scale", "universal-checkpoint", "universal-muon",
-                          "muon-selection", "muon-config"),
+        "muon-pipeline":
+        ("muon-update-seam", "grad-window", "loss-scale", "universal-checkpoint", "muon-selection", "muon-config"),
         "zero3-muon": ("grad-window", "loss-scale"),
         "grad-window":
         tuple(k for k in numbered if k not in ("grad-window", "allgather-wait-backport")),
@@ -539,14 +597,16 @@ def test_descriptions_cover_every_file(case):
         tuple(k for k in numbered if k not in ("loss-scale", "allgather-wait-backport")),
         "universal-checkpoint":
         (*SEAM_KEYS, "grad-window", "loss-scale", "muon-selection", "zero12-muon-clipping", "muon-config"),
-        "universal-muon":
-        (*SEAM_KEYS, "grad-window", "loss-scale", "muon-selection", "zero12-muon-clipping", "muon-config"),
+        "universal-muon": ("muon-update-seam", "muon-owner-plan", "grad-window", "loss-scale", "muon-selection",
+                           "zero12-muon-clipping", "muon-config", "muon-variants"),
         "muon-selection": (*SEAM_KEYS, "grad-window", "loss-scale", "universal-checkpoint", "universal-muon",
-                           "zero12-muon-clipping", "muon-config"),
-        "zero12-muon-clipping":
-        ("grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection", "muon-config"),
-        "muon-config": (*SEAM_KEYS, "grad-window", "loss-scale", "universal-checkpoint", "universal-muon",
-                        "muon-selection", "zero12-muon-clipping"),
+                           "zero12-muon-clipping", "muon-config", "muon-variants"),
+        "zero12-muon-clipping": ("grad-window", "loss-scale", "universal-checkpoint", "universal-muon",
+                                 "muon-selection", "muon-config", "muon-variants"),
+        "muon-config": ("muon-owner-plan", "muon-pipeline", "grad-window", "loss-scale", "universal-checkpoint",
+                        "universal-muon", "muon-selection", "zero12-muon-clipping", "muon-variants"),
+        "muon-variants": ("grad-window", "loss-scale", "universal-muon", "muon-selection", "zero12-muon-clipping",
+                          "muon-config"),
     }
     assert sorted(independent) == sorted(texts)
     for key, others in independent.items():
@@ -568,11 +628,17 @@ def test_descriptions_cover_every_file(case):
             code), g.key
         assert flat.count(f"Its tests import test helpers of pull request {numbered[g.key]}: stacked on that one for "
                           "its tests.") == len(tests_only), g.key
-    assert flat.count("Its code imports modules of pull request 1 (muon-update-seam)") == 3
+    # code: the seam's by 2, 4, 10, 11 and 12; the plan's by 3, 4 and 10; the pipeline's by 4, 8, 10 and 12;
+    # the universal one's by 8. Tests only: the plan's helpers by 12, the ZeRO-3 Muon ones by 7 to 12, the
+    # universal ones by 12
+    assert flat.count("Its code imports modules of pull request 1 (muon-update-seam)") == 5
     assert flat.count("Its code imports modules of pull request 2 (muon-owner-plan)") == 3
-    assert flat.count("Its code imports modules of pull request 3 (muon-pipeline)") == 2
-    assert flat.count("Its tests import test helpers of pull request 4 (zero3-muon)") == 5
+    assert flat.count("Its code imports modules of pull request 3 (muon-pipeline)") == 4
+    assert flat.count("Its tests import test helpers of pull request 2 (muon-owner-plan)") == 1
+    assert flat.count("Its tests import test helpers of pull request 4 (zero3-muon)") == 6
     assert flat.count("Its code imports modules of pull request 7 (universal-checkpoint)") == 1
+    assert flat.count("Its tests import test helpers of pull request 7 (universal-checkpoint)") == 1
+    assert flat.count("Its code imports modules of pull request 12 (muon-variants)") == 0
     for bp in case.result.backports:
         assert bp.group.title in combined and "0.19.8 already" in combined
 
@@ -622,6 +688,7 @@ def test_dev_py_export_command(tmp_path, tmp_path_factory):
     env = dict(os.environ, **{zb.ENV_SDIST: str(case.sdist)})
     env.pop(zb.ENV_BASE, None)
     (tmp_path / "PR_DESCRIPTION.md").write_text("from the single-diff layout")  # an earlier export's
+    (tmp_path / "99-renamed-since.diff").write_text("a pull request of an earlier layout")  # two-digit numbers too
     (tmp_path / "notes.txt").write_text("not ours")
     res = subprocess.run([sys.executable, str(REPO / "dev.py"), "export", "--out",
                           str(tmp_path)],
@@ -639,6 +706,7 @@ def test_dev_py_export_command(tmp_path, tmp_path_factory):
         assert diff.read_bytes() == piece.diff_path.read_bytes()
         assert text.read_text() == piece.text_path.read_text()
     assert not (tmp_path / "PR_DESCRIPTION.md").exists() and (tmp_path / "notes.txt").exists()
+    assert not (tmp_path / "99-renamed-since.diff").exists()
 
     bad = subprocess.run([sys.executable, str(REPO / "dev.py"), "export", "--base", "0.0.1"],
                          cwd=tmp_path,
@@ -984,7 +1052,8 @@ def test_fake_new_file_clashing_with_upstream_stops_the_export(tmp_path):
 
 def test_fake_universal_groups_claim_their_files(tmp_path):
     # the generic group: patches 0008/0009, its ZeRO-1/2 test and test helpers; the Muon one: its modules
-    # (importing the generic module), patch 0013 and its tests (importing both groups' test helpers)
+    # (importing the generic module and the pipeline's owner_state.py), patch 0013 and its tests (importing both
+    # groups' test helpers)
     patches = f"patches/{FAKE_BASE}"
     generic = {
         f"{patches}/0008-engine-resize-names-universal-checkpoint.patch": _stage3_patch((28, "names load_universal")),
@@ -992,10 +1061,12 @@ def test_fake_universal_groups_claim_their_files(tmp_path):
         _doc_module("ZeRO-1/2.") + "from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun\n",
         "tests/unit/checkpoint/zero3_universal_helpers.py": _doc_module("Helpers of the universal tests."),
     }
+    core = {"deepspeed/runtime/zero/muon/owner_state.py": _doc_module("A Muon variant's state on the owner.")}
     muon = {
         "deepspeed/runtime/zero/muon/universal_state_checks.py":
         _doc_module("Muon state in universal checkpoints.") +
-        "from deepspeed.checkpoint.zero3_universal import FP32\n",
+        "from deepspeed.checkpoint.zero3_universal import FP32\n"
+        "from deepspeed.runtime.zero.muon.owner_state import variant_of\n",
         "deepspeed/runtime/zero/muon/zero12_universal_momentum.py":
         _doc_module("ZeRO-1/2 Muon momentum."),
         f"{patches}/0013-universal-muon-state.patch":
@@ -1004,11 +1075,12 @@ def test_fake_universal_groups_claim_their_files(tmp_path):
         _doc_module("Muon runs resume elsewhere.") + "from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun\n"
         "from unit.checkpoint.zero3_universal_helpers import unequal_states\n",
     }
-    result, _, _ = _fake_export(tmp_path, extra={**generic, **muon})
+    result, _, _ = _fake_export(tmp_path, extra={**generic, **core, **muon})
     (tmp_path / "plain").mkdir()
     universal, universal_muon = result.pull_requests[6:8]
     assert (universal.stem, universal_muon.stem) == ("7-universal-checkpoint", "8-universal-muon")
     assert set(generic) <= set(universal.sources) and set(muon) == set(universal_muon.sources)
+    assert set(core) <= set(result.pull_requests[2].sources)
     split = result.pull_requests[:4]
     assert [pr.stem for pr in split] == ["1-muon-update-seam", "2-muon-owner-plan", "3-muon-pipeline", "4-zero3-muon"]
     assert not [p for pr in split for p in pr.sources if "universal" in p]
@@ -1020,15 +1092,19 @@ def test_fake_universal_groups_claim_their_files(tmp_path):
     assert "bare world-size mismatch" in text and "names `ds_to_universal`" in text and "ZeRO-1/2: a universal" not in text
     assert "Pull request 8 (universal-muon) imports this one's modules (stacked on this one)." in text
     muon_text = " ".join(universal_muon.text_path.read_text().split())
-    assert ("Its code imports modules of pull request 7 (universal-checkpoint) and its tests that one's test helpers"
-            in muon_text and "Its tests also import test helpers of pull request 4 (zero3-muon)" in muon_text)
+    assert ("Its code imports modules of pull requests 3 (muon-pipeline) and 7 (universal-checkpoint): it is stacked "
+            "on those and goes in after them. Its tests also import test helpers of pull request 4 (zero3-muon) and run "
+            "with that one applied too." in muon_text)
+    pipeline_text = " ".join(result.pull_requests[2].text_path.read_text().split())
+    assert ("Pull requests 4 (zero3-muon) and 8 (universal-muon) import this one's modules (stacked on this one)."
+            in pipeline_text)
     plain = _fake_export(tmp_path / "plain")[0].pull_requests[6].text_path.read_text()
     assert "bare world-size mismatch" not in plain and "names `ds_to_universal`" not in plain
     # the Muon module no longer importing the generic one: its code_needs is stale
     (tmp_path / "stale").mkdir()
     with pytest.raises(ze.ExportError, match="'8-universal-muon' import modules of no other group but its code_needs"):
         standalone = {"deepspeed/runtime/zero/muon/universal_state_checks.py": _doc_module("Standalone.")}
-        _fake_export(tmp_path / "stale", extra={**generic, **muon, **standalone})
+        _fake_export(tmp_path / "stale", extra={**generic, **core, **muon, **standalone})
 
 
 def test_fake_undeclared_or_stale_test_dependency_stops_the_export(tmp_path):
@@ -1055,10 +1131,11 @@ def test_fake_undeclared_or_stale_test_dependency_stops_the_export(tmp_path):
                      extra={"tests/unit/runtime/zero/zero3_muon_helpers.py": _doc_module("Standalone helpers.")})
 
 
-def test_code_needs_an_upstream_module_one_groups_patch_modifies(tmp_path):
-    # code_imported_groups: a module importing an upstream module that exactly one group's patches modify
-    # depends on that group (as on another group's new module); one that two groups' patches modify counts
-    # for neither; one only its own group's patches modify is no dependency
+def test_code_needs_an_upstream_module_a_groups_patch_modifies(tmp_path):
+    # code_imported_groups: a module importing an upstream module that one group's patches modify depends on
+    # that group (as on another group's new module); one that several groups' patches modify on the first of
+    # them (the later ones patch on top of its additions); one only its own group's patches modify is no
+    # dependency
     original, stage3, engine, config = (f"deepspeed/runtime/{p}.py"
                                         for p in ("zero/muon/original_muon", "zero/stage3", "engine", "zero/config"))
     patched = {"seam": [original], "stage3-a": [stage3], "stage3-b": [stage3, engine], "user": [config]}
@@ -1080,20 +1157,22 @@ def test_code_needs_an_upstream_module_one_groups_patch_modifies(tmp_path):
     owners["user"] += [module, "tests/unit/test_user.py"]
     owners["helper"] = [helper]
     user, helper_group = ze.Group("user", 1, "user", (), {}), ze.Group("helper", 2, "helper", (), {})
+    # stage3.py: stage3-a's and stage3-b's patches modify it, it counts as stage3-a's (the first)
     assert ze.code_imported_groups(user, owners, tmp_path) == {
         "seam": [(module, original)],
+        "stage3-a": [(module, stage3)],
         "stage3-b": [(module, engine)],
         "helper": [(module, helper)]
     }
-    assert ze.code_imported_groups(helper_group, owners, tmp_path) == {}  # stage3.py: two groups' patches
-    # a second group's patch modifying original_muon.py too: importing it no longer depends on either
+    assert ze.code_imported_groups(helper_group, owners, tmp_path) == {"stage3-a": [(helper, stage3)]}
+    # a later group's patch modifying original_muon.py too: it is still the seam's
     (patches /
      "0002-stage3-a.patch").write_text(_make_diff(stage3, "old\n", "new\n") + _make_diff(original, "old\n", "new\n"))
-    assert ze.code_imported_groups(user, owners, tmp_path) == {
-        "stage3-b": [(module, engine)],
-        "helper": [(module, helper)]
-    }
-    # stage3-a's patch left out of the export: stage3.py is stage3-b's alone, original_muon.py the seam's again
+    assert ze.code_imported_groups(user, owners, tmp_path)["seam"] == [(module, original)]
+    # the first group in the export's order wins, not the first in the patch's file name
+    reordered = {key: owners[key] for key in ("stage3-b", "seam", "stage3-a", "user", "helper")}
+    assert ze.code_imported_groups(helper_group, reordered, tmp_path) == {"stage3-b": [(helper, stage3)]}
+    # stage3-a's patch left out of the export: stage3.py is stage3-b's alone, original_muon.py the seam's
     del owners["stage3-a"]
     assert ze.code_imported_groups(user, owners, tmp_path) == {
         "seam": [(module, original)],
@@ -1103,18 +1182,47 @@ def test_code_needs_an_upstream_module_one_groups_patch_modifies(tmp_path):
     assert ze.code_imported_groups(helper_group, owners, tmp_path) == {"stage3-b": [(helper, stage3)]}
 
 
-def test_fake_upstream_module_patched_by_two_groups_is_no_dependency(tmp_path):
-    # the ZeRO-3 binding's 0001 also changing original_muon.py: the plan's import of it then names no group,
-    # so its code_needs (the seam) is stale, and the binding's own import of it counts nothing either
+def test_fake_upstream_module_patched_by_two_groups_counts_as_the_first(tmp_path):
+    # the ZeRO-3 binding's 0001 also changing original_muon.py (on top of the seam's 0004, as the variants'
+    # 0017 does): importing it still needs the seam, the lower-numbered group, for the plan and the binding
     original = "deepspeed/runtime/zero/muon/original_muon.py"
-    both = _stage3_patch((3, "muon wiring")) + _make_diff(original, UPSTREAM[original], "def muon_update():\n    x\n")
+    newer = "def muon_update():\n    return elementwise() + 0\n"
+    both = _stage3_patch((3, "muon wiring")) + _make_diff(original, UPSTREAM[original], newer)
+    repo, _ = fake_project(tmp_path, extra={f"patches/{FAKE_BASE}/0001-zero3-muon-boundary-update.patch": both})
+    owners = ze.assign(FAKE_BASE, repo)  # the groups' declarations hold: no ExportError
+    assert ze.code_imported_groups(ze.PLAN, owners, repo) == {
+        "muon-update-seam": [("deepspeed/runtime/zero/muon/newton_schulz.py", original)]
+    }
+    assert ze.code_imported_groups(ze.MUON, owners, repo)["muon-update-seam"] == [
+        ("deepspeed/runtime/zero/muon/zero3_update.py", original)
+    ]
+    # without the seam's patch, the binding's 0001 is the only one modifying it: the plan's import needs that one
+    assert ze.code_imported_groups(ze.PLAN, {**owners, "muon-update-seam": []}, repo) == {
+        "zero3-muon": [("deepspeed/runtime/zero/muon/newton_schulz.py", original)]
+    }
+
+
+def test_fake_import_a_patch_adds_is_code_needed(tmp_path):
+    # a patch adding an import of another group's module to an upstream file (0018's engine.py importing the
+    # pipeline's owner_state.py): its group's code depends on that group, and must say so in code_needs
+    patch = f"patches/{FAKE_BASE}/0003-zero3-unscale-by-backward-loss-scale.patch"
+    importing = _stage3_patch((17, "        from deepspeed.runtime.zero.muon.pipeline import MuonPipeline"))
     with pytest.raises(ze.ExportError) as err:
-        _fake_export(tmp_path, extra={f"patches/{FAKE_BASE}/0001-zero3-muon-boundary-update.patch": both})
+        _fake_export(tmp_path, extra={patch: importing})
     message = str(err.value)
-    assert ("the modules of pull request '2-muon-owner-plan' import modules of no other group but its code_needs "
-            "says ['muon-update-seam']: no import of another group's module") in message
-    assert ("the modules of pull request '4-zero3-muon' import modules of ['muon-owner-plan', 'muon-pipeline'] but "
-            "its code_needs says ['muon-owner-plan', 'muon-pipeline', 'muon-update-seam']") in message
-    assert f"imports {original}" not in message
-    assert "'3-muon-pipeline'" not in message
-    assert not (tmp_path / "out").exists()
+    assert ("the modules of pull request '6-loss-scale' import modules of ['muon-pipeline'] but its code_needs says "
+            f"none: {patch} imports deepspeed/runtime/zero/muon/pipeline.py") in message
+    # declared, it goes through and the description says it is stacked on that one
+    loss_scale = ze.Group(ze.LOSS_SCALE.key, ze.LOSS_SCALE.number, ze.LOSS_SCALE.title, ze.LOSS_SCALE.patterns,
+                          ze.LOSS_SCALE.notes, ze.LOSS_SCALE.template, code_needs=("muon-pipeline", ))
+    groups = tuple(loss_scale if g is ze.LOSS_SCALE else g for g in ze.GROUPS)
+    (tmp_path / "declared").mkdir()
+    result, _, _ = _fake_export(tmp_path / "declared", extra={patch: importing}, groups=groups)
+    [pr] = [p for p in result.pull_requests if p.group.key == "loss-scale"]
+    assert ("Its code imports modules of pull request 3 (muon-pipeline): it is stacked on that one and goes in "
+            "after it.") in " ".join(pr.text_path.read_text().split())
+    # an import the patch removes ("-") or leaves (context) is not one it adds
+    other = tmp_path / "other.patch"
+    other.write_text("+++ b/deepspeed/runtime/zero/stage3.py\n-from deepspeed.runtime.zero.muon.pipeline import A\n"
+                     " from deepspeed.runtime.zero.muon.owner_plan import B\n+x = 1  # from deepspeed.runtime import C\n")
+    assert ze._patch_deepspeed_imports(other) == []
