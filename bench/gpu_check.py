@@ -197,20 +197,25 @@ class Check:
         timeout = self.remaining()
         if timeout <= 1:
             raise BudgetExceeded("no budget left to start it")
+        # Own process group; at the deadline SIGTERM first: torchrun passes it on to its ranks,
+        # which run in sessions of their own and would outlive a plain kill of torchrun (a rank
+        # left holding the GPU or a half-built op's lock).
+        proc = subprocess.Popen(cmd,
+                                env=env,
+                                cwd=cwd or self.root,
+                                stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT,
+                                text=True,
+                                start_new_session=True)
         try:
-            res = subprocess.run(cmd,
-                                 env=env,
-                                 cwd=cwd or self.root,
-                                 stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT,
-                                 text=True,
-                                 timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            out = _stop(proc)
             self.logfile.write(out + "\n[stopped at the budget]\n")
             if partial is not None:
                 partial(out)
             raise BudgetExceeded(f"budget reached after {timeout:.0f} s") from None
+        res = subprocess.CompletedProcess(cmd, proc.returncode, out)
         self.logfile.write(res.stdout + f"\n[exit {res.returncode}]\n")
         self.logfile.flush()
         if res.returncode != 0:
@@ -220,6 +225,24 @@ class Check:
 
     def python(self, build, code, **extra_env):
         return self.run([self.args.python, "-c", code], env=self.env(build, **extra_env))
+
+
+def _stop(proc, grace_s=20.0):
+    """Stop ``proc`` (a session leader) and what it started: SIGTERM to its group (torchrun ends its
+    ranks on SIGTERM), then SIGKILL after ``grace_s`` seconds. Returns the output read so far."""
+    import signal
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            out, _ = proc.communicate(timeout=wait)
+            return out or ""
+        except subprocess.TimeoutExpired:
+            continue
+    out, _ = proc.communicate()
+    return out or ""
 
 
 class Skip(Exception):
