@@ -254,7 +254,11 @@ def setup(base, stock=False):
 
 
 def cmd_setup(args, _extra):
-    setup(args.base)
+    venv = setup(args.base)
+    rel = venv.dir.relative_to(ROOT)
+    log(f"your own script (README, 'To run your own scripts'): DS_ACCELERATOR=cpu "
+        f"TORCH_EXTENSIONS_DIR={rel}/torch_extensions PYTHONSAFEPATH=1 {rel}/bin/torchrun --nproc-per-node 2 "
+        "script.py (DS_ACCELERATOR=cpu only on a machine without GPU)")
     return 0
 
 
@@ -553,7 +557,9 @@ def main(argv=None):
                                   "wheelhouse into a --target under OUT, then the seed table, the W=1 tests and "
                                   "the measurements on the device, within --budget-s (arguments: python3 "
                                   "bench/gpu_check.py --help)")):
-        p = sub.add_parser(name, help=helptext, description=helptext, allow_abbrev=False)
+        # gpu-check's options are bench/gpu_check.py's own, so its --help is that script's
+        p = sub.add_parser(name, help=helptext, description=helptext, allow_abbrev=False,
+                           add_help=name != "gpu-check")
         p.add_argument("--base", default=os.environ.get("DS_ZERO3MUON_BASE") or default_base,
                        help=f"DeepSpeed base release, one of {', '.join(known)} (default: %(default)s)")
         p.set_defaults(func=func)

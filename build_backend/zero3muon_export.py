@@ -311,7 +311,7 @@ UNIVERSAL_MUON = Group(
     },
     template="pr_universal_muon.md",
     tests_need=("zero3-muon", "universal-checkpoint"),
-    code_needs=("muon-pipeline", "universal-checkpoint"),
+    code_needs=("muon-owner-plan", "muon-pipeline", "universal-checkpoint"),
 )
 
 SELECTION = Group(
@@ -391,9 +391,11 @@ MUON_VARIANTS = Group(
     "owner rank",
     patterns=(
         "deepspeed/runtime/zero/muon/polar_express.py",
+        "deepspeed/runtime/zero/muon/normuon.py",
         "patches/*/0017-*.patch",
         "patches/*/0018-*.patch",
         "tests/unit/runtime/zero/test_muon_polar_express.py",
+        "tests/unit/runtime/zero/test_muon_normuon.py",
         "tests/unit/runtime/zero/test_zero3_polar_express.py",
         "tests/unit/runtime/zero/test_zero3_normuon*.py",
     ),
@@ -409,12 +411,15 @@ MUON_VARIANTS = Group(
         "the Muon half of a parameter group keeps `variant`, `normuon_beta2` and `normuon_eps`; the Muon branch of "
         "`_configure_basic_optimizer` checks them (`owner_state.check_variant_config`: values, defaults, and a "
         "refusal where no owner rank runs).",
+        "deepspeed/runtime/zero/muon/__init__.py":
+        "imports `normuon`, which registers NorMuon with the owner-state extension point "
+        "(`owner_state.register_variant`), so `variant: \"normuon\"` resolves wherever Muon runs.",
         STAGE3:
         "`state_dict()` first puts a variant's owner state into the optimizer state, per parameter "
         "(`Zero3MuonUpdate.export_owner_state`).",
     },
     template="pr_muon_variants.md",
-    tests_need=("muon-owner-plan", "universal-checkpoint", "zero3-muon"),
+    tests_need=("muon-owner-plan", "muon-pipeline", "universal-checkpoint", "zero3-muon"),
     code_needs=("muon-update-seam", "muon-pipeline"),
 )
 

@@ -45,7 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--gas", type=int, default=4, help="gradient_accumulation_steps of every run")
     p.add_argument("--seeds", type=int, nargs="+", default=[1234], help="one run per variant and seed")
     p.add_argument("--tail", type=int, default=20, help="steps at the end whose mean loss is compared")
-    p.add_argument("--variants", nargs="+", choices=[v[0] for v in VARIANTS], default=[v[0] for v in VARIANTS])
+    p.add_argument("--variants", nargs="+", type=lambda name: name.replace("_", "-"), choices=[v[0] for v in VARIANTS],
+                   default=[v[0] for v in VARIANTS], help="runs to train (polar_express, the ns_method's spelling, "
+                   "is accepted for polar-express)")
     p.add_argument("--no-plot", action="store_true", help="skip variants_loss.png")
     p.add_argument("--from-summary", type=pathlib.Path, default=None,
                    help="train nothing: print and plot the runs of this summary.json (its variants, seeds and steps)")

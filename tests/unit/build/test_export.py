@@ -250,12 +250,13 @@ def test_layout_and_membership(case):
     assert not [p for key in split for p in by_key[key].sources if "universal" in p]
     # the four split pull requests' modules: every module of ours under muon/ but the wheel report and the
     # other pull requests' (universal_state_checks, zero12_universal_momentum, param_selection, zero12_update,
-    # lr_groups, config_keys, polar_express)
+    # lr_groups, config_keys, polar_express, normuon)
     muon_dir = REPO / MUON_DIR
     assert sorted(p for key in split for p in by_key[key].sources if p.startswith("deepspeed/")) == sorted(
         p.relative_to(REPO).as_posix() for p in muon_dir.glob("*.py")
         if p.name not in ("__main__.py", "param_selection.py", "zero12_update.py", "universal_state_checks.py",
-                          "zero12_universal_momentum.py", "lr_groups.py", "config_keys.py", "polar_express.py")
+                          "zero12_universal_momentum.py", "lr_groups.py", "config_keys.py", "polar_express.py",
+                          "normuon.py")
         and not p.name.startswith("_build_info"))
     assert sorted(by_key["muon-selection"].sources) == sorted([
         "deepspeed/runtime/zero/muon/param_selection.py", *patches("0010", "0011"),
@@ -269,14 +270,15 @@ def test_layout_and_membership(case):
     ])
     assert [p for p in by_key["zero12-muon-clipping"].sources if p.startswith("tests/")
             ] == sorted(p.relative_to(REPO).as_posix() for p in (REPO / ZERO_TESTS).glob("test_zero12_muon_*.py"))
-    # the variants: Polar Express (its kernel, 0017, its tests) and NorMuon's keys and checkpoint state (0018, its
-    # tests; NorMuon itself is the pipeline's owner_state.py)
+    # the variants: Polar Express (its kernel, 0017, its tests) and NorMuon (its module, registered with the
+    # pipeline's owner_state.py, its keys and checkpoint state: 0018, its tests)
     variants = by_key["muon-variants"].sources
-    assert [p for p in variants if not p.startswith("tests/")] == [f"{MUON_DIR}/polar_express.py",
+    assert [p for p in variants if not p.startswith("tests/")] == [f"{MUON_DIR}/normuon.py", f"{MUON_DIR}/polar_express.py",
                                                                    *patches("0017", "0018")]
     variant_tests = [p for p in variants if p.startswith("tests/")]
     assert variant_tests == sorted([
-        f"{ZERO_TESTS}/test_muon_polar_express.py", f"{ZERO_TESTS}/test_zero3_polar_express.py",
+        f"{ZERO_TESTS}/test_muon_normuon.py", f"{ZERO_TESTS}/test_muon_polar_express.py",
+        f"{ZERO_TESTS}/test_zero3_polar_express.py",
         *(p.relative_to(REPO).as_posix() for p in (REPO / ZERO_TESTS).glob("test_zero3_normuon*.py"))
     ])
     assert f"{ZERO_TESTS}/test_zero3_normuon.py" in variant_tests
@@ -293,7 +295,7 @@ def test_layout_and_membership(case):
         "muon-owner-plan": ("muon-update-seam", ),
         "muon-pipeline": ("muon-owner-plan", ),
         "zero3-muon": SEAM_KEYS,
-        "universal-muon": ("muon-pipeline", "universal-checkpoint"),
+        "universal-muon": ("muon-owner-plan", "muon-pipeline", "universal-checkpoint"),
         "zero12-muon-clipping": SEAM_KEYS,
         "muon-config": ("muon-update-seam", ),
         "muon-variants": ("muon-update-seam", "muon-pipeline")
@@ -313,7 +315,7 @@ def test_layout_and_membership(case):
         "muon-selection": ("zero3-muon", ),
         "zero12-muon-clipping": ("zero3-muon", ),
         "muon-config": ("zero3-muon", ),
-        "muon-variants": ("muon-owner-plan", "universal-checkpoint", "zero3-muon")
+        "muon-variants": ("muon-owner-plan", "muon-pipeline", "universal-checkpoint", "zero3-muon")
     }
     owners = {p.group.key: p.sources for p in result.pull_requests}
     assert {dep
@@ -338,6 +340,7 @@ def test_layout_and_membership(case):
                   for _, dep in deps}
             for key, deps in ze.imported_groups(ze.MUON_VARIANTS, owners, REPO).items()} == {
                 "muon-owner-plan": {f"{ZERO_TESTS}/newton_schulz_testing.py"},
+                "muon-pipeline": {f"{ZERO_TESTS}/test_muon_pipeline.py"},
                 "zero3-muon": {f"{ZERO_TESTS}/zero3_muon_helpers.py"},
                 "universal-checkpoint": {"tests/unit/checkpoint/zero3_universal_helpers.py"},
             }
@@ -351,11 +354,12 @@ def test_layout_and_membership(case):
     assert ze.code_imported_groups(ze.MUON_CONFIG, owners, REPO) == {
         "muon-update-seam": [(f"{MUON_DIR}/config_keys.py", original)]
     }
-    # the variants: polar_express.py imports original_muon.py, and patch 0018 adds an import of the pipeline's
-    # owner_state.py to the engine (check_variant_config)
+    # the variants: polar_express.py imports original_muon.py; normuon.py registers with the pipeline's
+    # owner_state.py, and patch 0018 adds an import of it to the engine (check_variant_config)
     assert ze.code_imported_groups(ze.MUON_VARIANTS, owners, REPO) == {
         "muon-update-seam": [(f"{MUON_DIR}/polar_express.py", original)],
-        "muon-pipeline": [(patches("0018")[0], f"{MUON_DIR}/owner_state.py")],
+        "muon-pipeline": [(f"{MUON_DIR}/normuon.py", f"{MUON_DIR}/owner_state.py"),
+                          (patches("0018")[0], f"{MUON_DIR}/owner_state.py")],
     }
     assert {dep
             for _, dep in ze.code_imported_groups(ze.CORE, owners, REPO)["muon-owner-plan"]
@@ -547,7 +551,8 @@ def test_descriptions_cover_every_file(case):
     pipeline_stacked = (f"Its code imports modules of {prs('muon-owner-plan')}: it is stacked on that one and goes in "
                         "after it.")
     zero12_tests = f"Its tests also import test helpers of {prs('zero3-muon')} and run with that one applied too."
-    universal_stacked = (f"Its code imports modules of {prs('muon-pipeline', 'universal-checkpoint')}: it is stacked "
+    universal_stacked = (f"Its code imports modules of {prs('muon-owner-plan', 'muon-pipeline', 'universal-checkpoint')}: "
+                         "it is stacked "
                          "on those and goes in after them. Its tests also import test helpers of "
                          f"{prs('zero3-muon')} and run with that one applied too.")
     variants_stacked = (f"Its code imports modules of {prs('muon-update-seam', 'muon-pipeline')}: it is stacked on "
@@ -557,7 +562,7 @@ def test_descriptions_cover_every_file(case):
     imported_by = {
         "muon-update-seam":
         prs("muon-owner-plan", "zero3-muon", "zero12-muon-clipping", "muon-config", "muon-variants", start=True),
-        "muon-owner-plan": prs("muon-pipeline", "zero3-muon", "zero12-muon-clipping", start=True),
+        "muon-owner-plan": prs("muon-pipeline", "zero3-muon", "universal-muon", "zero12-muon-clipping", start=True),
         "muon-pipeline": prs("zero3-muon", "universal-muon", "zero12-muon-clipping", "muon-variants", start=True),
         "universal-checkpoint": prs("universal-muon", start=True),
     }
@@ -586,8 +591,7 @@ def test_descriptions_cover_every_file(case):
     independent = {
         "muon-update-seam":
         ("muon-pipeline", "grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection"),
-        "muon-owner-plan":
-        ("grad-window", "loss-scale", "universal-checkpoint", "universal-muon", "muon-selection", "muon-config"),
+        "muon-owner-plan": ("grad-window", "loss-scale", "universal-checkpoint", "muon-selection", "muon-config"),
         "muon-pipeline":
         ("muon-update-seam", "grad-window", "loss-scale", "universal-checkpoint", "muon-selection", "muon-config"),
         "zero3-muon": ("grad-window", "loss-scale"),
@@ -597,8 +601,8 @@ def test_descriptions_cover_every_file(case):
         tuple(k for k in numbered if k not in ("loss-scale", "allgather-wait-backport")),
         "universal-checkpoint":
         (*SEAM_KEYS, "grad-window", "loss-scale", "muon-selection", "zero12-muon-clipping", "muon-config"),
-        "universal-muon": ("muon-update-seam", "muon-owner-plan", "grad-window", "loss-scale", "muon-selection",
-                           "zero12-muon-clipping", "muon-config", "muon-variants"),
+        "universal-muon": ("muon-update-seam", "grad-window", "loss-scale", "muon-selection", "zero12-muon-clipping",
+                           "muon-config", "muon-variants"),
         "muon-selection": (*SEAM_KEYS, "grad-window", "loss-scale", "universal-checkpoint", "universal-muon",
                            "zero12-muon-clipping", "muon-config", "muon-variants"),
         "zero12-muon-clipping": ("grad-window", "loss-scale", "universal-checkpoint", "universal-muon",
@@ -628,11 +632,11 @@ def test_descriptions_cover_every_file(case):
             code), g.key
         assert flat.count(f"Its tests import test helpers of pull request {numbered[g.key]}: stacked on that one for "
                           "its tests.") == len(tests_only), g.key
-    # code: the seam's by 2, 4, 10, 11 and 12; the plan's by 3, 4 and 10; the pipeline's by 4, 8, 10 and 12;
+    # code: the seam's by 2, 4, 10, 11 and 12; the plan's by 3, 4, 8 and 10; the pipeline's by 4, 8, 10 and 12;
     # the universal one's by 8. Tests only: the plan's helpers by 12, the ZeRO-3 Muon ones by 7 to 12, the
     # universal ones by 12
     assert flat.count("Its code imports modules of pull request 1 (muon-update-seam)") == 5
-    assert flat.count("Its code imports modules of pull request 2 (muon-owner-plan)") == 3
+    assert flat.count("Its code imports modules of pull request 2 (muon-owner-plan)") == 4
     assert flat.count("Its code imports modules of pull request 3 (muon-pipeline)") == 4
     assert flat.count("Its tests import test helpers of pull request 2 (muon-owner-plan)") == 1
     assert flat.count("Its tests import test helpers of pull request 4 (zero3-muon)") == 6
@@ -1052,7 +1056,7 @@ def test_fake_new_file_clashing_with_upstream_stops_the_export(tmp_path):
 
 def test_fake_universal_groups_claim_their_files(tmp_path):
     # the generic group: patches 0008/0009, its ZeRO-1/2 test and test helpers; the Muon one: its modules
-    # (importing the generic module and the pipeline's owner_state.py), patch 0013 and its tests (importing both
+    # (importing the generic module, the plan's newton_schulz.py and the pipeline's owner_state.py), patch 0013 and its tests (importing both
     # groups' test helpers)
     patches = f"patches/{FAKE_BASE}"
     generic = {
@@ -1068,7 +1072,7 @@ def test_fake_universal_groups_claim_their_files(tmp_path):
         "from deepspeed.checkpoint.zero3_universal import FP32\n"
         "from deepspeed.runtime.zero.muon.owner_state import variant_of\n",
         "deepspeed/runtime/zero/muon/zero12_universal_momentum.py":
-        _doc_module("ZeRO-1/2 Muon momentum."),
+        _doc_module("ZeRO-1/2 Muon momentum.") + "from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec\n",
         f"{patches}/0013-universal-muon-state.patch":
         _stage3_patch((30, "muon checks")),
         "tests/unit/checkpoint/test_universal_checkpoint_muon.py":
@@ -1092,7 +1096,8 @@ def test_fake_universal_groups_claim_their_files(tmp_path):
     assert "bare world-size mismatch" in text and "names `ds_to_universal`" in text and "ZeRO-1/2: a universal" not in text
     assert "Pull request 8 (universal-muon) imports this one's modules (stacked on this one)." in text
     muon_text = " ".join(universal_muon.text_path.read_text().split())
-    assert ("Its code imports modules of pull requests 3 (muon-pipeline) and 7 (universal-checkpoint): it is stacked "
+    assert ("Its code imports modules of pull requests 2 (muon-owner-plan), 3 (muon-pipeline) and 7 "
+            "(universal-checkpoint): it is stacked "
             "on those and goes in after them. Its tests also import test helpers of pull request 4 (zero3-muon) and run "
             "with that one applied too." in muon_text)
     pipeline_text = " ".join(result.pull_requests[2].text_path.read_text().split())
@@ -1102,7 +1107,7 @@ def test_fake_universal_groups_claim_their_files(tmp_path):
     assert "bare world-size mismatch" not in plain and "names `ds_to_universal`" not in plain
     # the Muon module no longer importing the generic one: its code_needs is stale
     (tmp_path / "stale").mkdir()
-    with pytest.raises(ze.ExportError, match="'8-universal-muon' import modules of no other group but its code_needs"):
+    with pytest.raises(ze.ExportError, match=r"'8-universal-muon' import modules of \['muon-owner-plan'\] but its code_needs"):
         standalone = {"deepspeed/runtime/zero/muon/universal_state_checks.py": _doc_module("Standalone.")}
         _fake_export(tmp_path / "stale", extra={**generic, **core, **muon, **standalone})
 

@@ -271,12 +271,15 @@ def test_each_pull_requests_files(lint_bin, tmp_path, monkeypatch):
     zero3_muon = by_stem["4-zero3-muon"]
     assert "deepspeed/runtime/zero/stage3.py" in zero3_muon.patched
     assert f"{muon}/zero3_update.py" in zero3_muon.ours and f"{zero_tests}/zero3_muon_helpers.py" in zero3_muon.ours
-    # the variants: polar_express.py and their tests; 0017 patches original_muon.py, 0018 engine.py and stage3.py
+    # the variants: polar_express.py, normuon.py and their tests; 0017 patches original_muon.py, 0018 engine.py,
+    # the Muon package's __init__.py and stage3.py
     variants = by_stem["12-muon-variants"]
     assert sorted(variants.patched) == [
-        "deepspeed/runtime/engine.py", f"{muon}/original_muon.py", "deepspeed/runtime/zero/stage3.py"
+        "deepspeed/runtime/engine.py", f"{muon}/__init__.py", f"{muon}/original_muon.py",
+        "deepspeed/runtime/zero/stage3.py"
     ]
-    assert f"{muon}/polar_express.py" in variants.ours and f"{zero_tests}/test_zero3_normuon.py" in variants.ours
+    assert {f"{muon}/polar_express.py", f"{muon}/normuon.py", f"{zero_tests}/test_muon_normuon.py",
+            f"{zero_tests}/test_zero3_normuon.py"} <= set(variants.ours)
     for t in found:
         assert all(p.endswith(".py") and (REPO_ROOT / p).is_file() for p in t.ours), t.stem
         for rel, (old, new) in t.patched.items():

@@ -33,9 +33,6 @@ CONFIG_KEYS: Mapping[str, str] = {
     "adam_lr": ADAM,
     "momentum": MUON,
     "ns_method": MUON,
-    "variant": MUON,
-    "normuon_beta2": MUON,
-    "normuon_eps": MUON,
     "weight_decay": BOTH,
     "betas": ADAM,
     "eps": ADAM,
@@ -45,7 +42,8 @@ CONFIG_KEYS: Mapping[str, str] = {
     "fp32_optimizer_states": IMPLEMENTATION,
 }
 """Keys of ``optimizer.params`` the engine reads for Muon, and which half each reaches
-(``per_head_muon`` too, on a DeepSpeed that has per-head Muon: ``per_head_keys``)."""
+(``per_head_muon`` too, on a DeepSpeed that has per-head Muon, and the keys the engine copies
+into Muon's half beyond these: ``config_keys``)."""
 
 GROUP_KEYS: Mapping[str, str] = {
     "params": "the group's tensors",
@@ -54,9 +52,6 @@ GROUP_KEYS: Mapping[str, str] = {
     "weight_decay": BOTH,
     "momentum": MUON,
     "ns_method": MUON,
-    "variant": MUON,
-    "normuon_beta2": MUON,
-    "normuon_eps": MUON,
     "betas": ADAM,
     "eps": ADAM,
     "moe": "set by DeepSpeed's MoE helpers; the MoE split reads the tensors' own attributes",
@@ -64,7 +59,8 @@ GROUP_KEYS: Mapping[str, str] = {
 """Keys of a parameter group passed as ``model_parameters`` with the Muon optimizer: the keys
 ``_muon_param_groups`` copies into the group's Muon or Adam half (``_MUON_HALF_KEYS``,
 ``_ADAM_HALF_KEYS``), the group's tensors and name, and ``moe``, which DeepSpeed's MoE helpers
-(``create_moe_param_groups``) put in every group they build."""
+(``create_moe_param_groups``) put in every group they build; plus the keys the engine copies into
+Muon's half beyond these (``group_keys``)."""
 
 
 def has_per_head_muon() -> bool:
@@ -73,12 +69,20 @@ def has_per_head_muon() -> bool:
     return hasattr(deepspeed, "resolve_per_head_muon_after_sharding")
 
 
-def config_keys() -> Mapping[str, str]:
-    """``CONFIG_KEYS``, plus ``per_head_muon`` (Muon matrices) where this DeepSpeed has per-head Muon."""
+def config_keys(muon_half_keys: Iterable[str] = ()) -> Mapping[str, str]:
+    """``CONFIG_KEYS``, plus ``per_head_muon`` (Muon matrices) where this DeepSpeed has per-head Muon,
+    and each of ``muon_half_keys`` (the engine's ``_MUON_HALF_KEYS``) not among them (Muon matrices:
+    a Muon variant's keys where the engine copies them, patch 0018)."""
     keys = dict(CONFIG_KEYS)
     if has_per_head_muon():
         keys["per_head_muon"] = MUON
+    keys.update({k: MUON for k in muon_half_keys if k not in keys})
     return keys
+
+
+def group_keys(muon_half_keys: Iterable[str] = ()) -> Mapping[str, str]:
+    """``GROUP_KEYS`` plus each of ``muon_half_keys`` not among them (Muon matrices)."""
+    return {**{k: MUON for k in muon_half_keys}, **GROUP_KEYS}
 
 
 GROUP_HINTS: Mapping[str, str] = {
@@ -116,7 +120,8 @@ def _bad_ns_method(where: str, value) -> str:
             f"Accepted: {_accepted(ns_methods())}.")
 
 
-def check_muon_keys(optimizer_parameters: Mapping[str, Any], model_parameters) -> None:
+def check_muon_keys(optimizer_parameters: Mapping[str, Any], model_parameters,
+                    muon_half_keys: Iterable[str] = ()) -> None:
     """Refuse every key of the Muon block and of its parameter groups that the engine would drop,
     and every ``ns_method`` Muon has no kernel for.
 
@@ -125,6 +130,8 @@ def check_muon_keys(optimizer_parameters: Mapping[str, Any], model_parameters) -
         model_parameters: what ``deepspeed.initialize`` got as ``model_parameters``: tensors
             and/or parameter-group dicts (a generator is not consumed; only a list or tuple of
             dicts is checked).
+        muon_half_keys: the keys the engine copies into a Muon half (``_MUON_HALF_KEYS``), so
+            that every key that reaches Muon is accepted (a variant's too, with patch 0018).
 
     Raises:
         ValueError: one message listing each unknown key: ``optimizer.params.<key>`` with the
@@ -133,7 +140,8 @@ def check_muon_keys(optimizer_parameters: Mapping[str, Any], model_parameters) -
             then each ``ns_method`` (in ``optimizer.params`` or a group) that is not one of
             ``ns_methods()``, with the accepted values.
     """
-    accepted = config_keys()
+    muon_half_keys = tuple(muon_half_keys)
+    accepted = config_keys(muon_half_keys)
     problems, values = [], []
     if "ns_method" in (optimizer_parameters or {}) and not _is_ns_method(optimizer_parameters["ns_method"]):
         values.append(_bad_ns_method("optimizer.params", optimizer_parameters["ns_method"]))
@@ -147,14 +155,15 @@ def check_muon_keys(optimizer_parameters: Mapping[str, Any], model_parameters) -
             problems.append(f"optimizer.params.{key}: not a key of the Muon optimizer, so it would do nothing"
                             f"{FIXED_SETTINGS.get(key, '')}. Accepted: {_accepted(accepted)}.")
     if isinstance(model_parameters, (list, tuple)):
+        accepted_in_groups = group_keys(muon_half_keys)
         for index, group in enumerate(model_parameters):
             if not isinstance(group, dict):
                 continue
             for key in group:
-                if key not in GROUP_KEYS:
+                if key not in accepted_in_groups:
                     why = GROUP_HINTS.get(key, "not a key of a Muon parameter group")
                     problems.append(f"model_parameters[{index}].{key}: {why}, so it would do nothing. Accepted: "
-                                    f"{_accepted(GROUP_KEYS)}.")
+                                    f"{_accepted(accepted_in_groups)}.")
             if "ns_method" in group and not _is_ns_method(group["ns_method"]):
                 values.append(_bad_ns_method(f"model_parameters[{index}]", group["ns_method"]))
     sections = []

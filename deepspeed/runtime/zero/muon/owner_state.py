@@ -2,150 +2,80 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""State a Muon variant keeps per matrix on the matrix's owner rank, and NorMuon, which uses it.
+"""State a Muon variant keeps per matrix on the matrix's owner rank: the extension point.
 
-The extension point. The distributed Muon core (``pipeline.MuonPipeline``) runs Newton-Schulz once
-per matrix, on its owner rank, with the whole matrix in hand. A *variant* is a rule applied there,
-to each Newton-Schulz result, before the result is split back into the ranks' gradient
-partitions (``BucketLayout.write_result``). It may keep per-matrix state, which lives only on the
-owner, in fp32, on the Newton-Schulz device, and is updated once per optimizer step. A variant
-is an object with:
+The distributed Muon core (``pipeline.MuonPipeline``) runs Newton-Schulz once per matrix, on its
+owner rank, with the whole matrix in hand. A *variant* is a rule applied there, to each
+Newton-Schulz result, before the result is split back into the ranks' gradient partitions
+(``BucketLayout.write_result``). Statistics over a matrix's rows or the whole matrix are therefore
+exact and cost no communication. A variant may keep per-row state, which lives only on the owner,
+in fp32, on the Newton-Schulz device, and is updated once per optimizer step. It is a class with:
 
-- ``name``: its value of the ``variant`` key;
-- ``state_key``: the optimizer-state key its state travels under in checkpoints;
-- ``state_numel(spec)``: elements of state one matrix (an ``owner_plan.MatrixSpec``) needs;
-- ``apply(update, state, spec)``: the rule. ``update`` is the matrix's Newton-Schulz result
-  (``spec.shape``, in the kernel's dtype, scaled by upstream's aspect ratio; not modified),
-  ``state`` its 1-D fp32 state of ``state_numel(spec)`` elements, advanced in place; returns the
-  update to send back, ``spec.shape`` and ``update``'s dtype.
+- ``name``: its value of the ``variant`` key; ``state_key``: the optimizer-state key its state
+  travels under in checkpoints; ``defaults``: ``{key: default}`` of its own settings;
+- ``key_problems(settings, where)``: what is wrong with its settings in a config block or group;
+- ``from_group(param_group)``: the rule with a group's settings;
+- on an instance: ``state_numel(spec)`` (elements of state one matrix, an
+  ``owner_plan.MatrixSpec``, needs), ``state_rows(spec)`` (``(rows, cols)``: the state holds one
+  value per row of ``cols`` consecutive elements of the flattened parameter, which is how
+  checkpoints carry it), and ``apply(update, state, spec)``: the rule. ``update`` is the matrix's
+  Newton-Schulz result (``spec.shape``, in the kernel's dtype, scaled by upstream's aspect ratio;
+  not modified), ``state`` its 1-D fp32 state of ``state_numel(spec)`` elements, advanced in
+  place; it returns the update to send back, ``spec.shape`` and ``update``'s dtype.
+
+A variant's module registers it (``register_variant``) when imported; NorMuon
+(``deepspeed.runtime.zero.muon.normuon``) is imported by the engine (patch 0018).
 
 ``OwnerState`` holds the state of the matrices one rank owns in one flat tensor, allocated from
 the owner plan at construction. Plain Muon (no ``variant`` key, or ``"muon"``) has no variant:
 nothing is allocated and the pipeline runs exactly as before (no call, no collective, the same
 results bit for bit). The plan's memory budget counts the state (``owner_plan.within_budget``,
 ``state_numels``).
-
-NorMuon (Zichong Li, Liming Liu, Chen Liang, Weizhu Chen, Tuo Zhao, 2025, "NorMuon: Making Muon
-more efficient and scalable", arXiv:2510.05491, Algorithm 1) is the one variant here: a
-per-neuron (per output row) second moment of the orthogonalized update. See ``NorMuon``.
 """
 
-import math
-from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 VARIANT_KEY = "variant"
 """Muon parameter-group (and ``optimizer.params``) key choosing the variant."""
-BETA2_KEY = "normuon_beta2"
-"""NorMuon's second-moment decay (the paper's beta_2), default ``NORMUON_BETA2``."""
-EPS_KEY = "normuon_eps"
-"""NorMuon's epsilon in ``O / (sqrt(v) + eps)``, default ``NORMUON_EPS``."""
 MUON = "muon"
-NORMUON = "normuon"
-VARIANTS = (MUON, NORMUON)
-NORMUON_BETA2 = 0.95
-"""The paper's and microsoft/dion's default beta_2."""
-NORMUON_EPS = 1e-8
-"""microsoft/dion's epsilon of the normalization (the authors' ``normuon.py`` uses 1e-10)."""
-NORMUON_STATE_KEY = "normuon_second_moment"
-"""Optimizer-state key (and universal-checkpoint file name) of NorMuon's state in checkpoints."""
-KEYS = (VARIANT_KEY, BETA2_KEY, EPS_KEY)
-"""The keys of this module, accepted in ``optimizer.params`` and in Muon parameter groups."""
+"""The default ``variant``: plain Muon, no owner state."""
+
+_VARIANTS: Dict[str, type] = {}
+"""The registered variants by name (``register_variant``)."""
 
 
-@dataclass(frozen=True)
-class NorMuon:
-    """NorMuon's rule on the owner: per-row second moment, row normalization, norm kept.
+def register_variant(variant: type) -> type:
+    """Make ``variant`` (a class as described in the module docstring) selectable by its ``name``.
 
-    For one Newton-Schulz problem ``O`` of ``rows x cols`` (``MatrixSpec.ns_problem``: a 2-D
-    matrix, one attention head under ``per_head_muon``, one expert of an expert group, a conv
-    filter flattened to ``out x in*kh*kw``), with ``v`` its ``rows`` state (zero at the start):
-
-        v    <- beta2 * v + (1 - beta2) * mean_cols(O * O)       (Algorithm 1, line "v_t")
-        O^   =  O / (sqrt(v) + eps)                              (row-wise, "O^_t")
-        U    =  O^ * ||O||_F / ||O^||_F
-
-    ``O`` is DeepSpeed's Muon update as ``muon_orthogonalize`` returns it: Newton-Schulz of the
-    Nesterov blend of gradient and momentum (DeepSpeed's Muon fixes Nesterov on), times upstream's
-    aspect-ratio scale ``s = sqrt(max(1, rows/cols))``. The last line is where implementations
-    differ. The paper's Algorithm 1 steps by ``0.2 * lr * sqrt(m n) / ||O^||_F`` (an update RMS of
-    0.2, Adam's, for an Adam-tuned learning rate). The authors' released ``normuon.py``
-    (github.com/zichongli5/NorMuon) and microsoft/dion's ``dion/normuon.py`` rescale ``O^`` to
-    the Frobenius norm of the Newton-Schulz output instead, and then apply their Muon learning-rate
-    scale. This module does what they do, so that the update has exactly the norm of DeepSpeed's
-    Muon update and ``muon_lr`` (tuned for Muon, default 0.02) keeps its meaning: switching the
-    variant redistributes each update over its rows, it does not resize it. Since ``O`` already
-    holds ``s``, ``v`` is ``s^2`` times the authors' (who scale after normalizing), and the result
-    equals theirs with ``eps / s`` for ``eps``; the rescale is per problem (per head, per expert),
-    as dion's per-block rescale.
-
-    Attributes:
-        beta2: ``normuon_beta2``, in [0, 1).
-        eps: ``normuon_eps``, > 0.
+    Raises:
+        ValueError: the name is ``"muon"`` or already registered by another class.
     """
-    beta2: float = NORMUON_BETA2
-    eps: float = NORMUON_EPS
-    name = NORMUON
-    state_key = NORMUON_STATE_KEY
-
-    @staticmethod
-    def state_numel(spec) -> int:
-        """``batch * rows`` of ``spec.ns_problem``: one fp32 value per row of every problem."""
-        batch, rows, _ = spec.ns_problem
-        return batch * rows
-
-    @staticmethod
-    def state_rows(spec) -> Tuple[int, int]:
-        """``(rows, cols)`` of the state: ``state_numel`` rows, each covering ``cols`` consecutive
-        elements of the flattened parameter (row-major over its problems)."""
-        batch, rows, cols = spec.ns_problem
-        return batch * rows, cols
-
-    @torch.no_grad()
-    def apply(self, update: torch.Tensor, state: torch.Tensor, spec) -> torch.Tensor:
-        """Advance ``state`` and return the normalized update; see the class docstring.
-
-        Args:
-            update: the Newton-Schulz result, ``spec.shape`` (a conv filter may come flattened),
-                any float dtype; not modified.
-            state: 1-D fp32, ``state_numel(spec)`` elements, on ``update``'s device; in place.
-            spec: the matrix's ``owner_plan.MatrixSpec``.
-
-        Returns:
-            the update in ``update``'s dtype and shape, computed in fp32.
-        """
-        batch, rows, cols = spec.ns_problem
-        o = update.reshape(batch, rows, cols).to(torch.float32)
-        v = state.view(batch, rows)
-        v.lerp_(torch.linalg.vector_norm(o, dim=-1).square_().div_(cols), 1 - self.beta2)
-        normalized = o / v.sqrt().add_(self.eps).unsqueeze(-1)
-        before = torch.linalg.vector_norm(o, dim=(-2, -1))
-        after = torch.linalg.vector_norm(normalized, dim=(-2, -1)).clamp_min_(torch.finfo(torch.float32).tiny)
-        normalized.mul_((before / after).view(batch, 1, 1))
-        return normalized.reshape(update.shape).to(update.dtype)
+    if variant.name == MUON or _VARIANTS.get(variant.name, variant) is not variant:
+        raise ValueError(f"A Muon variant named {variant.name!r} exists already.")
+    _VARIANTS[variant.name] = variant
+    return variant
 
 
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def variants() -> Tuple[str, ...]:
+    """The accepted values of ``variant``: ``"muon"`` and each registered variant's name."""
+    return (MUON, *sorted(_VARIANTS))
+
+
+def state_keys() -> Tuple[str, ...]:
+    """The optimizer-state keys of the registered variants."""
+    return tuple(sorted(v.state_key for v in _VARIANTS.values()))
 
 
 def _problems(settings: Mapping[str, Any], where: str) -> List[str]:
-    problems = []
     variant = settings.get(VARIANT_KEY, MUON)
-    if variant not in VARIANTS:
+    problems = []
+    if variant not in variants():
         problems.append(f"{where}.{VARIANT_KEY}: {variant!r} is not a Muon variant; accepted: "
-                        f"{', '.join(repr(v) for v in VARIANTS)}.")
-    if BETA2_KEY in settings:
-        beta2 = settings[BETA2_KEY]
-        if not _number(beta2) or not 0.0 <= beta2 < 1.0:
-            problems.append(f"{where}.{BETA2_KEY}: {beta2!r}; NorMuon's second-moment decay must be a number in "
-                            "[0, 1).")
-    if EPS_KEY in settings:
-        eps = settings[EPS_KEY]
-        if not _number(eps) or eps <= 0:
-            problems.append(f"{where}.{EPS_KEY}: {eps!r}; NorMuon's epsilon must be a number > 0.")
+                        f"{', '.join(repr(v) for v in variants())}.")
+    for registered in _VARIANTS.values():
+        problems += registered.key_problems(settings, where)
     return problems
 
 
@@ -169,11 +99,11 @@ def _where_no_owner_runs(engine) -> Optional[str]:
 
 def check_variant_config(optimizer_parameters: Mapping[str, Any], model_parameters, param_groups: Sequence[dict],
                          engine) -> None:
-    """Check the variant keys where the engine builds Muon, and fill NorMuon's defaults in.
+    """Check the variant keys where the engine builds Muon, and fill each variant's defaults in.
 
-    Called by the engine (patch 0018) right after ``_muon_param_groups``. A Muon group whose
-    ``variant`` is ``"normuon"`` gets ``normuon_beta2`` and ``normuon_eps`` (its own, the
-    config's, or the defaults), so checkpoints record them; other groups are left as they are.
+    Called by the engine (patch 0018) right after ``_muon_param_groups``. A Muon group that uses a
+    variant gets each of the variant's settings (its own, the config's, or the default), so
+    checkpoints record them; other groups are left as they are.
 
     Args:
         optimizer_parameters: the config's ``optimizer.params``.
@@ -183,10 +113,11 @@ def check_variant_config(optimizer_parameters: Mapping[str, Any], model_paramete
         engine: the ``DeepSpeedEngine`` (its ZeRO stage, data types and offload).
 
     Raises:
-        ValueError: naming each key: an unknown ``variant``, ``normuon_beta2`` outside [0, 1),
-            ``normuon_eps`` <= 0, NorMuon's keys where no Muon group uses NorMuon; and ``variant: "normuon"`` where no owner rank runs the update
-            (``_where_no_owner_runs``: ZeRO stage 0, where upstream's ``MuonWithAuxAdam.step``
-            orthogonalizes, and ZeRO-1's ``BF16_Optimizer``).
+        ValueError: naming each key: an unknown ``variant``, a variant's setting it refuses
+            (``key_problems``), a variant's settings where no Muon group uses that variant, and
+            a variant where no owner rank runs the update (``_where_no_owner_runs``: ZeRO stage 0,
+            where upstream's ``MuonWithAuxAdam.step`` orthogonalizes, and ZeRO-1's
+            ``BF16_Optimizer``).
     """
     problems = _problems(optimizer_parameters or {}, "optimizer.params")
     if isinstance(model_parameters, (list, tuple)):
@@ -194,29 +125,35 @@ def check_variant_config(optimizer_parameters: Mapping[str, Any], model_paramete
             if isinstance(group, dict):
                 problems += _problems(group, f"model_parameters[{index}]")
     muon_groups = [g for g in param_groups if g.get("use_muon")]
-    if not problems and muon_groups and not any(g.get(VARIANT_KEY) == NORMUON for g in muon_groups):
-        unused = sorted({k for g in muon_groups for k in (BETA2_KEY, EPS_KEY) if k in g})
-        if unused:
-            problems.append(f"{', '.join(unused)}: NorMuon's settings, but no Muon group has {VARIANT_KEY} 'normuon', "
-                            f"so they would do nothing; add \"{VARIANT_KEY}\": \"normuon\" or remove them.")
+    if not problems and muon_groups:
+        used = {g.get(VARIANT_KEY, MUON) for g in muon_groups}
+        for name, registered in sorted(_VARIANTS.items()):
+            unused = sorted({k for g in muon_groups for k in registered.defaults if k in g})
+            if unused and name not in used:
+                problems.append(f"{', '.join(unused)} (optimizer.params or a parameter group): {name}'s settings, "
+                                f"but no Muon group has {VARIANT_KEY} {name!r}, so they would do nothing; add "
+                                f"\"{VARIANT_KEY}\": \"{name}\" or remove them.")
     if not problems:
-        for index, group in enumerate(param_groups):
-            if group.get("use_muon") and group.get(VARIANT_KEY) == NORMUON:
-                where = _where_no_owner_runs(engine)
-                if where is not None:
-                    problems.append(f"optimizer.params.{VARIANT_KEY}: 'normuon' needs ZeRO stage 1, 2 or 3 (its "
-                                    "per-row state lives on the rank that orthogonalizes each matrix), and does not "
-                                    f"run with {where}; use the default variant 'muon' there.")
-                    break
-                group.setdefault(BETA2_KEY, NORMUON_BETA2)
-                group.setdefault(EPS_KEY, NORMUON_EPS)
+        for group in param_groups:
+            registered = _VARIANTS.get(group.get(VARIANT_KEY, MUON)) if group.get("use_muon") else None
+            if registered is None:
+                continue
+            where = _where_no_owner_runs(engine)
+            if where is not None:
+                problems.append(f"optimizer.params.{VARIANT_KEY}: {registered.name!r} needs ZeRO stage 1, 2 or 3 "
+                                "(its state lives on the rank that orthogonalizes each matrix), and does not run "
+                                f"with {where}; use the default variant 'muon' there.")
+                break
+            for key, default in registered.defaults.items():
+                group.setdefault(key, default)
     if problems:
         raise ValueError("The Muon optimizer's variant settings are invalid:\n" + "\n".join(f"- {p}"
                                                                                             for p in problems))
 
 
-def variant_of(param_group: Mapping[str, Any]) -> Optional[NorMuon]:
-    """The variant a Muon parameter group runs: ``None`` for plain Muon, else a ``NorMuon``.
+def variant_of(param_group: Mapping[str, Any]):
+    """The variant a Muon parameter group runs: ``None`` for plain Muon, else an instance of the
+    registered variant with the group's settings.
 
     Raises:
         ValueError: invalid settings (see ``check_variant_config``), naming the key.
@@ -224,13 +161,11 @@ def variant_of(param_group: Mapping[str, Any]) -> Optional[NorMuon]:
     problems = _problems(param_group, "optimizer parameter group")
     if problems:
         raise ValueError("; ".join(problems))
-    if param_group.get(VARIANT_KEY, MUON) == MUON:
-        return None
-    return NorMuon(beta2=float(param_group.get(BETA2_KEY, NORMUON_BETA2)),
-                   eps=float(param_group.get(EPS_KEY, NORMUON_EPS)))
+    name = param_group.get(VARIANT_KEY, MUON)
+    return None if name == MUON else _VARIANTS[name].from_group(param_group)
 
 
-def check_same_kind(built: Optional[NorMuon], group_variant: Optional[NorMuon], where: str) -> None:
+def check_same_kind(built, group_variant, where: str) -> None:
     """Refuse a parameter group whose variant is not the one its state was allocated for.
 
     A checkpoint's parameter groups replace the engine's settings at ``load_checkpoint`` (torch's
@@ -239,8 +174,8 @@ def check_same_kind(built: Optional[NorMuon], group_variant: Optional[NorMuon], 
     Raises:
         RuntimeError: naming ``where`` and both variants.
     """
-    if (built is None) != (group_variant is None):
-        names = [MUON if v is None else v.name for v in (built, group_variant)]
+    names = [MUON if v is None else v.name for v in (built, group_variant)]
+    if names[0] != names[1]:
         raise RuntimeError(f"{where}: this engine was built with Muon variant '{names[0]}', but the parameter group "
                            f"now says '{names[1]}' (set by a loaded checkpoint?). Build the engine with the "
                            f"{VARIANT_KEY} the checkpoint was trained with.")
@@ -297,7 +232,7 @@ def expand_rows(rows: torch.Tensor, cols: int, start: int, count: int) -> torch.
 
     Args:
         rows: 1-D, the parameter's state, one value per row of ``cols`` consecutive elements.
-        cols: elements per row (``NorMuon.state_rows``).
+        cols: elements per row (the variant's ``state_rows``).
         start, count: the elements (within the parameter's numel).
 
     Returns:

@@ -75,7 +75,8 @@ class MuonPipeline:
             offload).
         depth: see the module docstring; at least 1.
         batch_ns: passed to ``orthogonalize_each`` (None: batch same-shape problems where it pays).
-        variant: a Muon variant with owner state (``owner_state.NorMuon``), or None for plain Muon.
+        variant: a Muon variant with owner state (``owner_state``; e.g. ``normuon.NorMuon``), or None
+            for plain Muon.
         state_flat: storage for the owner state (``OwnerState``'s ``flat``; None: allocated on
             ``device``).
 

@@ -13,9 +13,9 @@ kind would hand Muon settings to Adam groups. These checks refuse such checkpoin
 parameter or group; the ZeRO-3 loader calls ``check_zero3_universal_state`` first, the ZeRO-1/2
 one ``zero12_universal_momentum.check_before_load``.
 
-A Muon variant with owner state (NorMuon, ``owner_state``) saves it per parameter too (file
-``normuon_second_moment.pt``); ``check_variant_state`` requires it where the run's group uses the
-variant and refuses it where the group does not.
+A Muon variant with owner state (``owner_state``; NorMuon's file is ``normuon_second_moment.pt``)
+saves it per parameter too; ``check_variant_state`` requires it where the run's group uses the
+variant and refuses a variant's state where the group does not use that variant.
 """
 
 import os
@@ -23,7 +23,7 @@ from typing import Iterable, List
 
 from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_GROUPS
 from deepspeed.checkpoint.zero3_universal import FP32, STEP, check_groups_pair, state_files
-from deepspeed.runtime.zero.muon.owner_state import NORMUON_STATE_KEY, VARIANT_KEY, variant_of
+from deepspeed.runtime.zero.muon.owner_state import VARIANT_KEY, state_keys, variant_of
 
 MOMENTUM = "momentum_buffer"
 """State name of the Muon momentum (``MuonWithAuxAdam``'s key, and the file name in a universal
@@ -66,8 +66,9 @@ def check_variant_state(name: str, folder: str, states: Iterable[str], param_gro
         param_group: the loading run's parameter group of the parameter (its ``variant``).
 
     Raises:
-        ValueError: a NorMuon group's parameter without ``normuon_second_moment`` (it would restart
-            at zero), or a plain Muon group's parameter with it (it would be dropped).
+        ValueError: a variant's parameter without its state (e.g. ``normuon_second_moment``: it
+            would restart at zero), or a parameter with the state of a variant its group does not
+            use (it would be dropped).
     """
     states = set(states)
     variant = variant_of(param_group) if param_group.get("use_muon") else None
@@ -75,10 +76,12 @@ def check_variant_state(name: str, folder: str, states: Iterable[str], param_gro
         raise ValueError(f"Universal checkpoint: Muon parameter '{name}' has no {variant.state_key} in {folder}, "
                          f"which its {VARIANT_KEY} '{variant.name}' needs (a checkpoint of a plain Muon run?). "
                          "Loading would restart it from zero; refusing.")
-    if variant is None and NORMUON_STATE_KEY in states:
-        raise ValueError(f"Universal checkpoint: parameter '{name}' holds NorMuon's {NORMUON_STATE_KEY} in {folder}, "
-                         f"but this run's group has no {VARIANT_KEY} 'normuon'; set the {VARIANT_KEY} the "
-                         "checkpoint was trained with (refusing to drop the state).")
+    for key in state_keys():
+        if key in states and (variant is None or variant.state_key != key):
+            raise ValueError(f"Universal checkpoint: parameter '{name}' holds a Muon variant's {key} in {folder}, "
+                             f"but this run's group does not use that variant ({VARIANT_KEY} "
+                             f"{param_group.get(VARIANT_KEY, 'muon')!r}); set the {VARIANT_KEY} the checkpoint was "
+                             "trained with (refusing to drop the state).")
 
 
 def check_muon_groups_pair(param_groups: List[dict], saved_groups: List[dict]) -> None:

@@ -27,10 +27,17 @@ the stage keeps it so, but not where ZeRO-1/2 keeps Muon's momentum itself:
   restoring the momentum (``unsupported_reason``), loading refuses, naming the stage and the
   config key.
 
-In every case a Muon parameter whose folder has no ``momentum_buffer.pt`` is refused rather than
-restarted from zero, and the checkpoint's parameter groups must pair with the engine's one to
-one with the same ``use_muon`` (the loader pairs them by position and copies every setting over):
-``universal_state_checks``.
+A Muon variant's owner state (NorMuon's per-row second moment, ``owner_state``) is saved per
+parameter in its broadcast form (every element holds its row's value, the parameter's shape).
+ZeRO-1/2 keep it per row (``zero12_update``): without offload for every whole matrix of
+``params_in_partition``, with offload for the matrices the rank owns in its pipeline's owner
+plan. ``restore_momentum`` rebuilds that from the per-parameter files too, for whichever plan
+this run has, so a ZeRO-3 NorMuon run resumes at ZeRO-1/2 with its state exact.
+
+In every case a Muon parameter whose folder has no ``momentum_buffer.pt`` (or, in a variant's
+group, no variant state file) is refused rather than restarted from zero, and the checkpoint's
+parameter groups must pair with the engine's one to one with the same ``use_muon`` (the loader
+pairs them by position and copies every setting over): ``universal_state_checks``.
 """
 
 import os
@@ -39,9 +46,11 @@ from typing import Dict, List, Optional
 import torch
 
 from deepspeed.checkpoint.zero3_universal import FP32, STEP, check_state_fits, state_files
-from deepspeed.runtime.zero.muon.owner_state import VARIANT_KEY, variant_of
+from deepspeed.runtime.zero.muon.momentum import MuonSettings
+from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec
+from deepspeed.runtime.zero.muon.owner_state import variant_of
 from deepspeed.runtime.zero.muon.universal_state_checks import (MOMENTUM as MOMENTUM_KEY, check_muon_groups_pair,
-                                                                check_muon_state)
+                                                                check_muon_state, check_variant_state)
 
 OPTIMIZER_STATE_FILE = "optimizer_state.pt"
 """The universal checkpoint's global optimizer state, ``<checkpoint>/zero/optimizer_state.pt``."""
@@ -135,7 +144,9 @@ def check_before_load(zero_optimizer, checkpoint_folder) -> None:
             the engine's (``check_muon_groups_pair``: the loader pairs them by position); a Muon
             parameter's folder has no ``momentum_buffer.pt`` although the checkpoint holds
             optimizer state (one saved before the first step has none, and loads as a fresh
-            start), or an Adam parameter's has one (``check_muon_state``).
+            start), or an Adam parameter's has one (``check_muon_state``); a parameter of a
+            variant's group without the variant's state file, or one of a plain Muon group with
+            it (``check_variant_state``).
     """
     base = zero_optimizer.optimizer
     if not _is_muon(base):
@@ -146,34 +157,85 @@ def check_before_load(zero_optimizer, checkpoint_folder) -> None:
     zero_folder = os.path.join(checkpoint_folder, "zero")
     saved = torch.load(os.path.join(zero_folder, OPTIMIZER_STATE_FILE), map_location="cpu", weights_only=False)
     check_muon_groups_pair(base.param_groups, saved.get("param_groups", []))
-    for index, group in enumerate(base.param_groups):
-        if group.get("use_muon") and variant_of(group) is not None:
-            raise ValueError(f"Cannot load the universal checkpoint {checkpoint_folder} at ZeRO stage 1/2: parameter "
-                             f"group {index} uses the Muon variant '{group[VARIANT_KEY]}', whose per-row state this "
-                             "stage cannot restore from a universal checkpoint yet; load it at ZeRO-3.")
     never_stepped = _never_stepped(zero_optimizer, zero_folder)
     for group, lp_group in zip(base.param_groups, _lp_groups(zero_optimizer)):
         for lp in lp_group:
             name = zero_optimizer.param_names[lp]
             folder = os.path.join(zero_folder, name)
-            check_muon_state(name, folder, state_files(folder), bool(group.get("use_muon", False)), never_stepped)
+            files = state_files(folder)
+            check_muon_state(name, folder, files, bool(group.get("use_muon", False)), never_stepped)
+            if not never_stepped:
+                check_variant_state(name, folder, files, group)
 
 
-def _load_momentum(zero_folder, name, param) -> torch.Tensor:
-    """``<zero_folder>/<name>/momentum_buffer.pt`` as a flat fp32 tensor of ``param.numel()`` elements.
+def _load_state(zero_folder, name, param, key=MOMENTUM_KEY) -> torch.Tensor:
+    """``<zero_folder>/<name>/<key>.pt`` as a flat fp32 tensor of ``param.numel()`` elements.
 
     Raises:
-        ValueError: the saved momentum does not have the parameter's shape (``check_state_fits``).
+        ValueError: the saved state does not have the parameter's shape (``check_state_fits``).
     """
     folder = os.path.join(zero_folder, name)
-    saved = torch.load(os.path.join(folder, f"{MOMENTUM_KEY}.pt"), map_location="cpu", weights_only=False)
+    saved = torch.load(os.path.join(folder, f"{key}.pt"), map_location="cpu", weights_only=False)
     tensor = saved["param"] if isinstance(saved, dict) else saved
-    check_state_fits(folder, MOMENTUM_KEY, param.shape, tensor, saved)
+    check_state_fits(folder, key, param.shape, tensor, saved)
     return tensor.detach().reshape(-1).to(torch.float32)
+
+
+def _load_rows(zero_folder, name, param, variant, spec) -> torch.Tensor:
+    """A parameter's variant state per row (``variant.state_rows(spec)``: 1-D fp32, one value per
+    row) from its broadcast form in ``<zero_folder>/<name>/<variant.state_key>.pt``.
+
+    Raises:
+        ValueError: the file does not have the parameter's shape, or the values of a row differ
+            (not a broadcast per-row state: another variant's, or a damaged file).
+    """
+    broadcast = _load_state(zero_folder, name, param, variant.state_key)
+    rows, cols = variant.state_rows(spec)
+    per_row = broadcast.view(rows, cols)
+    if not torch.equal(per_row, per_row[:, :1].expand(rows, cols)):
+        raise ValueError(f"Universal checkpoint: {os.path.join(zero_folder, name, variant.state_key)}.pt is not "
+                         f"{variant.name}'s per-row state of '{name}' ({rows} rows of {cols} equal values).")
+    return per_row[:, 0].clone()
+
+
+def _restore_variant_state(zero_optimizer, zero_folder, group_idx: int, state: dict) -> None:
+    """Replace the partition-layout variant state the loader put in ``state`` with the per-row
+    state this run's ZeRO-1/2 keeps (``zero12_update``): without offload the rows of every matrix
+    of ``params_in_partition`` in order, with offload those of the matrices this rank owns in its
+    pipeline, in the owner state's order, with their indices under ``<state_key>_matrices``."""
+    group = zero_optimizer.optimizer.param_groups[group_idx]
+    variant = variant_of(group)
+    if variant is None:
+        return
+    key = variant.state_key
+    for lp in _lp_groups(zero_optimizer)[group_idx]:
+        mapping = getattr(lp, "_hp_mapping", None)
+        if mapping is not None and mapping.optim_fragment:
+            mapping.optim_fragment.pop(key, None)
+    state.pop(key, None)
+    names = zero_optimizer.param_names
+    pipeline = zero_optimizer.zero12_muon.pipelines.get(group_idx)
+    if pipeline is None:
+        ns_method = MuonSettings.of(group).ns_method
+        params = zero_optimizer.params_in_partition[group_idx]
+        if params:
+            state[key] = torch.cat([
+                _load_rows(zero_folder, names[p], p, variant, matrix_spec(p, p.shape, ns_method)) for p in params
+            ]).to(group["params"][0].device)
+        return
+    owner = pipeline.owner_state
+    params = zero_optimizer.round_robin_bit16_groups[group_idx]
+    rows = torch.zeros(owner.numel, dtype=torch.float32)
+    for j, (offset, n) in owner.spans.items():
+        rows.narrow(0, offset, n).copy_(_load_rows(zero_folder, names[params[j]], params[j], variant, owner.specs[j]))
+    state[key] = rows.to(owner.flat.device)
+    state[key + "_matrices"] = torch.tensor(sorted(owner.spans), dtype=torch.float32)
 
 
 def restore_momentum(zero_optimizer, checkpoint_folder) -> None:
     """After the stage's universal loader: put each Muon group's momentum in the layout the stage reads.
+
+    A Muon variant's state (``_restore_variant_state``) is rebuilt per row in either layout.
 
     For ``DeepSpeedZeroOptimizer`` without offload, per Muon group with parameters in this rank's
     partition, ``state[fp32 partition]["momentum_buffer"]`` becomes the fp32 concatenation of the
@@ -197,6 +259,7 @@ def restore_momentum(zero_optimizer, checkpoint_folder) -> None:
     for i in _muon_group_indices(base):
         flat = base.param_groups[i]["params"][0]
         state = base.state[flat]
+        _restore_variant_state(zero_optimizer, zero_folder, i, state)
         if not _momentum_layout_is_whole_params(zero_optimizer):
             got = state.get(MOMENTUM_KEY)
             if got is None or got.shape != flat.shape:
@@ -212,7 +275,7 @@ def restore_momentum(zero_optimizer, checkpoint_folder) -> None:
         if not params:
             state.pop(MOMENTUM_KEY, None)
             continue
-        pieces = [_load_momentum(zero_folder, zero_optimizer.param_names[p], p) for p in params]
+        pieces = [_load_state(zero_folder, zero_optimizer.param_names[p], p) for p in params]
         state[MOMENTUM_KEY] = torch.cat(pieces).to(flat.device)
 
 

@@ -39,8 +39,8 @@ the gradient is left as it is and the momentum unchanged, which is what ``muon_u
 a non-finite gradient. Nothing runs on the micro-steps and nothing on a step the overflow check
 discards. The optimizer (``MuonWithAuxAdam``) then applies weight decay and ``-lr * update``.
 
-A Muon group with ``variant: "normuon"`` (``owner_state.NorMuon``) keeps NorMuon's per-row state
-in the optimizer state of the group's flat partition under ``owner_state.NORMUON_STATE_KEY``
+A Muon group with ``variant: "normuon"`` (``normuon.NorMuon``) keeps NorMuon's per-row state
+in the optimizer state of the group's flat partition under ``normuon.NORMUON_STATE_KEY``
 (fp32), so ZeRO-1/2 checkpoints carry it: without offload every rank keeps it for the whole
 matrices of its ``params_in_partition`` (each holder of a straddling matrix advances its own
 copy, on the same inputs); with offload it is the pipeline's owner state (the matrices this rank

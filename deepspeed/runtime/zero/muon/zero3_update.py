@@ -20,11 +20,11 @@ of the update, written into the gradient partition. The momentum never leaves it
 The optimizer (``MuonWithAuxAdam``) then applies weight decay and ``-lr * update`` to the flat
 fp32 partition, as it already does for ZeRO partitions. The update is not rescaled afterwards.
 
-A Muon group with ``variant: "normuon"`` (``owner_state.NorMuon``) keeps NorMuon's per-row state
+A Muon group with ``variant: "normuon"`` (``normuon.NorMuon``) keeps NorMuon's per-row state
 on each matrix's owner (``MuonPipeline.owner_state``). Checkpoints hold it per parameter:
 ``export_owner_state`` (called by ``state_dict()``, patch 0018) gathers it and puts its broadcast
 form (``owner_state.expand_rows``) into the optimizer state of the flat partition under
-``owner_state.NORMUON_STATE_KEY``; the next ``update_gradient`` takes a loaded one back to the
+``normuon.NORMUON_STATE_KEY``; the next ``update_gradient`` takes a loaded one back to the
 owners (``rows_in_piece``, one small all-reduce) and refuses a loaded optimizer state without it.
 """
 

@@ -201,15 +201,24 @@ class TestEachKeyReachesItsHalf(DistributedTest):
         message = str(info.value)
         assert "- model_parameters[0].muon_lr: a group's lr applies to both of its halves" in message, message
         assert "- model_parameters[1].use_muon: which half a tensor goes to is its own flag" in message, message
-        assert ("Accepted: betas, eps, lr, moe, momentum, name, normuon_beta2, normuon_eps, ns_method, params, "
-                "variant, weight_decay.") in message
+        # every key the engine copies into a Muon half is accepted (a variant's too, where the engine has one)
+        from deepspeed.runtime.engine import DeepSpeedEngine
+        from deepspeed.runtime.zero.muon.config_keys import GROUP_KEYS
+        accepted = sorted(set(GROUP_KEYS) | set(DeepSpeedEngine._MUON_HALF_KEYS))
+        assert {"betas", "eps", "lr", "moe", "momentum", "name", "ns_method", "params",
+                "weight_decay"} <= set(accepted)
+        assert f"Accepted: {', '.join(accepted)}." in message
 
 
 def test_check_muon_keys_accepts_every_key_it_lists():
     from deepspeed.runtime.zero.muon import config_keys
-    params = {key: None for key in config_keys.config_keys()} | {"ns_method": "gram"}
-    group = {key: None for key in config_keys.GROUP_KEYS} | {"ns_method": "standard"}
-    config_keys.check_muon_keys(params, [group, torch.zeros(1)])
+    extra = ("a_variant_key", )
+    params = {key: None for key in config_keys.config_keys(extra)} | {"ns_method": "gram"}
+    group = {key: None for key in config_keys.group_keys(extra)} | {"ns_method": "standard"}
+    assert "a_variant_key" in params and "a_variant_key" in group
+    config_keys.check_muon_keys(params, [group, torch.zeros(1)], extra)
+    with pytest.raises(ValueError, match=r"optimizer\.params\.a_variant_key: not a key of the Muon optimizer"):
+        config_keys.check_muon_keys(params, [group])
     # a generator is left alone (not consumed)
     gen = (p for p in [torch.zeros(1)])
     config_keys.check_muon_keys({}, gen)

@@ -229,7 +229,8 @@ class TestNorMuonRefusals(DistributedTest):
         }, 0, "optimizer.params.variant: 'normuon' needs ZeRO stage 1, 2 or 3"),
         ({
             "normuon_beta2": 0.9
-        }, 3, "normuon_beta2: NorMuon's settings, but no Muon group has variant 'normuon'"),
+        }, 3, "normuon_beta2 (optimizer.params or a parameter group): normuon's settings, but no Muon group has "
+         "variant 'normuon'"),
         ({
             "variant": "normuon"
         }, "bf16-stage1", "does not run with zero_optimization.stage 1 with bf16 and data_types.grad_accum_dtype "

@@ -12,9 +12,12 @@
   NorMuon reference to the fp32 floor (another W is another owner plan: the state reaches each
   matrix's new owner; at the same W these small models get the same plan whatever
   ``reduce_bucket_size`` is, one matrix per bucket within the momentum budget).
+- The same universal checkpoint loaded at ZeRO-1 and ZeRO-2 (W' = 1 and 2; ZeRO-2 with optimizer
+  offload, whose owner plan differs again): the per-row state each rank keeps equals the saved
+  one exactly, and the continued run equals the reference to the fp32 floor.
 - ZeRO-1/2 (stage 2, with and without optimizer offload), same W: bit-identical resume.
 - Refused: a plain Muon checkpoint loaded into a NorMuon run, a NorMuon checkpoint whose state was
-  removed (regular and universal), and a NorMuon universal checkpoint loaded at ZeRO-1/2.
+  removed (regular and universal), and a universal file whose rows are not constant.
 """
 
 import glob
@@ -135,12 +138,84 @@ class TestNorMuonUniversal(DistributedTest):
         # Into a plain Muon run: refused (the state would be dropped).
         plain = Zero3MuonRun(gas=2, steps=5, samples=24, universal=True)
         engine = plain.build_engine(config | {"optimizer": plain.config(2)["optimizer"]})
-        with pytest.raises(ValueError, match=f"holds NorMuon's {KEY}"):
+        with pytest.raises(ValueError, match=f"holds a Muon variant's {KEY}"):
             engine.load_checkpoint(str(tmp_path), tag="restart_universal")
         engine.destroy()
-        # At ZeRO-2: refused, naming the variant.
+        # At ZeRO-2, a file whose rows are not one value each: refused, naming the file.
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.copytree(tmp_path / "restart_universal", tmp_path / "uneven")
+            path = tmp_path / "uneven" / "zero" / "fc1.weight" / f"{KEY}.pt"
+            saved = torch.load(path, weights_only=False)
+            tensor = saved["param"] if isinstance(saved, dict) else saved
+            tensor.view(-1)[1] += 1.0
+            torch.save(saved, path)
+        dist.barrier()
         zero2 = UNIVERSAL.with_(stage=2)
         engine = zero2.build_engine(dict(zero2.config(2), checkpoint={"load_universal": True}))
-        with pytest.raises(ValueError, match="uses the Muon variant 'normuon'"):
-            engine.load_checkpoint(str(tmp_path), tag="restart_universal")
+        with pytest.raises(ValueError, match=f"fc1.weight.*{KEY}.pt is not normuon's per-row state"):
+            engine.load_checkpoint(str(tmp_path), tag="uneven")
         engine.destroy()
+
+
+def _rows_held(engine) -> dict:
+    """``{(flat partition index, matrix index): rows}`` of the NorMuon state this ZeRO-1/2 rank holds
+    once loaded (``zero12_update``'s layouts), with ``{name: rows}`` of the same matrices."""
+    from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec
+    from deepspeed.runtime.zero.muon.normuon import NorMuon
+    opt = engine.optimizer
+    held = {}
+    for i, group in enumerate(opt.optimizer.param_groups):
+        state = opt.optimizer.state.get(group["params"][0], {})
+        if not group.get("use_muon") or KEY not in state:
+            continue
+        flat = state[KEY].cpu()
+        if KEY + "_matrices" in state:  # offload: the owned matrices, in the owner state's order
+            owner = opt.zero12_muon.pipelines[i].owner_state
+            params = opt.round_robin_bit16_groups[i]
+            assert sorted(owner.spans) == state[KEY + "_matrices"].long().tolist()
+            for j, (offset, n) in owner.spans.items():
+                held[opt.param_names[params[j]]] = flat.narrow(0, offset, n)
+        else:
+            offset = 0
+            for p in opt.params_in_partition[i]:
+                n = NorMuon.state_numel(matrix_spec(p, p.shape, group["ns_method"]))
+                held[opt.param_names[p]] = flat.narrow(0, offset, n)
+                offset += n
+            assert offset == flat.numel()
+    return held
+
+
+@pytest.mark.parametrize("stage, offload", [(1, None), (2, None), (2, "cpu")])
+class TestNorMuonUniversalAtZero12(DistributedTest):
+    reuse_dist_env = True
+
+    @pytest.mark.parametrize("world_size", [[2, 1], [2, 2]], ids=["2to1", "2to2"])
+    def test_restores_the_rows_and_continues(self, stage, offload, world_size, tmp_path):
+        import deepspeed.comm as dist
+        saved_file = tmp_path / "saved_state.pt"
+        if not saved_file.exists():
+            saved = UNIVERSAL.with_(steps=SAVED_AT, restart_after=SAVED_AT).train(checkpoint_dir=str(tmp_path))
+            dist.barrier()
+            if dist.get_rank() == 0:
+                torch.save(saved.optimizer_state, saved_file)
+            dist.barrier()
+            return
+        saved_state = torch.load(saved_file, weights_only=False)
+        run = UNIVERSAL.with_(stage=stage, offload=offload)
+        engine = run.build_engine(dict(run.config(dist.get_world_size()), checkpoint={"load_universal": True}))
+        engine.load_checkpoint(str(tmp_path), tag="restart_universal")
+        held = _rows_held(engine)
+        engine.destroy()
+        assert held, "this rank holds no NorMuon state after the load"
+        for name, rows in held.items():
+            broadcast = torch.as_tensor(saved_state[(name, KEY)]).reshape(rows.numel(), -1)
+            assert torch.equal(rows, broadcast[:, 0]), name
+        names = [None] * dist.get_world_size()
+        dist.all_gather_object(names, sorted(held))
+        assert set().union(*map(set, names)) == {n for n, k in saved_state if k == KEY}
+        resumed = run.with_(resume_from=SAVED_AT).train(checkpoint_dir=str(tmp_path))
+        diff = relative_difference(normuon_reference(steps=5, samples=24), resumed.weights)
+        print(f"MEASURED normuon universal 2->ZeRO-{stage} offload={offload} W'={world_size[1]}: {diff:.2e} "
+              "from the reference")
+        assert diff <= FLOOR

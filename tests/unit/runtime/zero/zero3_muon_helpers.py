@@ -692,7 +692,7 @@ class Zero3MuonRun:
             engine = self.build_engine(config if self.resume_from is None else load_config)
             if self.resume_from is not None:
                 engine.load_checkpoint(checkpoint_dir, tag=load_tag)
-                loaded_state = gathered_optimizer_state(engine)
+                loaded_state = gathered_optimizer_state(engine) if self.stage == 3 else None
             recorder = Recorder(engine) if record else None
             for step in range(self.resume_from or 0, self.steps + 1):
                 if step == self.restart_after:
@@ -767,7 +767,7 @@ class Zero3MuonResult:
             compiled during the run: 0 when it is disabled).
         final_momentum_dtypes: dtypes of the Muon momentum buffers at the end (ZeRO-3).
         optimizer_state: ZeRO-3: ``gathered_optimizer_state`` at the end.
-        loaded_state: with ``resume_from``, ``gathered_optimizer_state`` right after
+        loaded_state: ZeRO-3 with ``resume_from``: ``gathered_optimizer_state`` right after
             ``load_checkpoint``.
         muon_num_heads: ``muon_num_heads`` by parameter name, as DeepSpeed tagged them.
         records / momentum_dtypes: with ``train(record=True)``, ``(Recorder.steps,
