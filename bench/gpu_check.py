@@ -663,14 +663,15 @@ def parse_args(argv):
     p.add_argument("--extensions-dir",
                    help="parent of each build's TORCH_EXTENSIONS_DIR (default: "
                    "$TMPDIR/zero3muon-gpu-check-<uid>/torch_extensions)")
-    p.add_argument("--builds", nargs="+", default=list(BUILDS), choices=BUILDS, help="builds to install")
+    p.add_argument("--builds", nargs="+", default=list(BUILDS), choices=BUILDS, help="builds to install (default: all)")
     p.add_argument("--steps",
                    nargs="+",
                    default=["install", "seed", "tests", "measure"],
-                   choices=("install", "seed", "tests", "measure"))
-    p.add_argument("--tests", nargs="+", choices=[g for g, _ in TESTS], help="test groups of step (c) (default all)")
-    p.add_argument("--repeats", type=int, default=3, help="launches per build in step (d) (default %(default)s)")
-    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="OMP threads of a rank")
+                   choices=("install", "seed", "tests", "measure"),
+                   help="steps to run, in this order (default: all)")
+    p.add_argument("--tests", nargs="+", choices=[g for g, _ in TESTS], help="test groups of the tests step (default: all)")
+    p.add_argument("--repeats", type=int, default=3, help="launches per build in the measure step (default %(default)s)")
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="OMP threads of a rank (default: half the cores, %(default)s here)")
     args = p.parse_args(argv)
     if args.budget_s <= 0 or args.repeats < 1:
         p.error("--budget-s and --repeats must be positive")

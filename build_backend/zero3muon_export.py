@@ -308,6 +308,11 @@ UNIVERSAL_MUON = Group(
         "(`zero12_universal_momentum.check_before_load`, `restore_momentum`).",
         "deepspeed/runtime/bf16_optimizer.py":
         "the BF16 optimizer's universal-checkpoint loader runs the same checks and momentum restore as ZeRO-1/2.",
+        "deepspeed/checkpoint/ds_to_universal.py":
+        "the ZeRO-1/2 converter refuses a checkpoint whose parameter groups hold Muon's state "
+        "(`universal_state_checks.check_zero12_convertible`), naming the checkpoint, rank and state: ZeRO-1/2 keep "
+        "it in another layout than the fp32 partition's the converter cuts, and upstream stops with "
+        "`KeyError: 'exp_avg'`.",
     },
     template="pr_universal_muon.md",
     tests_need=("zero3-muon", "universal-checkpoint"),

@@ -38,12 +38,12 @@ STAGE = 3
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=run_demo.HelpFormatter)
     p.add_argument("--out", default="out/variants", help="output directory (created)")
-    run_demo.add_run_arguments(p)
+    run_demo.add_run_arguments(p, seed=False)
     p.set_defaults(steps=150)
     p.add_argument("--gas", type=int, default=4, help="gradient_accumulation_steps of every run")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1234], help="one run per variant and seed")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1234], help="one run per variant and seed (model init and data windows)")
     p.add_argument("--tail", type=int, default=20, help="steps at the end whose mean loss is compared")
     p.add_argument("--variants", nargs="+", type=lambda name: name.replace("_", "-"), choices=[v[0] for v in VARIANTS],
                    default=[v[0] for v in VARIANTS], help="runs to train (polar_express, the ns_method's spelling, "

@@ -59,9 +59,17 @@ CHECKED_PAIRS = (("zero3-gas4", "zero3-gas1"), ("zero3-gas4", "zero2-gas4"))
 QUICK = dict(steps=6, seq_len=64, global_batch=8)
 
 
-def add_run_arguments(p):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's default-printing help, silent where the default is None (the help says what
+    None means)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def add_run_arguments(p, seed=True):
     """The arguments of each training run (model, data, optimizer, clipping, --quick, --eager),
-    shared with ``compare_variants.py``."""
+    shared with ``compare_variants.py`` (which takes ``--seeds`` instead: ``seed=False``)."""
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     p.add_argument("--global-batch", type=int, default=16,
                    help="windows per optimizer step over both ranks; a multiple of 2 x 4")
@@ -70,7 +78,8 @@ def add_run_arguments(p):
     p.add_argument("--intermediate", type=int, default=176, help="Llama MLP size")
     p.add_argument("--layers", type=int, default=2, help="decoder layers")
     p.add_argument("--heads", type=int, default=4, help="attention heads (= key/value heads)")
-    p.add_argument("--seed", type=int, default=1234, help="model init and data windows")
+    if seed:
+        p.add_argument("--seed", type=int, default=1234, help="model init and data windows")
     p.add_argument("--muon-lr", type=float, default=0.02, help="lr of the Muon matrices")
     p.add_argument("--adam-lr", type=float, default=3e-3, help="lr of the auxiliary Adam (embeddings, head, norms)")
     p.add_argument("--momentum", type=float, default=0.95, help="Muon momentum")
@@ -79,7 +88,7 @@ def add_run_arguments(p):
                    help="short smoke run: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
     p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=None,
                    help="run DeepSpeed's torch.compile'd Muon kernels eagerly (TORCHDYNAMO_DISABLE=1 in the ranks); "
-                   "saves ~10 s of compilation per run; on by default only with --quick")
+                   "saves ~10 s of compilation per run (default: on with --quick, else off)")
     p.add_argument("--clip", type=float, default=None,
                    help="gradient_clipping of every run (default: DeepSpeed's, 1.0; 0 turns clipping off)")
 
@@ -97,7 +106,7 @@ def apply_quick(p, args):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--out", default="out/demo", help="output directory (created)")
     add_run_arguments(p)
     p.add_argument("--tolerance", type=float, default=TOLERANCE,

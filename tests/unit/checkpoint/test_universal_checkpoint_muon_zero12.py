@@ -14,6 +14,10 @@ universal checkpoint and must hold exactly the saved state, Muon's momentum in t
 uninterrupted ZeRO-3 weights within ``CONTINUE_FLOOR``. What does not depend on Muon (the
 model-states files and ``optimizer_state.pt`` of a ZeRO-3 source) is tested with AdamW in
 ``test_zero3_universal_zero12.py``.
+
+The other direction, a checkpoint saved at ZeRO-1/2 converted with ``ds_to_universal``, is refused
+for Muon runs, naming the checkpoint and the state (``TestZero12MuonCheckpointConversion``): Muon's
+ZeRO-1/2 state is not in the fp32 partition's layout the converter cuts.
 """
 
 import os
@@ -31,7 +35,7 @@ from unit.common import DistributedTest
 from unit.checkpoint.zero3_universal_helpers import (GROUP_SETTINGS, SAVE_AFTER, TAG, check_restored_exactly,
                                                      continue_training, load_at, save_convert_and_continue,
                                                      train_steps, universal_round_trip)
-from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
+from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun, check_zero12_conversion_refused
 
 UPSTREAM_0197 = version.parse(deepspeed_version).base_version == "0.19.7"
 """DeepSpeed 0.19.7's ZeRO-1/2 Muon advances, per step, only the momentum of the last Muon matrix
@@ -168,3 +172,17 @@ class TestZero3MuonUniversalAtZero12(DistributedTest):
         with pytest.raises(ValueError, match="Muon parameter 'fc2.weight' has no momentum_buffer"):
             engine.load_checkpoint(str(tmp_path / "ckpt"), tag="broken")
         engine.destroy()
+
+
+@pytest.mark.parametrize("stage, offload", [(1, None), (2, None), (2, "cpu")])
+class TestZero12MuonCheckpointConversion(DistributedTest):
+    world_size = 2
+    reuse_dist_env = True
+
+    def test_refused_naming_the_state(self, stage, offload, tmp_path):
+        """A ZeRO-1/2 Muon checkpoint (momentum in whole parameters of the partition, or with
+        offload in the partition) is refused by ``ds_to_universal`` with a ``ValueError`` naming the
+        checkpoint, the rank and the Muon state, before it writes any parameter, instead of
+        upstream's ``KeyError: 'exp_avg'``."""
+        run = RUN.with_(stage=stage, offload=offload, zero=(("reduce_scatter", False), ) if offload else ())
+        check_zero12_conversion_refused(run, tmp_path, "momentum_buffer")

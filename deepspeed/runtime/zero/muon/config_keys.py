@@ -20,6 +20,7 @@ Precedence of the learning rates: a Muon group's rate is the parameter group's o
 else ``lr``, else 3e-4.
 """
 
+import difflib
 from typing import Any, Iterable, Mapping
 
 MUON = "Muon matrices"
@@ -105,6 +106,17 @@ def _accepted(keys: Iterable[str]) -> str:
     return ", ".join(sorted(keys))
 
 
+def did_you_mean(value, choices: Iterable[str]) -> str:
+    """`` Did you mean 'x'?`` for the choice closest to ``value`` (lower-cased) by
+    ``difflib.get_close_matches`` at a ratio of at least 0.75, else "" (and for a non-string):
+    "Gram" -> 'gram', "polar-express" -> 'polar_express', ``muon_momentum`` -> 'momentum';
+    ``ns_steps`` gets none (0.47 from ``ns_method``)."""
+    if not isinstance(value, str):
+        return ""
+    close = difflib.get_close_matches(value.lower(), sorted(choices), n=1, cutoff=0.75)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
 def ns_methods() -> frozenset:
     """The ``ns_method`` values upstream's Muon accepts (``original_muon.NS_METHODS``)."""
     from deepspeed.runtime.zero.muon import original_muon
@@ -117,7 +129,7 @@ def _is_ns_method(value) -> bool:
 
 def _bad_ns_method(where: str, value) -> str:
     return (f"{where}.ns_method: {value!r} is not a Newton-Schulz method of Muon. "
-            f"Accepted: {_accepted(ns_methods())}.")
+            f"Accepted: {_accepted(ns_methods())}.{did_you_mean(value, ns_methods())}")
 
 
 def check_muon_keys(optimizer_parameters: Mapping[str, Any], model_parameters,
@@ -152,8 +164,9 @@ def check_muon_keys(optimizer_parameters: Mapping[str, Any], model_parameters,
             problems.append("optimizer.params.per_head_muon: this DeepSpeed has no per-head Muon, so the key "
                             "would do nothing; remove it.")
         else:
+            hint = FIXED_SETTINGS.get(key) or ""
             problems.append(f"optimizer.params.{key}: not a key of the Muon optimizer, so it would do nothing"
-                            f"{FIXED_SETTINGS.get(key, '')}. Accepted: {_accepted(accepted)}.")
+                            f"{hint}. Accepted: {_accepted(accepted)}.{'' if hint else did_you_mean(key, accepted)}")
     if isinstance(model_parameters, (list, tuple)):
         accepted_in_groups = group_keys(muon_half_keys)
         for index, group in enumerate(model_parameters):
@@ -162,8 +175,9 @@ def check_muon_keys(optimizer_parameters: Mapping[str, Any], model_parameters,
             for key in group:
                 if key not in accepted_in_groups:
                     why = GROUP_HINTS.get(key, "not a key of a Muon parameter group")
+                    guess = "" if key in GROUP_HINTS else did_you_mean(key, accepted_in_groups)
                     problems.append(f"model_parameters[{index}].{key}: {why}, so it would do nothing. Accepted: "
-                                    f"{_accepted(accepted_in_groups)}.")
+                                    f"{_accepted(accepted_in_groups)}.{guess}")
             if "ns_method" in group and not _is_ns_method(group["ns_method"]):
                 values.append(_bad_ns_method(f"model_parameters[{index}]", group["ns_method"]))
     sections = []

@@ -33,6 +33,7 @@ results bit for bit). The plan's memory budget counts the state (``owner_plan.wi
 ``state_numels``).
 """
 
+import difflib
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -68,12 +69,19 @@ def state_keys() -> Tuple[str, ...]:
     return tuple(sorted(v.state_key for v in _VARIANTS.values()))
 
 
+def _closest(value, choices: Sequence[str]) -> str:
+    """`` Did you mean 'x'?`` for the choice closest to ``value`` lower-cased ("NorMuon",
+    "nor-muon": 'normuon'; ``difflib`` ratio >= 0.75), else ""."""
+    close = difflib.get_close_matches(value.lower(), choices, n=1, cutoff=0.75) if isinstance(value, str) else []
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
 def _problems(settings: Mapping[str, Any], where: str) -> List[str]:
     variant = settings.get(VARIANT_KEY, MUON)
     problems = []
     if variant not in variants():
         problems.append(f"{where}.{VARIANT_KEY}: {variant!r} is not a Muon variant; accepted: "
-                        f"{', '.join(repr(v) for v in variants())}.")
+                        f"{', '.join(repr(v) for v in variants())}.{_closest(variant, variants())}")
     for registered in _VARIANTS.values():
         problems += registered.key_problems(settings, where)
     return problems

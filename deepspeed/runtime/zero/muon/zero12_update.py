@@ -236,11 +236,14 @@ class Zero12MuonUpdate:
             momentum = state[MOMENTUM_KEY] = torch.zeros(numel, dtype=torch.float32, device=device)
         elif momentum.numel() != numel:
             layout = "partition" if self.zero_optimizer.cpu_offload else "whole parameters of the partition"
-            raise RuntimeError(f"ZeRO-1/2 Muon: parameter group {group_idx} holds a momentum of {momentum.numel()} "
-                               f"elements where this configuration keeps {numel} ({layout}): the optimizer state "
-                               "comes from another world size or another zero_optimization.offload_optimizer "
-                               "setting. Load it as a universal checkpoint (\"checkpoint\": {\"load_universal\": "
-                               "true}).")
+            raise RuntimeError(
+                f"ZeRO-1/2 Muon: parameter group {group_idx} holds a momentum of {momentum.numel()} "
+                f"elements where this configuration keeps {numel} ({layout}): the optimizer state "
+                "comes from another world size or another zero_optimization.offload_optimizer "
+                "setting. Resume a ZeRO-1/2 checkpoint of a Muon run with the world size and "
+                "offload_optimizer setting that saved it (ds_to_universal does not convert its Muon "
+                "state); a universal checkpoint of a ZeRO-3 run loads at any world size (\"checkpoint\": "
+                "{\"load_universal\": true}).")
         elif momentum.dtype != torch.float32 or momentum.device != torch.device(device):
             momentum = state[MOMENTUM_KEY] = momentum.to(device=device, dtype=torch.float32)
         return momentum

@@ -239,6 +239,30 @@ def test_check_muon_keys_refusals():
         config_keys.check_muon_keys({}, [{"params": [], "ns_steps": 3}])
 
 
+def test_check_muon_keys_suggests_the_key_meant():
+    """A misspelled key or value gets the closest accepted one, lower-cased first; a key far from
+    every accepted one, or with a reason of its own, gets none."""
+    from deepspeed.runtime.zero.muon import config_keys
+    for key, meant in (("muon_momentum", "momentum"), ("weight_decy", "weight_decay"), ("Momentum", "momentum"),
+                       ("adamlr", "adam_lr"), ("ns_methods", "ns_method")):
+        with pytest.raises(ValueError) as info:
+            config_keys.check_muon_keys({key: 1}, None)
+        assert str(info.value).endswith(f". Did you mean {meant!r}?"), str(info.value)
+    for key in ("amsgrad", "epsilon", "ns_steps", "nesterov"):
+        with pytest.raises(ValueError) as info:
+            config_keys.check_muon_keys({key: 1}, None)
+        assert "Did you mean" not in str(info.value), str(info.value)
+    with pytest.raises(ValueError) as info:
+        config_keys.check_muon_keys({}, [{"params": [], "momentun": 0.9}, {"params": [], "muon_lr": 0.1}])
+    first, second = str(info.value).splitlines()[1:]
+    assert first.startswith("- model_parameters[0].momentun:") and first.endswith(" Did you mean 'momentum'?")
+    assert second.startswith("- model_parameters[1].muon_lr: a group's lr") and "Did you mean" not in second
+    for value, meant in (("Gram", "gram"), ("polar-express", "polar_express"), ("PolarExpress", "polar_express")):
+        with pytest.raises(ValueError,
+                           match=rf"is not a Newton-Schulz method of Muon\. .*\. Did you mean {meant!r}\?"):
+            config_keys.check_muon_keys({"ns_method": value}, None)
+
+
 def test_check_muon_keys_ns_method_values():
     """Every Newton-Schulz method of upstream's Muon is accepted, in the config and in a group
     ("polar_express" where patch 0017 adds it); anything else is refused naming the key, the value

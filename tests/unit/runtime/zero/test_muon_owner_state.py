@@ -137,6 +137,10 @@ def test_the_registry(registered):
     assert "row_sum" in owner_state.variants() and "row_sum_state" in owner_state.state_keys()
     with pytest.raises(ValueError, match="variant: 'dion' is not a Muon variant; accepted: 'muon'"):
         variant_of({"variant": "dion"})
+    with pytest.raises(ValueError) as info:
+        variant_of({"variant": "Row-Sum"})
+    assert "variant: 'Row-Sum' is not a Muon variant; accepted: 'muon', " in str(info.value), str(info.value)
+    assert str(info.value).endswith("'row_sum'. Did you mean 'row_sum'?"), str(info.value)
     with pytest.raises(ValueError, match="row_sum_scale: -1 must be > 0"):
         variant_of({"variant": "row_sum", "row_sum_scale": -1})
     register_variant(RowSum)  # the same class again: a re-import

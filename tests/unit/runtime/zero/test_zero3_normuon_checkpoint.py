@@ -14,10 +14,12 @@
   ``reduce_bucket_size`` is, one matrix per bucket within the momentum budget).
 - The same universal checkpoint loaded at ZeRO-1 and ZeRO-2 (W' = 1 and 2; ZeRO-2 with optimizer
   offload, whose owner plan differs again): the per-row state each rank keeps equals the saved
-  one exactly, and the continued run equals the reference to the fp32 floor.
+  one exactly, and the continued run equals the reference to the fp32 floor (on 0.19.7 ZeRO-2
+  with offload refuses the load, as it does for plain Muon).
 - ZeRO-1/2 (stage 2, with and without optimizer offload), same W: bit-identical resume.
 - Refused: a plain Muon checkpoint loaded into a NorMuon run, a NorMuon checkpoint whose state was
-  removed (regular and universal), and a universal file whose rows are not constant.
+  removed (regular and universal), a universal file whose rows are not constant, and a ZeRO-2
+  NorMuon checkpoint given to ``ds_to_universal`` (naming both of its states).
 """
 
 import glob
@@ -27,14 +29,21 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from deepspeed.git_version_info import version as deepspeed_version
+from packaging import version
 
 from unit.common import DistributedTest
 from unit.checkpoint.zero3_universal_helpers import unequal_states
 from unit.runtime.zero.test_zero3_normuon import normuon_reference, normuon_run
-from unit.runtime.zero.zero3_muon_helpers import FLOOR, Zero3MuonRun, relative_difference
+from unit.runtime.zero.zero3_muon_helpers import (FLOOR, Zero3MuonRun, check_zero12_conversion_refused,
+                                                  relative_difference)
 
 KEY = "normuon_second_moment"
 SAVED_AT = 3
+UPSTREAM_0197 = version.parse(deepspeed_version).base_version == "0.19.7"
+"""DeepSpeed 0.19.7 refuses to load Muon momentum into ZeRO-1/2 with CPU offload (its offload path
+kept none before patch 0012), so there a universal NorMuon checkpoint is refused at ZeRO-2 with
+offload, naming the key."""
 
 
 def _drop_state(checkpoint_dir, tag):
@@ -158,6 +167,16 @@ class TestNorMuonUniversal(DistributedTest):
         engine.destroy()
 
 
+@pytest.mark.parametrize("offload", [None, "cpu"])
+class TestNorMuonZero12Conversion(DistributedTest):
+    world_size = 2
+    reuse_dist_env = True
+
+    def test_refused_naming_the_state(self, offload, tmp_path):
+        run = normuon_run(stage=2, offload=offload, gas=2)
+        check_zero12_conversion_refused(run, tmp_path, f"momentum_buffer, {KEY}")
+
+
 def _rows_held(engine) -> dict:
     """``{(flat partition index, matrix index): rows}`` of the NorMuon state this ZeRO-1/2 rank holds
     once loaded (``zero12_update``'s layouts), with ``{name: rows}`` of the same matrices."""
@@ -204,6 +223,11 @@ class TestNorMuonUniversalAtZero12(DistributedTest):
         saved_state = torch.load(saved_file, weights_only=False)
         run = UNIVERSAL.with_(stage=stage, offload=offload)
         engine = run.build_engine(dict(run.config(dist.get_world_size()), checkpoint={"load_universal": True}))
+        if offload and UPSTREAM_0197:
+            with pytest.raises(ValueError, match="ZeRO stage 2 with zero_optimization.offload_optimizer"):
+                engine.load_checkpoint(str(tmp_path), tag="restart_universal")
+            engine.destroy()
+            return
         engine.load_checkpoint(str(tmp_path), tag="restart_universal")
         held = _rows_held(engine)
         engine.destroy()

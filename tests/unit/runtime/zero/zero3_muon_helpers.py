@@ -801,25 +801,56 @@ class Zero3MuonResult:
         assert self.ns_off_boundary() == 0
 
 
+def ds_to_universal_args(checkpoint_dir, tag) -> types.SimpleNamespace:
+    """``ds_to_universal.main``'s arguments for ``checkpoint_dir/tag`` into
+    ``checkpoint_dir/<tag>_universal``: one worker, no child processes, as upstream's tests run it."""
+    return types.SimpleNamespace(input_folder=os.path.join(checkpoint_dir, tag),
+                                 output_folder=os.path.join(checkpoint_dir, f"{tag}_universal"),
+                                 num_extract_workers=1,
+                                 num_merge_workers=1,
+                                 keep_temp_folder=False,
+                                 strict=True,
+                                 inject_missing_state=False)
+
+
 def convert_to_universal(checkpoint_dir, tag) -> str:
     """``ds_to_universal`` of ``checkpoint_dir/tag`` into ``checkpoint_dir/<tag>_universal``, run
-    on rank 0 as upstream's tests do (one worker, no child processes); collective. Returns the
-    output folder."""
+    on rank 0 (``ds_to_universal_args``); collective. Returns the output folder."""
     from deepspeed import comm as dist
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-    output = os.path.join(checkpoint_dir, f"{tag}_universal")
+    args = ds_to_universal_args(checkpoint_dir, tag)
     dist.barrier()
     if dist.get_rank() == 0:
-        ds_to_universal(
-            types.SimpleNamespace(input_folder=os.path.join(checkpoint_dir, tag),
-                                  output_folder=output,
-                                  num_extract_workers=1,
-                                  num_merge_workers=1,
-                                  keep_temp_folder=False,
-                                  strict=True,
-                                  inject_missing_state=False))
+        ds_to_universal(args)
     dist.barrier()
-    return output
+    return args.output_folder
+
+
+def check_zero12_conversion_refused(run, tmp_path, held):
+    """W=2: train ``run`` (MixedMLP, stage 1/2) to its second optimizer step, save, and expect
+    ``ds_to_universal`` (on rank 0) to refuse the checkpoint naming the Muon ``held`` states
+    (e.g. "momentum_buffer"), with no parameter written. Collective."""
+    from deepspeed import comm as dist
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+    assert run.model == "mixed" and run.stage in (1, 2), run
+    engine = run.build_engine(run.config(2))
+    engine.module.universal_checkpoint_info = {}  # what ds_to_universal requires of a ZeRO-1/2 client
+    for micro_step in range(2 * run.gas):
+        train_one_step(engine, micro_step)
+    assert engine.global_steps == 2
+    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="zero12")
+    engine.destroy()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        args = ds_to_universal_args(str(tmp_path / "ckpt"), "zero12")
+        with pytest.raises(ValueError,
+                           match=rf"ds_to_universal: .*zero12, data-parallel rank 0 is a ZeRO stage 1/2 "
+                           rf"checkpoint of a Muon run \(parameter group \d+ holds {held}\); converting "
+                           "Muon's state of a ZeRO-1/2 checkpoint is not supported. Resume it at the world "
+                           "size and zero_optimization.offload_optimizer setting that saved it"):
+            ds_to_universal(args)
+        assert not os.path.exists(os.path.join(args.output_folder, "zero")), "a parameter was written"
+    dist.barrier()
 
 
 def gathered_optimizer_state(engine) -> dict:
