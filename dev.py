@@ -257,7 +257,8 @@ def cmd_setup(args, _extra):
     venv = setup(args.base)
     rel = venv.dir.relative_to(ROOT)
     log(f"your own script (README, 'To run your own scripts'): DS_ACCELERATOR=cpu "
-        f"TORCH_EXTENSIONS_DIR={rel}/torch_extensions PYTHONSAFEPATH=1 {rel}/bin/torchrun --nproc-per-node 2 "
+        f"TORCH_EXTENSIONS_DIR={rel}/torch_extensions PYTHONSAFEPATH=1 TORCHDYNAMO_DISABLE=1 "
+        f"PYTHONWARNINGS=ignore::FutureWarning {rel}/bin/torchrun --nproc-per-node 2 --master_port 29517 "
         "script.py (DS_ACCELERATOR=cpu only on a machine without GPU)")
     return 0
 

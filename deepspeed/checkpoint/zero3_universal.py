@@ -371,13 +371,17 @@ def resize_error(saved_dp_world_size, current_dp_world_size, load_dir, tag):
 
     Returns:
         ZeRORuntimeException: for the caller to raise. Its message keeps the engine's text (both
-        world sizes) and adds the conversion command with this checkpoint's folders (shell-quoted)
-        and the config setting that loads the result.
+        world sizes) and adds the conversion command with this checkpoint's folders (shell-quoted;
+        with ``--inject_missing_state`` for a ZeRO-1/2 checkpoint without
+        ``universal_checkpoint_info``) and the config setting that loads the result.
     """
     input_folder = os.path.join(os.fspath(load_dir), str(tag))
     output_folder = f"{input_folder}_universal"
     command = (f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {shlex.quote(input_folder)} "
                f"--output_folder {shlex.quote(output_folder)}")
+    if _needs_injected_state(input_folder):
+        command += (" --inject_missing_state\n(at ZeRO stage 1/2 the converter needs the model's "
+                    "universal_checkpoint_info, which this checkpoint's model did not set; the flag supplies it)")
     return ZeRORuntimeException(
         f"The checkpoint being loaded used a DP world size of {saved_dp_world_size} but the current world size is "
         f"{current_dp_world_size}. Automatic adjustment of ZeRO's optimizer state partitioning with a new world "
@@ -386,6 +390,20 @@ def resize_error(saved_dp_world_size, current_dp_world_size, load_dir, tag):
         f"then load that with \"checkpoint\": {{\"load_universal\": true}} in the DeepSpeed config: "
         f"load_checkpoint({os.fspath(load_dir)!r}) finds it through the latest_universal file the conversion "
         f"writes (or pass tag={os.path.basename(output_folder)!r}).")
+
+
+def _needs_injected_state(checkpoint_folder) -> bool:
+    """Whether ``ds_to_universal`` needs ``--inject_missing_state`` for this regular checkpoint: a
+    ZeRO-1/2 one (no per-rank ``zero_pp_rank_*_model_states.pt``) whose
+    ``mp_rank_00_model_states.pt`` has no ``universal_checkpoint_info`` (Megatron-style clients set
+    it; a plain ``nn.Module``, as under the Hugging Face Trainer, does not). The file is read
+    memory-mapped, so no tensor is read."""
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+    model_states = os.path.join(checkpoint_folder, "mp_rank_00_model_states.pt")
+    if saved_zero3_dp_world_size(checkpoint_folder) is not None or not os.path.isfile(model_states):
+        return False
+    saved = torch.load(model_states, map_location="cpu", weights_only=False, mmap=True)
+    return saved.get(UNIVERSAL_CHECKPOINT_INFO) is None
 
 
 def saved_zero3_dp_world_size(checkpoint_folder):

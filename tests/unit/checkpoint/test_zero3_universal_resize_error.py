@@ -11,6 +11,10 @@ of its ``world_size`` list one after the other, with the same ``tmp_path``): eve
 true}``; at W=4 also on ranks 2 and 3, which have no model-states file of their own (without the
 check they fail in the state-dict loader on an empty file list). At W=2 the same checkpoint still
 loads, the whole optimizer state exactly. Nothing of it depends on the optimizer.
+
+The same at ZeRO-2 (W=2 to W=1), whose model sets no ``universal_checkpoint_info``: the command
+carries ``--inject_missing_state``, which upstream's ZeRO-1/2 converter needs then, and the
+command as printed converts the checkpoint, which then loads at W=1.
 """
 
 import os
@@ -51,3 +55,35 @@ class TestZero3RegularCheckpointAtAnotherWorldSize(DistributedTest):
         assert (f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {shlex.quote(checkpoint)} "
                 f"--output_folder {shlex.quote(checkpoint + '_universal')}") in message
         assert '"checkpoint": {"load_universal": true}' in message
+
+
+class TestZero2RegularCheckpointAtAnotherWorldSize(DistributedTest):
+    reuse_dist_env = True
+
+    @pytest.mark.parametrize("world_size", [pytest.param([2, 1], id="2to1")])
+    def test_command_converts(self, world_size, tmp_path):
+        import deepspeed.comm as dist
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+        from deepspeed.runtime.zero.utils import ZeRORuntimeException
+        from unit.runtime.zero.zero3_muon_helpers import ds_to_universal_args
+        run = RUN.with_(stage=2)
+        if dist.get_world_size() == 2:
+            run.with_(restart_after=run.steps).train(checkpoint_dir=str(tmp_path))
+            return
+        engine = run.build_engine(run.config(1))
+        with pytest.raises(ZeRORuntimeException) as raised:
+            engine.load_checkpoint(str(tmp_path))
+        engine.destroy()
+        message = str(raised.value)
+        checkpoint = os.path.join(str(tmp_path), "restart")
+        assert (f"--input_folder {shlex.quote(checkpoint)} --output_folder {shlex.quote(checkpoint + '_universal')} "
+                "--inject_missing_state\n(at ZeRO stage 1/2 the converter needs the model's universal_checkpoint_info"
+                ) in message, message
+        args = ds_to_universal_args(str(tmp_path), "restart")
+        args.inject_missing_state = True
+        ds_to_universal(args)
+        config = dict(run.config(1), checkpoint={"load_universal": True})
+        engine = run.build_engine(config)
+        engine.load_checkpoint(str(tmp_path))  # the tag comes from the `latest_universal` file
+        assert engine.global_steps == run.steps
+        engine.destroy()

@@ -17,7 +17,7 @@ A Muon variant with owner state (``owner_state``; NorMuon's file is ``normuon_se
 saves it per parameter too; ``check_variant_state`` requires it where the run's group uses the
 variant and refuses a variant's state where the group does not use that variant.
 
-``ds_to_universal`` calls ``check_zero12_convertible`` for each rank of a ZeRO-1/2 checkpoint: Muon's
+``ds_to_universal`` calls ``check_zero12_convertible`` first for a ZeRO-1/2 checkpoint: Muon's
 ZeRO-1/2 state is not in the fp32 partition's layout, so such a checkpoint is refused, not cut.
 """
 
@@ -138,7 +138,7 @@ def check_zero3_universal_state(optimizer, zero_dir: str, optim_sd: dict) -> Non
                                 optimizer.optimizer.param_groups[optimizer.sub_group_to_group_id[sub_group_id]])
 
 
-def check_zero12_convertible(state_groups: dict, checkpoint: str) -> None:
+def check_zero12_convertible(optim_file: str) -> None:
     """Refuse, in ``ds_to_universal``, to convert a ZeRO-1/2 checkpoint of a Muon run.
 
     ZeRO-1/2's converter cuts every state of a parameter group at the fp32 partition's fragment
@@ -146,22 +146,26 @@ def check_zero12_convertible(state_groups: dict, checkpoint: str) -> None:
     ``offload_optimizer`` the momentum holds the whole parameters that touch the rank's partition
     (``zero12_update``), and a variant's rows follow the parameters or the owner plan, so cutting
     it there would write wrong momentum; upstream's converter stops with a bare ``KeyError:
-    'exp_avg'`` before that.
+    'exp_avg'`` (or first asks for ``universal_checkpoint_info``, which a Muon run could not use).
+    Every parameter group is partitioned over every data-parallel rank, so one rank's file shows
+    whether the groups hold Muon's state; it is read memory-mapped (``torch.load(mmap=True)``), so
+    the check costs no tensor reads.
 
     Args:
-        state_groups: the base optimizer's ``state`` of one rank's ZeRO-1/2 checkpoint,
-            ``{group index: {state name: flat tensor}}``.
-        checkpoint: which checkpoint and rank (named in the error), e.g. ``"ckpt/global_step10,
-            data-parallel rank 1"``.
+        optim_file: one rank's ``*_optim_states.pt`` of the checkpoint (named in the error).
 
     Raises:
-        ValueError: a group holds Muon's ``momentum_buffer`` or a variant's state.
+        ValueError: a parameter group holds Muon's ``momentum_buffer`` or a variant's state.
     """
+    import torch
+    from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE
+    saved = torch.load(optim_file, map_location="cpu", weights_only=False, mmap=True)
+    state_groups = saved[OPTIMIZER_STATE_DICT][BASE_OPTIMIZER_STATE].get("state", {})
     muon_keys = (MOMENTUM, ) + state_keys()
     for index, state in sorted(state_groups.items()):
         held = [key for key in muon_keys if key in state]
         if held:
-            raise ValueError(f"ds_to_universal: {checkpoint} is a ZeRO stage 1/2 checkpoint of a Muon run "
+            raise ValueError(f"ds_to_universal: {optim_file} is of a ZeRO stage 1/2 checkpoint of a Muon run "
                              f"(parameter group {index} holds {', '.join(held)}); converting Muon's state of a "
                              "ZeRO-1/2 checkpoint is not supported. Resume it at the world size and "
                              "zero_optimization.offload_optimizer setting that saved it; a checkpoint saved at "
