@@ -2,14 +2,15 @@
 """Developer commands for the ZeRO-3 Muon patch (stdlib only; runs on Python >= 3.9, the venv it
 creates needs Python >= 3.10).
 
-  python3 dev.py setup [--base X]            venv .venv/<X>/ with torch, test deps and patched DeepSpeed
+  python3 dev.py setup [--base X]            venv .venv/<X>/ with torch, test deps, patched DeepSpeed and
+                                             muon_testing (testing/, editable)
   python3 dev.py test  [--base X] [ARGS...]  setup, then pytest (ARGS go to pytest)
   python3 dev.py demo  [--base X] [ARGS...]  setup, then examples/demo/run_demo.py ARGS
   python3 dev.py bench [--all-bases] [ARGS...]  patched and stock venvs of the default base (every base with
                                              --all-bases), then bench/run_bench.py ARGS
-  python3 dev.py export [--base X] [--out DIR] the change as twelve pull requests (a diff and a description
-                                             each) and the combined diff, against the release
-                                             (default DIR: out/export/<X>/; needs no venv)
+  python3 dev.py export [--base X] [--out DIR] the change as six pull requests (a diff and a description
+                                             each, their sizes printed) and the combined diff, against
+                                             the release (default DIR: out/export/<X>/; needs no venv)
   python3 dev.py intree --deepspeed-repo PATH [--base X] [--stock] [--cpu-fp16] [-- PYTEST ARGS]
                                              setup, then the exported tests inside a copy of DeepSpeed's
                                              tests/ (its conftest.py, tests/unit/common.py) with
@@ -32,6 +33,9 @@ creates needs Python >= 3.10).
 Setup is idempotent: requirements are reinstalled only when requirements/*.txt change, and
 DeepSpeed is rebuilt only when pyproject.toml, build_backend/zero3muon_build.py, deepspeed/ or
 patches/<base>/ change (not for the export's files in build_backend/, which the wheel does not use).
+Every venv (patched and stock) also gets the tests' shared package ``muon_testing`` (testing/: models,
+comparisons, the single-process reference) as an editable install, so that the tests, the benchmark
+and the demo import it plainly; it is reinstalled only when testing/pyproject.toml changes.
 Setup also installs the venv's startup hook (build_backend/zero3muon_venv.py): every Python of the
 venv runs the venv's ninja, the one setup builds the ops with, and a torch_extensions lock left by a
 killed build is removed before a run (docs/user-guide.md, "A run that rebuilds the ops, or hangs").
@@ -54,6 +58,7 @@ REQUIREMENTS = [ROOT / "requirements" / "torch.txt", ROOT / "requirements" / "de
 DEMO = ROOT / "examples" / "demo" / "run_demo.py"
 BENCH = ROOT / "bench" / "run_bench.py"
 LINT_REQUIREMENTS = ROOT / "requirements" / "lint.txt"
+TESTING = ROOT / "testing"  # the package muon_testing, shared by tests, bench, demo and gpu-check
 
 # DeepSpeed JIT-compiles its C++ ops on the CPU accelerator the first time they are used: the
 # shared-memory comm op (at init_distributed), the CPU FusedAdam of Muon's auxiliary Adam, CPU
@@ -237,6 +242,8 @@ def setup(base, stock=False):
         venv.mark("build", build_hash)
         venv.stamp("jit-ops").unlink(missing_ok=True)
 
+    install_testing(venv)
+
     # Every Python of the venv runs the venv's ninja (the hook, Venv.env); its version is part of
     # the stamp, so ops an older setup built with another ninja (whose .ninja_log the venv's does
     # not read: everything would rebuild at the first run) are rebuilt here, once.
@@ -251,6 +258,25 @@ def setup(base, stock=False):
         venv.mark("jit-ops", ops_hash)
     log(f"ready: {venv.dir.relative_to(ROOT)} ({'stock' if stock else 'patched'} DeepSpeed {base})")
     return venv
+
+
+def install_testing(venv):
+    """``pip install --no-deps --no-build-isolation -e testing``: the package ``muon_testing`` (models,
+    comparisons, reference) that the tests, the benchmark and the demo import. Editable, so edits to
+    its modules need no reinstall; reinstalled when testing/pyproject.toml or this checkout's path
+    changes (a venv copied from another checkout would import that one's package)."""
+    digest = tree_hash([TESTING / "pyproject.toml"], extra=f"editable {TESTING}")
+    if venv.is_current("testing", digest):
+        log("muon_testing up to date")
+        return
+    venv.stamp("testing").unlink(missing_ok=True)
+    probe = subprocess.run([str(venv.python), "-c", "import setuptools"], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    if probe.returncode != 0:  # the editable build runs in the venv (no build isolation: works offline)
+        venv.pip("install", "-q", "setuptools", "-c", REQUIREMENTS[0])
+    log(f"installing {TESTING.relative_to(ROOT)}/ (muon_testing, editable)")
+    venv.pip("install", "-q", "--no-deps", "--no-build-isolation", "-e", TESTING)
+    venv.mark("testing", digest)
 
 
 def cmd_setup(args, _extra):
@@ -323,19 +349,25 @@ def cmd_bench(args, extra):
 
 def cmd_export(args, _extra):
     sys.path.insert(0, str(ROOT / "build_backend"))
-    import zero3muon_export
+    import zero3muon_export as ze
     try:
-        result = zero3muon_export.export(args.base, args.out, ROOT)
-    except zero3muon_export.zb.BuildError as e:
+        result = ze.export(args.base, args.out, ROOT)
+    except ze.zb.BuildError as e:
         log(f"export failed: {e}")
         return 1
+    limit = ze.MAX_CHANGED_LINES
+    backports = "".join(f" + backport ({bp.group.title})" for bp in result.backports)
     for piece in result.pieces:
-        title = piece.group.title if piece.group else "every pull request" + "".join(
-            f" + backport ({bp.group.title})" for bp in result.backports)
-        log(f"{piece.stem}: {title}")
+        over = f", {piece.changed_lines - limit} over the limit of {limit}" if (
+            piece.group and piece.changed_lines > limit) else ""
+        log(f"{piece.stem}: {piece.group.title if piece.group else 'every pull request' + backports}")
+        log(f"  {piece.changed_lines} changed lines{over}; {piece.diffstat.rstrip().splitlines()[-1].strip()}")
         log(f"  wrote {piece.diff_path}")
         log(f"  wrote {piece.text_path}")
-        print(piece.diffstat, end="", flush=True)
+    log(f"merge order: {ze.graph_line([pr.group for pr in result.pull_requests])}")
+    if not ze.ENFORCE_MAX_CHANGED_LINES and any(pr.changed_lines > limit for pr in result.pull_requests):
+        log(f"the limit of {limit} changed lines per pull request is not enforced yet "
+            "(ENFORCE_MAX_CHANGED_LINES in build_backend/zero3muon_export.py)")
     return 0
 
 
@@ -426,7 +458,8 @@ def cmd_intree(args, extra):
     ours = []
     if not args.stock:
         owners = zero3muon_export.assign(args.base, project, strict=False)
-        ours = sorted(p for files in owners.values() for p in files if p.startswith("tests/"))
+        ours = sorted(p for files in owners.values() for p in files
+                      if zero3muon_export.exported_path(p).startswith("tests/"))
         if not ours:
             log(f"no exported tests in {project / 'tests'}")
             return 1
@@ -434,10 +467,10 @@ def cmd_intree(args, extra):
     tmp = Path(tempfile.mkdtemp(prefix="zero3muon-intree-"))
     try:
         used = deepspeed_tests(args.deepspeed_repo, args.ref, tmp)
-        for rel in ours:
-            dest = tmp / rel
+        for rel in ours:  # testing/muon_testing/ goes to tests/muon_testing/, as the export writes it
+            dest = tmp / zero3muon_export.exported_path(rel)
             if dest.exists() and dest.read_bytes() != (project / rel).read_bytes():
-                log(f"{rel} exists in DeepSpeed's tests/ with other contents: not overwriting it")
+                log(f"{dest.relative_to(tmp)} exists in DeepSpeed's tests/ with other contents: not overwriting it")
                 return 1
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(project / rel, dest)
@@ -500,9 +533,14 @@ def cmd_lint(args, _extra):
     venv = lint_venv()
     sys.path.insert(0, str(ROOT / "build_backend" / "lint"))
     import zero3muon_lint
-    project = Path(args.project).resolve() if args.project else ROOT
-    return zero3muon_lint.main(args.base, venv.python.parent, project, deepspeed_repo=args.deepspeed_repo,
-                               ref=args.ref, fix=args.fix, paths=args.paths, only=args.pr, verbose=args.verbose,
+    return zero3muon_lint.main(args.base,
+                               venv.python.parent,
+                               ROOT,
+                               deepspeed_repo=args.deepspeed_repo,
+                               ref=args.ref,
+                               fix=args.fix,
+                               paths=args.paths,
+                               verbose=args.verbose,
                                requirements=LINT_REQUIREMENTS)
 
 
@@ -543,8 +581,9 @@ def main(argv=None):
                                   "every base), then bench/run_bench.py (extra args go to it: --net RATE|auto, "
                                   "--repeats, --world-sizes, --grid, --steps, --out; all of them: "
                                   "python bench/run_bench.py --help under a venv's Python)"),
-                                 ("export", cmd_export, "write the change as twelve pull requests (diff and "
-                                  "description each) and the combined diff, against the release"),
+                                 ("export", cmd_export, "write the change as six pull requests (diff and "
+                                  "description each, their changed lines printed) and the combined diff, against "
+                                  "the release"),
                                  ("intree", cmd_intree, "setup, then run the exported tests inside a copy of "
                                   "DeepSpeed's tests/ (args after -- go to pytest, run in that tests/)"),
                                  ("lint", cmd_lint, "DeepSpeed's pre-commit hooks (yapf --diff, flake8, codespell, "
@@ -596,10 +635,6 @@ def main(argv=None):
                            "on patched upstream files), then lint")
             p.add_argument("--paths", nargs="+", metavar="FILE", help="lint these files instead of the pull "
                            "requests' (with --fix: format them in place)")
-            p.add_argument("--pr", action="append", metavar="KEY", help="only this pull request (key or stem, "
-                           "e.g. muon or 1-muon; repeatable)")
-            p.add_argument("--project", metavar="CHECKOUT", help="lint the pull requests of this project "
-                           "checkout instead of this one")
             p.add_argument("-v", "--verbose", action="store_true", help="also print yapf's hunks and the "
                            "release's own findings")
     args, extra = parser.parse_known_args(argv)

@@ -6,14 +6,15 @@
 
 The driver (this module's ``main``) is stdlib-only, like dev.py: it runs under the node's
 ``python3`` (``--python``, default: the interpreter running it) and starts every build's work as
-a subprocess of that same interpreter with ``PYTHONPATH=<the build's --target dir>:<deps dir>``,
+a subprocess of that same interpreter with ``PYTHONPATH=<the build's --target dir>:<testing>:<deps>``,
 so nothing is installed into the node's environment. Steps, in priority order (each recorded in
 ``OUT/results.json`` with ``status``, ``seconds`` and its result):
 
 a. ``install``: for each build (patched and stock DeepSpeed 0.19.8 and 0.19.7) ``pip install
    --no-index --no-deps --target SITE/<build>`` of its wheel from ``--wheels`` (a ``dev.py
    wheelhouse``, sha256-checked against its manifest), the dependencies the interpreter lacks
-   (hjson, pydantic, ...) into ``SITE/deps``, then ``import deepspeed`` under that path: its
+   (hjson, pydantic, ...) into ``SITE/deps``, the tests' package ``muon_testing`` (``testing/``)
+   into ``SITE/testing``, then ``import deepspeed`` and ``muon_testing`` under that path: its
    version label, file, accelerator. SITE (``--site``) is a scratch directory by default, out of
    OUT, so that OUT holds only results.
 b. ``seed``: the seed table on the device: two Linear(64, 64), 3 optimizer steps of 8 samples,
@@ -68,9 +69,11 @@ SEED_BUILDS = ("stock-0.19.7", "stock-0.19.8", "patched-0.19.8")
 MEASURE_BUILDS = ("patched-0.19.8", "stock-0.19.8")
 TEST_BUILD = "patched-0.19.8"
 STATUSES = ("ok", "failed", "stopped-budget", "skipped-budget", "skipped")
+TESTING_SITE = "testing"  # SITE/testing: muon_testing, the tests' package, shared by every build
 
 ZERO = "tests/unit/runtime/zero/"
 SINGLE = ZERO + "test_zero3_muon_single_rank.py::TestZero3MuonSingleRank::"
+CHECKPOINT = "tests/unit/checkpoint/test_zero3_muon_checkpoint.py::TestZero3MuonCheckpointOneRank::"
 TESTS = (
     ("fp32_reference", [
         ZERO + "test_zero3_muon_gas.py::TestZero3MuonGas::test_gas4_matches_gas1_zero2_and_reference[1]",
@@ -78,7 +81,8 @@ TESTS = (
     ]),
     ("bf16", [SINGLE + "test_precision_matches_replay[bf16]", SINGLE + "test_precision_matches_replay[bf16_clip]"]),
     ("fp16_overflow", [SINGLE + "test_precision_matches_replay[fp16]"]),
-    ("checkpoint", [SINGLE + "test_resume_is_bit_identical[fp32]", SINGLE + "test_resume_is_bit_identical[bf16]"]),
+    ("checkpoint",
+     [CHECKPOINT + "test_resume_is_bit_identical[fp32]", CHECKPOINT + "test_resume_is_bit_identical[bf16]"]),
     ("compiled", [SINGLE + "test_compiled_newton_schulz_matches_eager_reference"]),
     ("offload",
      [SINGLE + "test_matches_reference[offload_optimizer]", SINGLE + "test_matches_reference[offload_param]"]),
@@ -172,11 +176,11 @@ class Check:
         return rec
 
     def env(self, build, **extra):
-        """Environment of a build's subprocess: its target dir and the deps dir on PYTHONPATH."""
+        """Environment of a build's subprocess: its target dir, muon_testing's and the deps dir on PYTHONPATH."""
         env = dict(os.environ)
         for key in ("DS_BUILD_OPS", "PYTHONHOME"):
             env.pop(key, None)
-        paths = [str(self.site / build), str(self.site / "deps")]
+        paths = [str(self.site / build), str(self.site / TESTING_SITE), str(self.site / "deps")]
         env.update(PYTHONPATH=os.pathsep.join(paths),
                    DS_ACCELERATOR=self.args.device,
                    PYTHONSAFEPATH="1",
@@ -265,10 +269,11 @@ print(json.dumps(dict(missing=missing, python="%d.%d" % sys.version_info[:2])))
 
 IMPORT_CHECK = r"""
 import json, os
-import deepspeed, pydantic, hjson, torch
+import deepspeed, pydantic, hjson, torch, muon_testing.compare
 from deepspeed.accelerator import get_accelerator
 acc = get_accelerator()
 report = dict(version=deepspeed.__version__, file=deepspeed.__file__, pydantic=pydantic.VERSION,
+              muon_testing_file=muon_testing.compare.__file__,
               pydantic_file=pydantic.__file__, hjson_file=hjson.__file__, torch=torch.__version__,
               accelerator=acc.device_name(), device=acc.current_device_name(), device_count=acc.device_count())
 try:
@@ -295,6 +300,13 @@ def install(check, manifest):
                            f"--python-version {probe['python']}`")
     if need:
         _pip_target(check, check.site / "deps", [wheels / e["file"] for e in need])
+    testing = [e for e in manifest["files"] if e["kind"] == "testing"]
+    if not testing:
+        raise RuntimeError("the wheelhouse holds no muon_testing wheel (the tests' package, testing/): make it "
+                           "again with `dev.py wheelhouse`")
+    _pip_target(check, check.site / TESTING_SITE, [wheels / testing[0]["file"]],
+                stamp=wheel_contents_digest(wheels / testing[0]["file"]))
+    result["testing"] = testing[0]["file"]
     for build in check.args.builds:
         kind, base = build.split("-", 1)
         entry = [e for e in manifest["files"] if e["kind"] == kind and e["base"] == base]
@@ -735,8 +747,7 @@ def _worker(argv):
     ``torch.save``d weight dicts as JSON."""
     if argv[:1] == ["diff"]:
         import torch
-        sys.path.insert(0, str(ROOT / "tests"))
-        from unit.runtime.zero.zero3_muon_helpers import relative_difference
+        from muon_testing.compare import relative_difference
         a, b = (torch.load(p, map_location="cpu", weights_only=True) for p in argv[1:3])
         print(json.dumps(dict(rel_diff=relative_difference(a, b))))
         return 0

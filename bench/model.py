@@ -14,11 +14,11 @@ Traffic is counted as elements received by one rank per optimizer step, the conv
   per bucket, the owner of a matrix receives every other rank's piece of it and each rank gets
   its piece of the update back. Averaged over ranks that is ``2 P (W - 1) / W^2``, the lower bound
   (no flags travel: a non-finite step is skipped before the update).
-- patched ZeRO-1/2 with optimizer offload: each rank holds the slice of the flat buffer its
-  partition covers; a matrix's owner is one of its holders, so only a matrix that straddles a
-  partition boundary travels (its other pieces to the owner, the update's pieces back), plus one
-  flag all-reduced per Muon group (``zero12_update``: ZeRO-1/2 do not always skip a non-finite
-  step). Without offload nothing of Muon's crosses ranks but that flag.
+- patched ZeRO-1/2, with or without optimizer offload: each rank holds the slice of the flat
+  buffer its partition covers; a matrix's owner is one of its holders, so only a matrix that
+  straddles a partition boundary travels (its other pieces to the owner, the update's pieces
+  back), plus one flag all-reduced per Muon group (``MuonPartition.agree_finite``: the binding
+  does not rely on the stage skipping a non-finite step).
 - stock 0.19.8 ZeRO-3 (``_apply_muon_to_accumulated_grads`` then ``_muon_update_sub_group``, no
   offload): the gradients are all-gathered, then the momenta; then, in rounds of W matrices, the
   updates and the momenta are all-gathered again (padded to the round's largest matrix when the
@@ -74,7 +74,7 @@ slots_for_depth = owner_plan.slots_for_depth
 
 
 def zero3_depth(shapes, world_size, bucket_numel=DEFAULT_BUCKET, depth=DEFAULT_DEPTH) -> int:
-    """The pipeline depth ``Zero3MuonUpdate`` runs at (``owner_plan.plan_for_depth``: lowered where
+    """The pipeline depth ``MuonUpdate`` runs at at ZeRO-3 (``owner_plan.plan_for_depth``: lowered where
     even one matrix per bucket exceeds the momentum budget)."""
     return owner_plan.plan_for_depth(specs_for(muon_order(shapes)), zero3_pieces(shapes, world_size), world_size,
                                      bucket_numel, depth)[1]
@@ -102,7 +102,7 @@ def zero3_pieces(shapes, world_size) -> List[Tuple[int, ...]]:
 
 
 def zero3_plan(shapes, world_size, bucket_numel=DEFAULT_BUCKET, depth=DEFAULT_DEPTH):
-    """The owner plan ``Zero3MuonUpdate`` builds for one sub-group of these matrices."""
+    """The owner plan ``MuonUpdate`` builds at ZeRO-3 for one sub-group of these matrices."""
     return owner_plan.plan_for_depth(specs_for(muon_order(shapes)), zero3_pieces(shapes, world_size), world_size,
                                      bucket_numel, depth)[0]
 
@@ -135,7 +135,7 @@ def straddling(shapes, world_size) -> Tuple[int, int]:
 
 
 def zero12_plan(shapes, world_size, bucket_numel=DEFAULT_BUCKET, depth=DEFAULT_DEPTH):
-    """The owner plan ``Zero12MuonUpdate`` builds under optimizer offload (owners among holders)."""
+    """The owner plan the patch builds at ZeRO-1/2 (owners among each matrix's holders)."""
     _, pieces = zero12_layout(shapes, world_size)
     holders = [[r for r, n in enumerate(p) if n] for p in pieces]
     return owner_plan.plan_for_depth(specs_for(muon_order(shapes)), pieces, world_size, bucket_numel, depth,
@@ -166,16 +166,13 @@ def patched_traffic(shapes, world_size, bucket_numel=DEFAULT_BUCKET, depth=DEFAU
     return exchange_traffic(zero3_plan(shapes, world_size, bucket_numel, depth), zero3_pieces(shapes, world_size))
 
 
-def zero12_traffic(shapes, world_size, offload, groups=1, bucket_numel=DEFAULT_BUCKET,
-                   depth=DEFAULT_DEPTH) -> List[float]:
-    """Patched ZeRO-1/2: Muon elements received per rank per optimizer step: under offload the
-    exchange of the straddling matrices, plus (with or without offload) one int32 flag
-    all-reduced per Muon group (``groups``)."""
+def zero12_traffic(shapes, world_size, groups=1, bucket_numel=DEFAULT_BUCKET, depth=DEFAULT_DEPTH) -> List[float]:
+    """Patched ZeRO-1/2, with or without optimizer offload: Muon elements received per rank per
+    optimizer step, the owner exchange of the straddling matrices plus one int32 flag all-reduced
+    per Muon group (``groups``; ZeRO-1/2 may step on a non-finite gradient, so the ranks agree)."""
     if world_size == 1:
         return [0.0]
     flags = [2 * (world_size - 1) / world_size * groups] * world_size
-    if not offload:
-        return flags
     _, pieces = zero12_layout(shapes, world_size)
     moved = exchange_traffic(zero12_plan(shapes, world_size, bucket_numel, depth), pieces)
     return [a + b for a, b in zip(moved, flags)]
@@ -224,12 +221,13 @@ def stock_zero12_offload_traffic(shapes, world_size, momentum=True) -> float:
 
 
 def zero12_ns_calls(shapes, world_size, offload, build="patched") -> int:
-    """Newton-Schulz calls per optimizer step summed over ranks at ZeRO-1/2: without offload every
-    rank orthogonalizes each matrix of its partition (a straddling one on every holder), on both
-    builds; with offload the patch once per matrix (on its owner), stock 0.19.8 every matrix on
-    every rank."""
+    """Newton-Schulz calls per optimizer step summed over ranks at ZeRO-1/2: the patch once per
+    matrix (on its owner) with or without offload; stock 0.19.8 without offload each matrix on
+    every rank holding a piece of it, with offload every matrix on every rank."""
+    if build == "patched":
+        return len(shapes)
     if offload:
-        return len(shapes) * (world_size if build == "stock" else 1)
+        return len(shapes) * world_size
     _, pieces = zero12_layout(shapes, world_size)
     return sum(sum(1 for n in p if n) for p in pieces)
 

@@ -1,6 +1,6 @@
 # Copyright (c) 2026 The zero3muon authors
 # SPDX-License-Identifier: Apache-2.0
-"""Profile the patched build's Muon boundary update (``Zero3MuonUpdate.update_gradient``) with torch's profiler.
+"""Profile the patched build's Muon boundary update (``MuonUpdate.update``) with torch's profiler.
 
 Run under a build's Python with ``torch.distributed.run`` (W ranks, gloo, ``DS_ACCELERATOR=cpu``):
 
@@ -8,8 +8,8 @@ Run under a build's Python with ``torch.distributed.run`` (W ranks, gloo, ``DS_A
 
 Trains the workload (``bench/worker.py``'s models and config) for ``--warmup`` optimizer steps, then
 profiles ``--steps`` more and prints, on rank 0, the operators of the boundary update sorted by
-self CPU time and the share of ``update_gradient`` spent in Newton-Schulz and in the all-to-alls (the rest is
-what the lean-step work removes). ``--export DIR`` also writes a Chrome trace per rank.
+self CPU time and the share of ``MuonUpdate.update`` spent in Newton-Schulz and in the all-to-alls
+(the rest: momentum, packing and unpacking). ``--export DIR`` also writes a Chrome trace per rank.
 """
 
 import argparse
@@ -25,6 +25,7 @@ from deepspeed.accelerator import get_accelerator
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import worker  # noqa: E402  (bench/worker.py: models, config, batches)
 
+UPDATE_LABEL = "MuonUpdate.update"
 NS_OPS = ("zeropower_via_newtonschulz5", "zeropower_via_gram_newtonschulz")
 
 
@@ -43,14 +44,14 @@ def main():
     model = worker.build_model(args.workload)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=worker.ds_config(cfg, world_size))
-    update = engine.optimizer.zero3_muon
-    update_gradient = update.update_gradient
+    update = engine.optimizer.muon_update
+    run_update = update.update
 
-    def profiled_update_gradient(sub_group_id):
-        with record_function("zero3_muon.update_gradient"):
-            return update_gradient(sub_group_id)
+    def profiled_update(key, grad_partition):
+        with record_function(UPDATE_LABEL):
+            return run_update(key, grad_partition)
 
-    update.update_gradient = profiled_update_gradient
+    update.update = profiled_update  # an instance attribute: the label around the boundary update
     # Newton-Schulz kernels, labelled where the owner calls them
     from deepspeed.runtime.zero.muon import original_muon
     for name in NS_OPS:
@@ -79,11 +80,11 @@ def main():
     events = prof.key_averages()
     total = {e.key: e for e in events}
     if rank == 0:
-        update_us = total["zero3_muon.update_gradient"].cpu_time_total
+        update_us = total[UPDATE_LABEL].cpu_time_total
         ns_us = sum(total[k].cpu_time_total for k in NS_OPS if k in total)
         a2a = [e for e in events if "all_to_all" in e.key]
         a2a_us = max((e.cpu_time_total for e in a2a), default=0.0)
-        print(f"W={world_size} {args.workload} gas={args.gas}: update_gradient {update_us / args.steps / 1e3:.1f} ms "
+        print(f"W={world_size} {args.workload} gas={args.gas}: MuonUpdate.update {update_us / args.steps / 1e3:.1f} ms "
               f"per step, Newton-Schulz {ns_us / update_us:.1%}, all-to-all {a2a_us / update_us:.1%}, "
               f"rest {(update_us - ns_us - a2a_us) / update_us:.1%}")
         print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))

@@ -25,10 +25,9 @@ down; sizes in ``bench/worker.py``), with Newton-Schulz batched or one matrix at
 (``batch_ns``, patched builds), and AdamW runs (``optimizer: adamw``) as the step-time reference;
 ``decoder12`` (a GPT-shaped decoder, 12 matrices, 1,052,676 elements): Muon against AdamW at ZeRO-3
 (optimizer memory kept between steps and at the peak of ``step()``, targets <= AdamW on each build)
-and Muon at ZeRO-1 and ZeRO-2 with and without ``offload_optimizer: cpu`` (Muon traffic and NS
-calls; ``--grid memory`` runs only these). Variants of the patch (``pipeline_depth``, ``batch_ns``)
-are constructor arguments of its Muon update: the worker replaces the engine's with one built
-with them. All fp32 with ``gradient_clipping: 0``, ``reduce_scatter: false`` (stock
+and Muon at ZeRO-1 and ZeRO-2 with and without ``offload_optimizer: cpu`` (Muon traffic, NS
+calls and optimizer memory kept; ``--grid memory`` runs only these). Variants of the patch (``pipeline_depth``, ``batch_ns``)
+are keys of the Muon optimizer's config, set like a user sets them (patched builds only). All fp32 with ``gradient_clipping: 0``, ``reduce_scatter: false`` (stock
 refuses the default ``true`` with Muon; the patched build accepts both) and
 ``stage3_param_persistence_threshold: 0``; TorchDynamo off (NS eager on every build).
 """
@@ -53,9 +52,8 @@ sys.path.insert(0, str(HERE))
 import model  # noqa: E402  (bench/model.py)
 from repeats import Spread, per_repeat, ratio_spread, spread, target_line  # noqa: E402
 
-# Shared with the tests and the demo: tests/unit/runtime/zero/zero3_muon_helpers.py.
-sys.path.insert(0, str(HERE.parent / "tests"))
-from unit.runtime.zero.zero3_muon_helpers import free_port, relative_difference  # noqa: E402
+# Shared with the tests and the demo: the muon_testing package (testing/), which dev.py setup installs.
+from muon_testing.compare import free_port, relative_difference  # noqa: E402
 
 REFERENCE = "stock-0.19.8"
 PATCHED_DEFAULT = "patched-0.19.8"
@@ -82,7 +80,8 @@ LLAMA = ([(256, 256)] * 4 + [(688, 256)] * 2 + [(256, 688)]) * 4  # bench/worker
 MODEL_SHAPES = dict(SHAPES, decoder12=DECODER12, llama=LLAMA)  # workload -> Muon matrix shapes, for bench/model.py
 KEPT_TARGET = 1.0  # Muon's optimizer memory kept between steps <= AdamW's on the same model
 PEAK_TARGET = 1.0  # Muon's optimizer memory at the peak of step() <= AdamW's
-ZERO12_TRAFFIC_TARGET = 1.0  # patched ZeRO-1/2 offload: Muon elements summed over ranks <= 2x straddling elements
+ZERO12_TRAFFIC_TARGET = 1.0  # patched ZeRO-1/2: Muon exchange elements summed over ranks <= 2x straddling elements
+ZERO12_KEPT_TARGET = 1.0  # patched ZeRO-1/2: Muon's optimizer memory kept between steps <= stock 0.19.8's
 BATCH_NS_PAIR = ("llama-gas4-fp32-ns-batched", "llama-gas4-fp32-ns-onebyone")  # patched only: batch_ns True / False
 SMALL_BATCH_NS_PAIR = ("llama64-gas4-fp32-ns-batched", "llama64-gas4-fp32-ns-onebyone")  # the same, 64-wide
 # Fields kept per repeat (seconds, then bytes); the row's value is their median.
@@ -97,8 +96,8 @@ def workload_config(name, workload, gas, steps, warmup, dtype="fp32", offload=Fa
                     stage=3, **extra):
     """One workload config as ``bench/worker.py`` reads it, plus two driver-only keys:
     ``only`` ("patched": run on patched builds only) and ``patched`` (keys merged into the config
-    on patched builds, e.g. ``batch_ns`` or ``pipeline_depth``, constructor arguments of the
-    patch's Muon update that stock builds do not have)."""
+    on patched builds, e.g. ``batch_ns`` or ``pipeline_depth``, config keys of the patch's Muon
+    optimizer that stock builds do not have)."""
     cfg = dict(name=name, workload=workload, stage=stage, gas=gas, dtype=dtype, offload=offload, micro_batch=2,
                steps=steps, warmup=warmup, **extra)
     if only:
@@ -720,7 +719,7 @@ def print_zero12_table(results, builds, net, w, names):
         predicted = ns_model = None
         if shapes:
             if patched:
-                predicted = sum(model.zero12_traffic(shapes, w, r.get("offload")))
+                predicted = sum(model.zero12_traffic(shapes, w))
             elif r.get("offload"):
                 predicted = model.stock_zero12_offload_traffic(shapes, w) * w
             ns_model = model.zero12_ns_calls(shapes, w, r.get("offload"), "patched" if patched else "stock")
@@ -916,12 +915,12 @@ def zero12_summed_traffic(row):
 
 
 def zero12_lines(results, builds, net, w, names):
-    """ZeRO-1/2 Muon, per patched build and row: with offload, the elements the owner exchange
-    (all-to-all) delivers per step summed over ranks at most twice the elements of the straddling
-    matrices (each goes to one of its holders and back; the one flag per group all-reduced beside
-    it is in the detail's total), and NS calls per step summed over ranks equal to the Muon matrices;
-    without offload, NS on every holder of a matrix and no Muon traffic but one flag per group.
-    Information lines: stock 0.19.8 on the same rows."""
+    """ZeRO-1/2 Muon, per patched build and row (with and without offload): the elements the owner
+    exchange (all-to-all) delivers per step summed over ranks at most twice the elements of the
+    straddling matrices (each goes to one of its holders and back; the one flag per group
+    all-reduced beside it is in the detail's total), NS calls per step summed over ranks equal to
+    the Muon matrices, and the optimizer memory kept between steps (``kept_bytes``) at most stock
+    0.19.8's on the same row. Information lines: the stock rows."""
     out = []
     for name, build, r in zero12_rows(results, builds, net, w, names):
         where = f"{build} {name} W={w}"
@@ -930,25 +929,29 @@ def zero12_lines(results, builds, net, w, names):
         detail = (f"Muon recv {summed:.0f} elements per step summed over ranks (per rank mean "
                   f"{muon_traffic(r):.0f}, busiest {r['muon_elements_boundary_max'] + r['muon_elements_micro_max']:.0f}); "
                   f"straddling {fmt(r.get('muon_straddling_matrices'), '.0f')} matrices, {fmt(straddle, '.0f')} "
-                  f"elements; NS {ns:.0f} per step for {matrices} matrices")
+                  f"elements; NS {ns:.0f} per step for {matrices} matrices; kept {fmt(mib(r.get('kept_bytes')), '.2f')} MiB")
         if not build.startswith("patched"):
             out.append(f"  info {where}: {detail}")
             continue
-        if r.get("offload"):
-            exchanged = (r.get("muon_elements_by_collective") or {}).get("all_to_all_single", 0.0) * r["world_size"]
-            if straddle is None:
-                value = None
-            else:
-                value = exchanged / (2 * straddle) if straddle else (0.0 if exchanged == 0 else math.inf)
-            out.append(target_with_figures(f"ZeRO-1/2 offload Muon exchange (all-to-all) recv summed over ranks / (2 x "
-                                           f"straddling elements) {where} <= {ZERO12_TRAFFIC_TARGET:g}", value,
-                                           value is not None and value <= ZERO12_TRAFFIC_TARGET,
-                                           f"exchange {exchanged:.0f} elements; {detail}", spec=".3f"))
-            out.append(target_line(f"ZeRO-1/2 offload NS calls per step summed over ranks {where} = Muon matrices "
-                                   f"({matrices})", ns, ns == matrices and not r["ns_calls_micro_per_step"], detail,
-                                   spec=".0f"))
+        exchanged = (r.get("muon_elements_by_collective") or {}).get("all_to_all_single", 0.0) * r["world_size"]
+        if straddle is None:
+            value = None
         else:
-            out.append(f"  info {where}: {detail}")
+            value = exchanged / (2 * straddle) if straddle else (0.0 if exchanged == 0 else math.inf)
+        out.append(target_with_figures(f"ZeRO-1/2 Muon exchange (all-to-all) recv summed over ranks / (2 x "
+                                       f"straddling elements) {where} <= {ZERO12_TRAFFIC_TARGET:g}", value,
+                                       value is not None and value <= ZERO12_TRAFFIC_TARGET,
+                                       f"exchange {exchanged:.0f} elements; {detail}", spec=".3f"))
+        out.append(target_line(f"ZeRO-1/2 NS calls per step summed over ranks {where} = Muon matrices ({matrices})", ns,
+                               ns == matrices and not r["ns_calls_micro_per_step"], detail, spec=".0f"))
+        ref = results.get((net, REFERENCE, w, name))
+        kept = ref and r.get("kept_bytes") is not None and ref.get("kept_bytes")
+        value = r["kept_bytes"] / ref["kept_bytes"] if kept else None
+        reason = (f"{mib(r['kept_bytes']):.2f} vs {mib(ref['kept_bytes']):.2f} MiB" if kept else
+                  f"not measured: no {REFERENCE} row with kept_bytes")
+        out.append(target_line(f"ZeRO-1/2 optimizer memory kept between steps {build}/{REFERENCE} {name} W={w} <= "
+                               f"{ZERO12_KEPT_TARGET:g}", value, value is not None and value <= ZERO12_KEPT_TARGET,
+                               reason, spec=".3f"))
     return out
 
 

@@ -28,11 +28,9 @@ key of ``WORKLOADS``, ``LLAMAS`` or ``DECODERS``), ``stage``, ``gas``, ``dtype``
 ``offload``, ``micro_batch``, ``steps`` (measured), ``warmup``; optional ``reduce_bucket_size``,
 ``torch_adam`` (the optimizer's ``"torch_adam": true``: torch's Adam for AdamW and Muon's auxiliary
 Adam instead of DeepSpeed's JIT-built FusedAdam),
-``optimizer`` (``muon`` default, ``adamw``), ``pipeline_depth`` and ``batch_ns`` (constructor
-arguments of the patch's Muon update: where either is given and not ``None``, the engine's
-``optimizer.zero3_muon`` (ZeRO-3) or ``optimizer.zero12_muon`` (ZeRO-1/2) is replaced by a new
-one built with them, ``configure_muon_update``; a build without such an object or argument is left
-as it is), ``memory_step`` (default True), ``lifetime_memory`` (default False: see
+``optimizer`` (``muon`` default, ``adamw``), ``pipeline_depth`` and ``batch_ns`` (the Muon
+optimizer's config keys of those names, set in its ``params`` where given and not ``None``; the
+driver passes them to patched builds only), ``memory_step`` (default True), ``lifetime_memory`` (default False: see
 ``alloc_live_bytes``), ``save_weights``.
 
 Writes one JSON line per finished workload to ``--out`` (rank 0) and prints ``START name`` /
@@ -82,8 +80,7 @@ optimizer step (all its micro-steps), times in seconds, sizes in bytes:
   ...) that delivered any, the Muon elements received per rank per step, mean over ranks.
 - ``loss_last``: rank 0's loss on the last measured boundary micro-step.
 - ``boundary_settings``: ``pipeline_depth`` / ``batch_ns`` as the patch's Muon update ran them
-  (from its pipelines; ``pipeline_depth`` None where no pipeline runs, ZeRO-1/2 without offload),
-  and ``muon_buckets``, the buckets of its plans (rank 0; None on stock or without Muon).
+  (from its pipelines; None where it has none), and ``muon_buckets``, the buckets of its plans (rank 0; None on stock or without Muon).
 - ``muon_stats``: the patch's ``ExchangeStats`` on rank 0 after the measured steps (None on stock);
   ``bucket_bound_bytes``: the fp32 bytes of the patch's two exchange buffers for its largest
   bucket (send and receive, from its pipelines' layouts), max over ranks (None on stock or where
@@ -108,9 +105,9 @@ import deepspeed
 import deepspeed.comm as ds_comm
 from deepspeed.accelerator import get_accelerator
 
-# NSCounter and gathered_weights are shared with the tests (tests/unit/runtime/zero/zero3_muon_helpers.py).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from unit.runtime.zero.zero3_muon_helpers import NSCounter, gathered_weights  # noqa: E402
+# Shared with the tests: the muon_testing package (testing/), installed in every venv and by gpu-check.
+from muon_testing.compare import gathered_weights
+from muon_testing.counting import NSCounter
 
 # Workloads: dims of a chain of bias-free Linear layers (all Muon matrices), tanh between them;
 # "llama" and "llama64" are LlamaShaped below.
@@ -412,6 +409,9 @@ def ds_config(cfg, world_size):
         config["bf16"] = {"enabled": True}
     if cfg.get("torch_adam"):
         config["optimizer"]["params"] = dict(config["optimizer"]["params"], torch_adam=True)
+    update_keys = {k: cfg[k] for k in ("pipeline_depth", "batch_ns") if cfg.get(k) is not None}
+    if update_keys:
+        config["optimizer"]["params"] = dict(config["optimizer"]["params"], **update_keys)
     return config
 
 
@@ -427,65 +427,29 @@ def batch(cfg, step, micro, rank, world_size, dim, device, dtype):
     return x[sl].to(device, dtype), y[sl].to(device, dtype)
 
 
-PATCH_UPDATE_ATTRS = ("zero3_muon", "muon_update", "zero12_muon")
-"""Where the patched ZeRO optimizers keep their Muon update: ``zero3_muon`` (ZeRO-3,
-``zero3_update.Zero3MuonUpdate``; ``muon_update`` in builds of the patch before that name),
-``zero12_muon`` (ZeRO-1/2, ``zero12_update.Zero12MuonUpdate``); ``None`` there without Muon."""
-
-
 def patch_update(optimizer):
-    """``(attribute, object)`` of the patch's Muon update on a ZeRO optimizer, ``(attribute, None)``
-    where the patched optimizer has it unset (not Muon), ``(None, None)`` on a stock build."""
-    for attr in PATCH_UPDATE_ATTRS:
-        value = getattr(optimizer, attr, False)
-        if value is None or hasattr(value, "reserved_bytes"):
-            return attr, value
-    return None, None
-
-
-def configure_muon_update(optimizer, cfg):
-    """Rebuild the patch's Muon update with the config's ``pipeline_depth`` / ``batch_ns``.
-
-    Both are constructor arguments of ``Zero3MuonUpdate`` and ``Zero12MuonUpdate``: the object
-    the optimizer built at initialization (with the defaults) is dropped first, so that its
-    exchange buffers are freed before the new one reserves its own, and the new one takes its
-    place. Arguments ``None`` or absent from the config, or that the build's class does not take,
-    leave it as it is; so does a build without the object (stock). Call on every rank (the
-    constructor checks the plans with a collective).
-
-    Returns:
-        the update object in use (None on stock or without Muon).
-    """
-    attr, update = patch_update(optimizer)
-    if update is None:
-        return None
-    cls = type(update)
-    accepted = inspect.signature(cls.__init__).parameters
-    kwargs = {k: cfg[k] for k in ("pipeline_depth", "batch_ns") if cfg.get(k) is not None and k in accepted}
-    if not kwargs:
-        return update
-    setattr(optimizer, attr, None)
-    del update
-    new = cls(optimizer, **kwargs)
-    setattr(optimizer, attr, new)
-    return new
+    """The patch's Muon update on a ZeRO optimizer (``muon_update``, ``binding.MuonUpdate``):
+    ``(True, object)``, ``(True, None)`` where the patched optimizer has none (not Muon),
+    ``(False, None)`` on a stock build."""
+    if not hasattr(optimizer, "muon_update"):
+        return False, None
+    return True, optimizer.muon_update
 
 
 def update_settings(update):
-    """What the patch's Muon update runs with: ``pipeline_depth`` and ``batch_ns`` of its pipelines
-    (``pipeline_depth`` None where none runs: ZeRO-1/2 without offload, whose ``batch_ns`` is the
-    object's) and ``muon_buckets``, the buckets of its plans."""
-    pipelines = list(getattr(update, "pipelines", {}).values())
+    """What the patch's Muon update runs with: ``pipeline_depth`` and ``batch_ns`` of its first
+    pipeline (None without one) and ``muon_buckets``, the buckets of its plans."""
+    pipelines = list(update.pipelines.values())
     first = pipelines[0] if pipelines else None
     return dict(pipeline_depth=first.depth if first else None,
-                batch_ns=first.batch_ns if first else getattr(update, "batch_ns", None),
+                batch_ns=first.batch_ns if first else None,
                 muon_buckets=sum(len(p.plan.buckets) for p in pipelines))
 
 
 def bucket_exchange_bytes(update):
     """fp32 bytes of the two exchange buffers (send and receive) of the patch's largest bucket on
     this rank, from its pipelines' layouts; None without a pipeline."""
-    sizes = [(layout.send_numel + layout.recv_numel) * 4 for p in getattr(update, "pipelines", {}).values()
+    sizes = [(layout.send_numel + layout.recv_numel) * 4 for p in update.pipelines.values()
              for layout in p.layouts]
     return max(sizes) if sizes else None
 
@@ -496,8 +460,8 @@ def retained_muon_bytes(optimizer):
     Muon update, reserved at initialization; 0 without Muon), else stock 0.19.8's all-gather cache
     (``_muon_allgather_buffer_bytes``, up to 256 MiB, ZeRO-3 and ZeRO-1/2); ``None`` on a build
     with neither (stock 0.19.7)."""
-    attr, update = patch_update(optimizer)
-    if attr is not None:
+    patched, update = patch_update(optimizer)
+    if patched:
         return 0 if update is None else int(update.reserved_bytes())
     cached = getattr(optimizer, "_muon_allgather_buffer_bytes", None)
     return None if cached is None else int(cached)
@@ -661,7 +625,7 @@ def run_workload(cfg, ns, comm, peak):
         engine, *_ = deepspeed.initialize(model=model,
                                           model_parameters=model.parameters(),
                                           config=ds_config(cfg, world_size))
-        update = configure_muon_update(engine.optimizer, cfg)
+        update = patch_update(engine.optimizer)[1]
     if lifetime is not None and cfg["warmup"] == 0:  # no warm-up step: the engine as built
         lifetime.__exit__(None, None, None)
         alloc_live, lifetime = live_bytes(lifetime, (INIT_MARK, )), None

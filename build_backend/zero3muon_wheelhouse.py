@@ -10,6 +10,9 @@ A GPU node without network but with torch installed needs, to run ``dev.py gpu-c
   built with ``pip wheel`` from this checkout and the sha256-pinned release sdist;
 - the stock wheels of the same releases (``deepspeed-<base>-py3-none-any.whl``), built from the
   same sdists, for the side-by-side figures;
+- the tests' shared package ``muon_testing`` (``testing/``: models, comparisons, the single-process
+  reference; ``muon_testing-<version>-py3-none-any.whl``), which the tests, ``bench/worker.py`` and
+  gpu-check's own comparison import;
 - DeepSpeed's runtime requirements, read from the sdists' ``requirements/requirements.txt``
   (torch excluded: the node's own CUDA torch stays), plus ``nvidia-ml-py`` (DeepSpeed's setup.py
   adds it where it is built with a CUDA torch), with their dependencies, one version each, as
@@ -141,6 +144,22 @@ def build_wheels(bases, out, project_root, python=sys.executable):
     return built, sdists
 
 
+def build_testing_wheel(out, project_root, python=sys.executable):
+    """Build ``testing/`` (the package ``muon_testing``) as a wheel into ``out``; return its path."""
+    with tempfile.TemporaryDirectory(prefix="wheelhouse-testing-") as tmp:
+        _run([
+            python, "-m", "pip", "--disable-pip-version-check", "wheel", "--no-deps", "-w", tmp,
+            Path(project_root) / "testing"
+        ])
+        found = sorted(Path(tmp).glob("muon_testing-*.whl"))
+        if len(found) != 1:
+            raise WheelhouseError(f"pip wheel of testing/ gave {[p.name for p in found]}")
+        dest = Path(out) / found[0].name
+        shutil.move(str(found[0]), dest)
+    log(f"testing: {dest.name}")
+    return dest
+
+
 def download_dependencies(requirements, out, python_version, python=sys.executable):
     """``pip download`` the binary wheels of ``requirements`` and their dependencies for CPython
     ``python_version`` (e.g. "3.12") on manylinux x86-64 into ``out``; return their paths."""
@@ -190,6 +209,7 @@ def make(out, bases, python_version="3.12", project_root=zb.REPO_ROOT, max_bytes
         shutil.rmtree(out)
     out.mkdir(parents=True)
     built, sdists = build_wheels(bases, out, Path(project_root))
+    testing = build_testing_wheel(out, Path(project_root))
     requirements = sorted({r
                            for base in bases
                            for r in sdist_requirements(sdists[base], base)} | set(EXTRA_REQUIREMENTS))
@@ -206,6 +226,8 @@ def make(out, bases, python_version="3.12", project_root=zb.REPO_ROOT, max_bytes
     for kind, base, path in built:
         files.append(
             dict(kind=kind, base=base, file=path.name, name="deepspeed", version=wheel_name_version(path.name)[1]))
+    name, version = wheel_name_version(testing.name)
+    files.append(dict(kind="testing", file=testing.name, name=name, version=version))
     for path in deps:
         name, version = wheel_name_version(path.name)
         files.append(

@@ -22,7 +22,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 # As in DeepSpeed's tree: tests/ on sys.path, so `from unit.common import DistributedTest` and
 # `from unit.runtime.zero.zero3_muon_helpers import ...` resolve (and in the ranks, which
-# receive this sys.path).
+# receive this sys.path). `muon_testing` (testing/) is installed in the venv by dev.py setup.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 

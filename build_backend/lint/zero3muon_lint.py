@@ -606,7 +606,7 @@ def apply_group_patches(release, patches, work):
     return out
 
 
-def targets(base, project, release, work, only=None):
+def targets(base, project, release, work):
     """The ``Target`` of every group with files on ``base`` (pull requests in order, then
     backports), plus one of the Python files no group claims; warnings as a list of lines."""
     warnings = []
@@ -619,7 +619,7 @@ def targets(base, project, release, work, only=None):
     out = []
     for g in ze.GROUPS:
         files = owners.get(g.key)
-        if not files or (only and g.key not in only and g.stem not in only):
+        if not files:
             continue
         patches = [Path(project) / p for p in files if p.startswith("patches/")]
         patched = apply_group_patches(release, patches, work) if patches else {}
@@ -632,7 +632,7 @@ def targets(base, project, release, work, only=None):
     loose = [p for p in ze.candidate_files(base, project) if p.endswith(".py") and p not in claimed
              and not any(g.matches(p) for g in ze.GROUPS)
              and not any(fnmatch.fnmatchcase(p, pattern) for pattern in ze.NEVER_EXPORTED)]
-    if loose and not only:
+    if loose:
         warnings.append(f"{len(loose)} Python file(s) under deepspeed/ and tests/ belong to no pull request "
                         f"(zero3muon_export's groups): linted as {NO_GROUP!r}: {', '.join(loose)}")
         out.append(Target(NO_GROUP, "files the export's groups do not claim", loose, {}))
@@ -813,8 +813,8 @@ def summary(base, results, settings_kind):
     return len(total)
 
 
-def main(base, bin_dir, project, deepspeed_repo=None, ref="HEAD", fix=False, paths=None, only=None,
-         verbose=False, requirements=None):
+def main(base, bin_dir, project, deepspeed_repo=None, ref="HEAD", fix=False, paths=None, verbose=False,
+         requirements=None):
     """``python3 dev.py lint``: 0 if every file passes every hook, 1 on findings, 2 if it cannot run."""
     project = Path(project).resolve()
     requirements = Path(requirements or project / "requirements" / "lint.txt")
@@ -850,7 +850,7 @@ def main(base, bin_dir, project, deepspeed_repo=None, ref="HEAD", fix=False, pat
             log(f"release: {sdist} (sha256-checked); project: {project}")
             release = Release(sdist)
             try:
-                found, warnings = targets(base, project, release, work, only)
+                found, warnings = targets(base, project, release, work)
             finally:
                 release.close()
             for w in warnings:

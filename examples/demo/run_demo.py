@@ -30,9 +30,8 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-# Shared with the tests and the benchmark (tests/unit/runtime/zero/zero3_muon_helpers.py).
-sys.path.insert(0, str(HERE.parents[1] / "tests"))
-from unit.runtime.zero.zero3_muon_helpers import free_port, relative_difference  # noqa: E402
+# Shared with the tests and the benchmark: the muon_testing package (testing/), which dev.py setup installs.
+from muon_testing.compare import free_port, relative_difference  # noqa: E402
 NPROC = 2
 
 # Relative weight difference ||W_gas4 - W_gas1|| / ||W_gas4|| allowed between the two ZeRO-3
@@ -251,7 +250,7 @@ def print_muon_counters(results):
         if got is not None:
             got = f"{got:.0f} ({got / P:.3f} P)"
         else:
-            got = "n/a (stock build)" if r["stage"] == 3 else "n/a (counted at ZeRO-3 only)"
+            got = "n/a (stock build)"
         print(f"{name:<12}{r['ns_calls_per_step']:>15.2f}{r['muon_matrices']:>10}   {got}")
     print(f"owner-centric bound 2P(W-1)/W^2 = {bound:.0f} ({bound / P:.3f} P) elements per rank per step, W = {W}")
     return bound

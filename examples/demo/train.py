@@ -42,11 +42,12 @@ import torch  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import data  # noqa: E402
 
-# Shared with the tests (tests/unit/runtime/zero/zero3_muon_helpers.py).
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
-from unit.runtime.zero.zero3_muon_helpers import NSCounter, fp32_newton_schulz, gathered_weights  # noqa: E402
+# Shared with the tests: the muon_testing package (testing/), which dev.py setup installs.
+from muon_testing.compare import gathered_weights  # noqa: E402
+from muon_testing.counting import NSCounter  # noqa: E402
+from muon_testing.reference import fp32_newton_schulz  # noqa: E402
 
-# Counters the patched build keeps on `engine.optimizer.zero3_muon.stats` (cumulative, per rank).
+# Counters the patched build keeps on `engine.optimizer.muon_update.stats` (cumulative, per rank).
 BOUNDARY_FIELDS = ("optimizer_steps", "ns_calls", "elements_sent", "elements_received", "bytes_sent",
                    "bytes_received")
 
@@ -216,7 +217,7 @@ def main(argv=None):
     ns_total = torch.tensor([counter.count], dtype=torch.int64)
     torch.distributed.all_reduce(ns_total)
 
-    stats = getattr(getattr(engine.optimizer, "zero3_muon", None), "stats", None)
+    stats = getattr(getattr(engine.optimizer, "muon_update", None), "stats", None)
     boundary = None
     if stats is not None:
         local = torch.tensor([int(getattr(stats, f)) for f in BOUNDARY_FIELDS], dtype=torch.int64)

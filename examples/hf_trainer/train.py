@@ -62,7 +62,7 @@ def _load_demo_data():
 stdlib_data = _load_demo_data()
 
 RESULT_FILE = "zero3muon_run.json"
-# Counters the patched build keeps on `engine.optimizer.zero3_muon.stats` (cumulative, per rank).
+# Counters the patched build keeps on `engine.optimizer.muon_update.stats` (cumulative, per rank).
 BOUNDARY_FIELDS = ("optimizer_steps", "ns_calls", "elements_sent", "elements_received", "bytes_sent",
                    "bytes_received")
 # Per-parameter optimizer states whose norms the run report follows: Muon's momentum, Adam's moments.
@@ -164,7 +164,7 @@ def engine_facts(trainer):
             "weight_decay": g.get("weight_decay"),
         } for g in inner.param_groups] if inner is not None else [],
         "boundary_update": ("owner-centric at the accumulation boundary"
-                            if getattr(zero, "zero3_muon", None) is not None else "stock DeepSpeed's"),
+                            if getattr(zero, "muon_update", None) is not None else "stock DeepSpeed's"),
         "gradient_accumulation_steps": int(engine.gradient_accumulation_steps()),
         "train_micro_batch_size_per_gpu": int(engine.train_micro_batch_size_per_gpu()),
         "gradient_clipping": float(engine.gradient_clipping()),
@@ -278,7 +278,7 @@ def optimizer_state_norms(trainer):
 
 def boundary_stats(trainer):
     """Per rank, the patched build's Muon counters (``None`` on a build without them). Collective."""
-    stats = getattr(getattr(trainer.model_wrapped.optimizer, "zero3_muon", None), "stats", None)
+    stats = getattr(getattr(trainer.model_wrapped.optimizer, "muon_update", None), "stats", None)
     if stats is None or not torch.distributed.is_initialized():
         return None
     local = torch.tensor([int(getattr(stats, f)) for f in BOUNDARY_FIELDS], dtype=torch.int64)

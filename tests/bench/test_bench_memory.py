@@ -13,7 +13,7 @@ materializes there; 0 if the profiler's events were missed), the whole micro-ste
 much, ``alloc_boundary_bytes`` must add the retained bytes, ``kept_bytes`` the optimizer state
 and ``step_peak_bytes`` the step's peak. On the patched build the state is the fp32 momentum
 partition and the retained bytes are the exchange buffers ``bench/model.py`` predicts from the
-patch's plan (default ``pipeline_depth`` 2 and, rebuilt through the constructor, 1), and the
+patch's plan (default ``pipeline_depth`` 2 and, set by the config key, 1), and the
 allocator's count of what ``initialize`` and the steps left alive differs from AdamW's by exactly
 the introspected difference. On stock DeepSpeed 0.19.8 (when its venv exists)
 ``retained_muon_bytes`` must equal what its all-gather cache holds for one bucket: a local buffer
@@ -33,7 +33,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import model  # noqa: E402
-from unit.runtime.zero.zero3_muon_helpers import free_port  # noqa: E402
+from muon_testing.compare import free_port  # noqa: E402
 
 TINY = [(36, 20), (20, 36), (36, 20)]  # bench/worker.py's "tiny" workload
 STOCK_PYTHON = pathlib.Path(

@@ -414,23 +414,25 @@ def test_memory_against_adamw_and_zero12_targets():
             r[key], r[key + "_per_repeat"] = value, [value] * repeats
         return r
 
-    def zero12(build, offload, by_collective, ns, straddling=(1, 117000)):
+    def zero12(build, offload, by_collective, ns, kept, straddling=(1, 117000)):
         per_rank = sum(by_collective.values())
         return fake_row(f"llama-zero2-gas2-fp32{'-offload' if offload else ''}", build, w, [1.0], stage=2,
                         offload=offload, muon_matrices=28, ns_calls_per_step=ns, muon_elements_boundary_mean=per_rank,
                         muon_elements_boundary_max=per_rank, muon_elements_by_collective=by_collective,
-                        muon_straddling_matrices=straddling[0], muon_straddling_elements=straddling[1])
+                        muon_straddling_matrices=straddling[0], muon_straddling_elements=straddling[1],
+                        kept_bytes=kept)
 
+    exchange = {"all_to_all_single": 58000.0, "all_reduce": 1.0}
     results = {
         ("", "patched-0.19.8", w, name): mem("patched-0.19.8", "muon", 2 * mib, 2 * mib, 3 * mib),
         ("", "patched-0.19.8", w, name + "-adamw"): mem("patched-0.19.8", "adamw", 4 * mib, 0, 2 * mib),
         ("", "stock-0.19.8", w, name): mem("stock-0.19.8", "muon", 2 * mib, 6 * mib, 3 * mib),
         ("", "stock-0.19.8", w, name + "-adamw"): mem("stock-0.19.8", "adamw", 4 * mib, 0, 2 * mib),
-        ("", "patched-0.19.8", w, "llama-zero2-gas2-fp32-offload"): zero12(
-            "patched-0.19.8", True, {"all_to_all_single": 58000.0, "all_reduce": 1.0}, 28),
+        ("", "patched-0.19.8", w, "llama-zero2-gas2-fp32-offload"): zero12("patched-0.19.8", True, exchange, 28, 3 * mib),
         ("", "stock-0.19.8", w, "llama-zero2-gas2-fp32-offload"): zero12(
-            "stock-0.19.8", True, {"all_gather_into_tensor": 3e6}, 56),
-        ("", "patched-0.19.8", w, "llama-zero2-gas2-fp32"): zero12("patched-0.19.8", False, {"all_reduce": 1.0}, 29),
+            "stock-0.19.8", True, {"all_gather_into_tensor": 3e6}, 56, 20 * mib),
+        ("", "patched-0.19.8", w, "llama-zero2-gas2-fp32"): zero12("patched-0.19.8", False, exchange, 29, 3 * mib),
+        ("", "stock-0.19.8", w, "llama-zero2-gas2-fp32"): zero12("stock-0.19.8", False, {}, 29, 2 * mib),
     }
     names = [name, name + "-adamw", "llama-zero2-gas2-fp32-offload", "llama-zero2-gas2-fp32"]
     lines = run_bench.target_lines(results, ["stock-0.19.8", "patched-0.19.8"], "", w, names, run_bench.Links(None))
@@ -443,10 +445,14 @@ def test_memory_against_adamw_and_zero12_targets():
     assert (stock["value"], stock["verdict"]) == ("2.000", "MISSED")
     # the ZeRO-1/2 rows stay out of the ZeRO-3 targets
     assert not any("llama-zero2" in (m["reason"] or "") for n, m in by_name.items() if "ZeRO-1/2" not in n)
-    exchange = next(m for n, m in by_name.items() if n.startswith("ZeRO-1/2 offload Muon exchange"))
-    assert (exchange["value"], exchange["verdict"]) == (f"{58000 * 2 / (2 * 117000):.3f}", "met")
-    ns = next(m for n, m in by_name.items() if n.startswith("ZeRO-1/2 offload NS calls"))
-    assert (ns["value"], ns["verdict"]) == ("28", "met")
+    for row in ("llama-zero2-gas2-fp32-offload", "llama-zero2-gas2-fp32"):
+        where = f"patched-0.19.8 {row} W=2"
+        moved = by_name[f"ZeRO-1/2 Muon exchange (all-to-all) recv summed over ranks / (2 x straddling elements) {where} <= 1"]
+        assert (moved["value"], moved["verdict"]) == (f"{58000 * 2 / (2 * 117000):.3f}", "met")
+        ns = by_name[f"ZeRO-1/2 NS calls per step summed over ranks {where} = Muon matrices (28)"]
+        assert (ns["value"], ns["verdict"]) == (("28", "met") if row.endswith("offload") else ("29", "MISSED"))
+        kept = by_name[f"ZeRO-1/2 optimizer memory kept between steps patched-0.19.8/stock-0.19.8 {row} W=2 <= 1"]
+        assert (kept["value"], kept["verdict"]) == (("0.150", "met") if row.endswith("offload") else ("1.500", "MISSED"))
     info = [line for line in lines if line.startswith("  info stock-0.19.8 llama-zero2-gas2-fp32-offload")]
     assert info and "NS 56 per step for 28 matrices" in info[0]
     assert run_bench.print_memory_table(results, ["stock-0.19.8", "patched-0.19.8"], "", w, names)

@@ -7,7 +7,7 @@
     torchrun --nproc_per_node 2 tests/examples/ns_fp32_launch.py SCRIPT [ARGS...]
     accelerate launch ... tests/examples/ns_fp32_launch.py SCRIPT [ARGS...]
 
-Each rank enters ``fp32_newton_schulz()`` (``tests/unit/runtime/zero/zero3_muon_helpers.py``: the
+Each rank enters ``fp32_newton_schulz()`` (``muon_testing.reference``: the
 CPU accelerator reports no fp16, so upstream's ``ns_compute_dtype`` picks fp32 for the "gram"
 kernel), prints one line naming the dtype Newton-Schulz computes in and the one upstream would
 pick on this CPU, then runs SCRIPT as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]`` (``runpy``).
@@ -17,12 +17,10 @@ kernel in fp16. Other accelerators are left alone.
 """
 
 import os
-import pathlib
 import runpy
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/
-from unit.runtime.zero.zero3_muon_helpers import fp32_newton_schulz  # noqa: E402
+from muon_testing.reference import fp32_newton_schulz
 
 PREFIX = "[ns_fp32_launch]"
 

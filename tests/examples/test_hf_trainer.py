@@ -52,7 +52,7 @@ from pathlib import Path
 
 import pytest
 
-from unit.runtime.zero.zero3_muon_helpers import FLOOR, free_port
+from muon_testing.compare import FLOOR, free_port
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer"
 NS_FP32_LAUNCH = Path(__file__).resolve().parent / "ns_fp32_launch.py"

@@ -41,7 +41,7 @@ import time
 import pytest
 
 from test_hf_trainer import GLOBAL_BATCH, SEQ_LEN, STEPS, compare_module, launch
-from unit.runtime.zero.zero3_muon_helpers import FLOOR
+from muon_testing.compare import FLOOR
 
 SAVE_STEP = 3
 MICRO = 2  # per-device batch, the same at every world size: gradient accumulation absorbs the change

@@ -35,7 +35,8 @@ wait in a collective for the failed one), then ends those processes. The pytest 
 a ``DistributedTest`` here is ``pytest_pyfunc_call`` in ``tests/conftest.py``.
 
 Inside DeepSpeed's tree (copy the ``test_zero3_muon_*.py`` files and ``zero3_muon_helpers.py``
-into its ``tests/unit/runtime/zero/``), on the CPU:
+into its ``tests/unit/runtime/zero/`` and ``testing/muon_testing/`` to its ``tests/muon_testing/``, as
+``dev.py intree`` does), on the CPU:
 ``cd tests && LOCAL_SIZE=4 DS_ACCELERATOR=cpu TORCHDYNAMO_DISABLE=1 python -m pytest
 unit/runtime/zero/test_zero3_muon_gas.py`` (LOCAL_SIZE: the CPU accelerator's device count,
 which DeepSpeed's DistributedTest compares with the world size).

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import tarfile
+import types
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,8 @@ def test_prepare_tree_overlays_patches_and_labels(tmp_path):
     assert info["PATCH_VERSION"] == "0.1.0"
     assert info["SDIST_SHA256"] == sha
     assert info["PATCHES"] == ("0001-stage3.patch",)
+    stage3_sha = hashlib.sha256((tree / "deepspeed/runtime/zero/stage3.py").read_bytes()).hexdigest()
+    assert info["PATCHED_FILES"] == {"runtime/zero/stage3.py": stage3_sha}
     # nothing generated in the repository
     assert not (repo / "deepspeed/runtime/zero/muon/_build_info.py").exists()
     assert not (repo / "build.txt").exists()
@@ -150,6 +153,78 @@ def test_patches_are_applied_in_sorted_order(tmp_path):
     info = {}
     exec((tree / "deepspeed/runtime/zero/muon/_build_info.py").read_text(), info)
     assert info["PATCHES"] == tuple(names)
+    # the file as it stands after the whole series, not after the first patch that changes it
+    final = hashlib.sha256((tree / "deepspeed/runtime/zero/stage3.py").read_bytes()).hexdigest()
+    assert info["PATCHED_FILES"] == {"runtime/zero/stage3.py": final}
+
+
+def _load_report():
+    path = REPO_ROOT / "deepspeed" / "runtime" / "zero" / "muon" / "__main__.py"
+    spec = importlib.util.spec_from_file_location("zero3muon_report_for_backend", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def header(old, new):
+    return f"diff --git a/{old} b/{new}\n"
+
+
+def new_file_patch(rel, text):
+    return (header(rel, rel) + "new file mode 100644\n--- /dev/null\n" + f"+++ b/{rel}\n@@ -0,0 +1 @@\n+{text}\n")
+
+
+def test_patched_files_cover_new_files_and_leave_out_files_outside_the_package(tmp_path):
+    sdist, sha = make_sdist(tmp_path)
+    patches = {
+        "0001-stage3.patch": stage3_patch("# upstream stage3", "# patched stage3"),
+        "0002-new.patch": new_file_patch("deepspeed/runtime/zero/extra.py", "EXTRA = 1"),
+        "0003-outside.patch": new_file_patch("tests/unit/test_extra.py", "def test_extra(): pass"),
+    }
+    tree = prepare(tmp_path, make_repo(tmp_path, patches=patches), sdist, sha)
+    assert (tree / "tests/unit/test_extra.py").is_file()
+    info = {}
+    exec((tree / "deepspeed/runtime/zero/muon/_build_info.py").read_text(), info)
+    assert info["PATCHED_FILES"] == {
+        rel: hashlib.sha256((tree / "deepspeed" / rel).read_bytes()).hexdigest()
+        for rel in ("runtime/zero/extra.py", "runtime/zero/stage3.py")
+    }
+    assert list(info["PATCHED_FILES"]) == sorted(info["PATCHED_FILES"])
+
+
+def test_patched_files_refuse_an_unreadable_header(tmp_path):
+    patch = tmp_path / "0001-spaces.patch"
+    patch.write_text(header("deepspeed/my file.py", "deepspeed/my file.py") + "--- a/x\n+++ b/x\n")
+    with pytest.raises(zb.BuildError, match="0001-spaces.patch") as exc:
+        zb.patched_package_files([patch])
+    assert "cannot read the file names" in str(exc.value)
+
+
+def test_patch_that_deletes_a_file_is_refused(tmp_path):
+    sdist, sha = make_sdist(tmp_path)
+    rel = "deepspeed/runtime/zero/stage3.py"
+    deletion = (header(rel, rel) + "deleted file mode 100644\n" + f"--- a/{rel}\n+++ /dev/null\n" +
+                "@@ -1,5 +0,0 @@\n" + "".join(f"-{line}\n" for line in STAGE3.splitlines()))
+    with pytest.raises(zb.BuildError, match="deleted file is not supported") as exc:
+        prepare(tmp_path, make_repo(tmp_path, patches={"0001-delete.patch": deletion}), sdist, sha)
+    assert rel in str(exc.value)
+
+
+def test_report_checks_the_prepared_package_against_its_build_info(tmp_path):
+    """The hashes the build records are those of the files it packages: the report passes on the prepared
+    ``deepspeed/`` and names a patched file edited afterwards (what an installed copy would show)."""
+    report = _load_report()
+    sdist, sha = make_sdist(tmp_path)
+    tree = prepare(tmp_path, make_repo(tmp_path), sdist, sha)
+    info = types.SimpleNamespace()
+    exec((tree / "deepspeed/runtime/zero/muon/_build_info.py").read_text(), vars(info))
+    status, line = report.report_for("9.9.9+zero3muon", tree / "deepspeed", info)
+    assert status == 0 and line.endswith("(patches 0001-stage3)"), line
+    stage3 = tree / "deepspeed/runtime/zero/stage3.py"
+    stage3.write_text(STAGE3)  # the stock file back in place
+    status, line = report.report_for("9.9.9+zero3muon", tree / "deepspeed", info)
+    assert status == 1 and line.endswith(f"NOT the patched one: file(s) not as the build patched them: {stage3} "
+                                         "(sha256 differs)"), line
 
 
 def test_refuses_to_overwrite_upstream_file(tmp_path):

@@ -79,6 +79,8 @@ def fake_sources(monkeypatch, tmp_path):
         ]
 
     monkeypatch.setattr(wh, "build_wheels", build_wheels)
+    monkeypatch.setattr(wh, "build_testing_wheel", lambda out, root, python=sys.executable: fake_wheel(
+        out, "muon_testing", "0.1.0"))
     monkeypatch.setattr(wh, "download_dependencies", download)
     monkeypatch.setattr(wh, "sdist_requirements", lambda sdist, base: ["hjson", "pydantic>=2"])
 
@@ -88,10 +90,11 @@ def test_manifest_sums_and_verify(fake_sources, tmp_path):
     manifest = wh.make(out, ["0.19.8"], "3.12")
     kinds = sorted((e["kind"], e["name"], e["version"]) for e in manifest["files"])
     assert kinds == [("dependency", "hjson", "3.1.0"), ("dependency", "pydantic-core", "2.0"),
-                     ("patched", "deepspeed", "0.19.8+zero3muon"), ("stock", "deepspeed", "0.19.8")]
+                     ("patched", "deepspeed", "0.19.8+zero3muon"), ("stock", "deepspeed", "0.19.8"),
+                     ("testing", "muon-testing", "0.1.0")]
     assert manifest["total_bytes"] == sum(p.stat().st_size for p in out.glob("*.whl"))
     sums = (out / wh.SUMS).read_text().splitlines()
-    assert len(sums) == 4 and all(len(line.split("  ")[0]) == 64 for line in sums)
+    assert len(sums) == 5 and all(len(line.split("  ")[0]) == 64 for line in sums)
     assert wh.verify(out)["python_version"] == "3.12"
     (out / "hjson-3.1.0-py3-none-any.whl").write_bytes(b"changed")
     with pytest.raises(wh.WheelhouseError, match="sha256 differs"):
@@ -174,7 +177,8 @@ def wheelhouse(tmp_path_factory):
 def test_wheelhouse_installs_offline_under_python312(wheelhouse, tmp_path):
     manifest = json.loads((wheelhouse / wh.MANIFEST).read_text())
     names = {e["name"] for e in manifest["files"]}
-    assert {"deepspeed", "hjson", "pydantic", "pydantic-core", "annotated-types", "typing-inspection"} <= names
+    assert {"deepspeed", "muon-testing", "hjson", "pydantic", "pydantic-core", "annotated-types",
+            "typing-inspection"} <= names
     assert "torch" not in names and manifest["total_bytes"] <= wh.MAX_BYTES
     print(f"wheelhouse (0.19.8 only): {len(manifest['files'])} wheels, {manifest['total_bytes'] / 2**20:.1f} MiB")
     if not Path(PY312).is_file():
@@ -201,7 +205,7 @@ def test_wheelhouse_installs_offline_under_python312(wheelhouse, tmp_path):
     found = json.loads(res.stdout.strip().splitlines()[-1])
     assert found["ds"] == "0.19.8+zero3muon"
     assert found["core"].startswith(str(target)) and found["hjson"].startswith(str(target))
-    assert (target / "deepspeed" / "runtime" / "zero" / "muon" / "zero3_update.py").is_file()
+    assert (target / "deepspeed" / "runtime" / "zero" / "muon" / "binding.py").is_file()
 
 
 def _gpu_check(wheelhouse, out, *extra):
@@ -236,6 +240,8 @@ def test_gpu_check_dry_run_on_the_cpu(wheelhouse, tmp_path):
     builds = steps["install"]["result"]["builds"]
     assert list(builds) == ["patched-0.19.8"] and builds["patched-0.19.8"]["version"] == "0.19.8+zero3muon"
     assert all(b["accelerator"] == "cpu" and b["file"].startswith(str(CACHE / "site")) for b in builds.values())
+    assert steps["install"]["result"]["testing"].startswith("muon_testing-")  # the tests' package, from its wheel
+    assert all(b["muon_testing_file"].startswith(str(CACHE / "site" / "testing")) for b in builds.values())
     seed = steps["seed"]["result"]["table"]
     assert sorted(seed) == ["patched-0.19.8/bf16", "patched-0.19.8/fp32"]
     for dtype in ("fp32", "bf16"):

@@ -250,35 +250,32 @@ def test_each_pull_requests_files(lint_bin, tmp_path, monkeypatch):
     finally:
         release.close()
     by_stem = {t.stem: t for t in found}
+    assert list(by_stem)[:6] == [
+        "1-zero3-muon", "2-zero3-configurations", "3-zero12-muon", "4-universal-checkpoints", "5-muon-config",
+        "6-muon-variants"
+    ]
     muon = "deepspeed/runtime/zero/muon"
     zero_tests = "tests/unit/runtime/zero"
-    # the split Muon change: the seam patches original_muon.py, the plan and the pipeline are new files
-    # only, the ZeRO-3 binding patches stage3.py
-    seam = by_stem["1-muon-update-seam"]
-    assert list(seam.patched) == [f"{muon}/original_muon.py"]
-    assert seam.ours == [f"{zero_tests}/test_muon_update_split.py"]
-    plan = by_stem["2-muon-owner-plan"]
-    assert plan.patched == {} and plan.ours == [
-        f"{muon}/momentum.py", f"{muon}/newton_schulz.py", f"{muon}/owner_plan.py",
-        f"{zero_tests}/newton_schulz_testing.py", f"{zero_tests}/test_muon_newton_schulz.py",
-        f"{zero_tests}/test_muon_owner_plan.py"
+    stage3, stage12, engine = (f"deepspeed/runtime/{p}.py" for p in ("zero/stage3", "zero/stage_1_and_2", "engine"))
+    # the seed fix: 0004 patches original_muon.py, 0001 stage3.py; the core modules and their tests are new files
+    seed = by_stem["1-zero3-muon"]
+    assert sorted(seed.patched) == [f"{muon}/original_muon.py", stage3]
+    assert [p for p in seed.ours if p.startswith("deepspeed/")] == [
+        f"{muon}/{m}.py"
+        for m in ("binding", "momentum", "newton_schulz", "owner_exchange", "owner_plan", "owner_state", "pipeline")
     ]
-    pipeline = by_stem["3-muon-pipeline"]
-    assert pipeline.patched == {} and pipeline.ours == [
-        f"{muon}/owner_exchange.py", f"{muon}/owner_state.py", f"{muon}/pipeline.py",
-        f"{zero_tests}/test_muon_owner_state.py", f"{zero_tests}/test_muon_pipeline.py"
-    ]
-    zero3_muon = by_stem["4-zero3-muon"]
-    assert "deepspeed/runtime/zero/stage3.py" in zero3_muon.patched
-    assert f"{muon}/zero3_update.py" in zero3_muon.ours and f"{zero_tests}/zero3_muon_helpers.py" in zero3_muon.ours
-    # the variants: polar_express.py, normuon.py and their tests; 0017 patches original_muon.py, 0018 engine.py,
-    # the Muon package's __init__.py and stage3.py
-    variants = by_stem["12-muon-variants"]
-    assert sorted(variants.patched) == [
-        "deepspeed/runtime/engine.py", f"{muon}/__init__.py", f"{muon}/original_muon.py",
-        "deepspeed/runtime/zero/stage3.py"
-    ]
-    assert {f"{muon}/polar_express.py", f"{muon}/normuon.py", f"{zero_tests}/test_muon_normuon.py",
+    assert {f"{zero_tests}/test_muon_update_split.py", f"{zero_tests}/test_zero3_muon_boundary.py"} <= set(seed.ours)
+    configurations = by_stem["2-zero3-configurations"]
+    assert list(configurations.patched) == [stage3]
+    assert all(p.startswith((zero_tests, "testing/muon_testing/")) for p in configurations.ours)
+    assert {f"{zero_tests}/zero3_muon_helpers.py", "testing/muon_testing/reference.py"} <= set(configurations.ours)
+    assert list(by_stem["3-zero12-muon"].patched) == [stage12]
+    assert sorted(by_stem["4-universal-checkpoints"].patched) == sorted(
+        ["deepspeed/checkpoint/ds_to_universal.py", "deepspeed/runtime/bf16_optimizer.py", engine, stage3, stage12])
+    assert sorted(by_stem["5-muon-config"].patched) == ["deepspeed/__init__.py", engine, stage3]
+    variants = by_stem["6-muon-variants"]
+    assert sorted(variants.patched) == [f"{muon}/__init__.py", f"{muon}/original_muon.py"]
+    assert {f"{muon}/polar_express.py", f"{muon}/normuon.py",
             f"{zero_tests}/test_zero3_normuon.py"} <= set(variants.ours)
     for t in found:
         assert all(p.endswith(".py") and (REPO_ROOT / p).is_file() for p in t.ours), t.stem

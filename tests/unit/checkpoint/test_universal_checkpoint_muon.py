@@ -29,7 +29,7 @@ CPU optimizer offload; two Muon groups with their own momentum, learning rate an
 Refusals (``TestZero3MuonUniversalRefusals``): a universal checkpoint whose Muon momentum is
 missing, transposed or of the wrong size, whose Muon matrix holds Adam's moments, whose Adam
 parameter holds a momentum, or whose parameter groups differ, is refused at ``load_checkpoint``
-with an error naming the parameter (``universal_state_checks`` before the loader reads anything;
+with an error naming the parameter (``muon_universal`` before the loader reads anything;
 the shape checks and the refusals of any optimizer: ``test_zero3_universal.py``).
 
 Measured (patched 0.19.8, torch 2.13 CPU): relative difference resumed vs never stopped, fp32:
@@ -44,7 +44,8 @@ import torch
 
 from unit.common import DistributedTest
 from unit.checkpoint.zero3_universal_helpers import unequal_states
-from unit.runtime.zero.zero3_muon_helpers import FLOOR, Zero3MuonRun, relative_difference
+from muon_testing.compare import FLOOR, relative_difference
+from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
 SAVED_AT = 3
 """Optimizer steps before the checkpoint."""

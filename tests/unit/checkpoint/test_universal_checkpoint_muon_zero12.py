@@ -2,81 +2,72 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""A universal checkpoint of a ZeRO-3 Muon run loaded at ZeRO stage 1 or 2.
+"""Universal checkpoints of Muon runs and ZeRO stages 1 and 2, in both directions.
 
-Each test runs twice, with the same ``tmp_path`` (``zero3_universal_helpers``): at W=2 it trains
-MixedMLP at ZeRO-3 (two Muon groups with their own momentum, lr and weight decay, and their two
-Adam groups), saves after ``SAVE_AFTER`` steps, converts the checkpoint with ``ds_to_universal``,
-records the saved state (fp32 masters, momentum, Adam moments and step, group settings) and
-trains on without stopping for ``MORE`` steps. At W' (1 or 2) a stage-1/2 engine loads the
-universal checkpoint and must hold exactly the saved state, Muon's momentum in the layout stage
-1/2 keeps it (``zero12_universal_momentum``), then train the same ``MORE`` steps to the
-uninterrupted ZeRO-3 weights within ``CONTINUE_FLOOR``. What does not depend on Muon (the
-model-states files and ``optimizer_state.pt`` of a ZeRO-3 source) is tested with AdamW in
-``test_zero3_universal_zero12.py``.
+ZeRO-3 to ZeRO-1/2 (``TestZero3MuonUniversalAtZero12``): each test runs twice, with the same
+``tmp_path`` (``zero3_universal_helpers``): at W=2 it trains MixedMLP at ZeRO-3 (two Muon groups
+with their own momentum, lr and weight decay, and their two Adam groups), saves after
+``SAVE_AFTER`` steps, converts the checkpoint with ``ds_to_universal``, records the saved state and
+trains on for ``MORE`` steps. At W' (1 or 2) a stage-1/2 engine loads the universal checkpoint and
+must hold exactly the saved state, Muon's momentum in the partition's layout as Adam's moments,
+then train the same ``MORE`` steps to the uninterrupted ZeRO-3 weights within ``CONTINUE_FLOOR``.
 
-The other direction, a checkpoint saved at ZeRO-1/2 converted with ``ds_to_universal``, is refused
-for Muon runs, naming the checkpoint and the state (``TestZero12MuonCheckpointConversion``): Muon's
-ZeRO-1/2 state is not in the fp32 partition's layout the converter cuts.
+ZeRO-1/2 to anywhere (``TestZero12MuonCheckpointConverts``): a checkpoint saved at stage 1, stage
+2 and stage 2 with CPU offload (W=2) converts (its momentum is in the partition's layout, cut at
+the fragment offsets like ``exp_avg``) and resumes at the same stage at W'=1 and W'=4 and at
+ZeRO-3 (W'=2), each to the run that never stopped within ``CONTINUE_FLOOR``. A checkpoint of the
+older layout (stock DeepSpeed, older builds: whole parameters) is refused by the converter,
+naming it. What does not depend on Muon is tested with AdamW and SGD in ``test_zero3_universal_zero12.py``
+and ``test_zero12_universal.py``.
 """
 
 import os
 import shutil
 
-import inspect
-
 import pytest
 import torch
-from deepspeed.runtime.zero import stage_1_and_2
-from deepspeed.git_version_info import version as deepspeed_version
-from packaging import version
 
 from unit.common import DistributedTest
-from unit.checkpoint.zero3_universal_helpers import (GROUP_SETTINGS, SAVE_AFTER, TAG, check_restored_exactly,
+from unit.checkpoint.zero3_universal_helpers import (GROUP_SETTINGS, MORE, SAVE_AFTER, TAG, check_restored_exactly,
                                                      continue_training, load_at, save_convert_and_continue,
                                                      train_steps, universal_round_trip)
-from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun, check_zero12_conversion_refused
-
-UPSTREAM_0197 = version.parse(deepspeed_version).base_version == "0.19.7"
-"""DeepSpeed 0.19.7's ZeRO-1/2 Muon advances, per step, only the momentum of the last Muon matrix
-of each rank's partition (``_muon_staging_momentum`` copies the committed momentum over the
-staging buffer once per matrix), so from the second step after loading it departs from ZeRO-3
-(measured 1e-2), as it does without any checkpoint; there, without patch 0012
-(``ZERO12_MUON_IN_STEP``), only the first step is held to ``CONTINUE_FLOOR``. It refuses Muon with
-its BF16_Optimizer, and refuses to load Muon momentum into ZeRO-1/2 with CPU offload (which kept
-none before patch 0012)."""
+from muon_testing.compare import gathered_weights
+from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun, convert_to_universal, ds_to_universal_args
+from unit.runtime.zero.zero12_muon_helpers import to_older_zero12_layout
 
 RUN = Zero3MuonRun(model="mixed", gas=2, groups="two_muon_groups", clip=0.0)
-ZERO12_MUON_IN_STEP = "Zero12MuonUpdate" in inspect.getsource(stage_1_and_2)
-"""Patch 0012 (``zero12_update``) is installed: ZeRO-1/2 run Muon in ``step()`` and advance every
-matrix's momentum, on 0.19.7 too."""
 
 SETTINGS = GROUP_SETTINGS + ("use_muon", "momentum", "ns_method")
 """Parameter-group settings compared after loading: Adam's and Muon's."""
 
 CONTINUE_FLOOR = 1e-6
 """Relative weight difference (``relative_difference``, all parameters) allowed after each of the
-``MORE`` steps between the ZeRO-1/2 run resumed from the universal checkpoint and the ZeRO-3 run
-that never stopped. Both start from bit-identical state and compute the same math; they differ
-only in the order of fp32 sums (gradients reduced over another number of ranks and buckets,
-Newton-Schulz on every rank holding part of a matrix instead of once on its owner). Measured on
-0.19.8: 1.2e-7 after the first step and 1.74e-7 after the second (stage 1 or 2 at W'=1, stage 1
-at W'=2), 0.0 and 9.0e-11 at stage 2, W'=2; the bound is about 6x the largest. A momentum
-restarted at zero or read at wrong offsets moves the weights by orders of magnitude more (0.19.7's
-stale momentum of all but one matrix per partition: 1e-2 after the second step)."""
+``MORE`` steps between a run resumed from the universal checkpoint and the run that never stopped.
+Both start from bit-identical state and compute the same math; they differ only in the order of
+fp32 sums (gradients reduced over another number of ranks and buckets). Measured on 0.19.8 from
+ZeRO-3: 1.2e-7 after the first step and 1.74e-7 after the second (stage 1 or 2 at W'=1, stage 1
+at W'=2), 0.0 and 9.0e-11 at stage 2, W'=2; the bound is about 6x the largest. A momentum restarted
+at zero or read at wrong offsets moves the weights by orders of magnitude more (1e-2)."""
 
 
 def check_momentum_restored(engine, expected):
-    """Muon's momentum as the stage will use it (``momentum_by_name``): bit-identical to the saved
-    one, every Muon matrix's held by some rank."""
+    """Muon's momentum as the stage will use it, in the partition's layout: each of this rank's
+    fragments bit-identical to the saved momentum's, every Muon matrix's held by some rank."""
     import deepspeed.comm as dist
-    from deepspeed.runtime.zero.muon.zero12_universal_momentum import momentum_by_name
-    momentum = momentum_by_name(engine.optimizer)
-    for name, value in momentum.items():
-        saved = expected["state"][name]["momentum_buffer"]
-        assert torch.equal(value, saved if value.shape == saved.shape else _fragment(engine, name, saved)), name
+    opt = engine.optimizer
+    names = []
+    for i, group in enumerate(opt.optimizer.param_groups):
+        momentum = opt.optimizer.state.get(group["params"][0], {}).get("momentum_buffer")
+        for lp in (opt.bf16_groups if hasattr(opt, "bf16_groups") else opt.bit16_groups)[i]:
+            if momentum is None or getattr(lp, "_hp_mapping", None) is None:
+                continue
+            name = opt.param_names[lp]
+            address = lp._hp_mapping.get_hp_fragment_address()
+            got = momentum.narrow(0, address.start, address.numel).float().cpu()
+            assert torch.equal(got, _fragment(engine, name, expected["state"][name]["momentum_buffer"])), name
+            names.append(name)
     held = [None] * dist.get_world_size()
-    dist.all_gather_object(held, sorted(momentum))
+    dist.all_gather_object(held, sorted(names))
     muon_names = {n for n, s in expected["state"].items() if "momentum_buffer" in s}
     assert set().union(*map(set, held)) == muon_names
 
@@ -116,8 +107,7 @@ class TestZero3MuonUniversalAtZero12(DistributedTest):
         engine, expected = phase
         differences = continue_training(engine, RUN, expected)
         print(f"stage {stage} W'={load_world_size}: relative weight differences per step {differences}")
-        held = differences[:1] if UPSTREAM_0197 and not ZERO12_MUON_IN_STEP else differences
-        assert max(held) < CONTINUE_FLOOR, differences
+        assert max(differences) < CONTINUE_FLOOR, differences
 
     @pytest.mark.world_size([2, 2])
     def test_bf16_optimizer(self, tmp_path):
@@ -125,11 +115,14 @@ class TestZero3MuonUniversalAtZero12(DistributedTest):
         0.19.8 it keeps Muon's momentum in the partition layout, which upstream's loader restores;
         0.19.7 refuses Muon with BF16_Optimizer at deepspeed.initialize (it would apply no Muon
         update), naming the stage and the key."""
+        from deepspeed.git_version_info import version as deepspeed_version
+        from packaging import version
+        upstream_0197 = version.parse(deepspeed_version).base_version == "0.19.7"
         run = RUN.with_(stage=1, dtype="bf16", extra=(("data_types", {"grad_accum_dtype": "fp32"}), ))
         if not (tmp_path / "expected.pt").exists():
             save_convert_and_continue(RUN, tmp_path, SETTINGS)
             return
-        if UPSTREAM_0197:
+        if upstream_0197:
             with pytest.raises(Exception, match="BF16_Optimizer.*grad_accum_dtype fp32 at ZeRO stage 1"):
                 load_at(run, tmp_path)
             return
@@ -140,16 +133,11 @@ class TestZero3MuonUniversalAtZero12(DistributedTest):
 
     @pytest.mark.world_size([2, 2])
     def test_cpu_offload(self, tmp_path):
-        """ZeRO-2 with offload_optimizer cpu (reduce_scatter off, which stock 0.19.7 needs for Muon with
-        offload). On 0.19.8 it keeps the momentum in the partition layout: restored exactly, and
-        the next steps continue the ZeRO-3 run; on 0.19.7 it keeps none, and loading is refused."""
-        run = RUN.with_(stage=2, offload="cpu", zero=(("reduce_scatter", False), ))
+        """ZeRO-2 with offload_optimizer cpu keeps the momentum in the partition layout too: restored
+        exactly, and the next steps continue the ZeRO-3 run."""
+        run = RUN.with_(stage=2, offload="cpu")
         if not (tmp_path / "expected.pt").exists():
             save_convert_and_continue(RUN, tmp_path, SETTINGS)
-            return
-        if UPSTREAM_0197:
-            with pytest.raises(ValueError, match="ZeRO stage 2 with zero_optimization.offload_optimizer"):
-                load_at(run, tmp_path)
             return
         engine, expected = _load_and_check(run, tmp_path)
         differences = continue_training(engine, run, expected)
@@ -174,15 +162,74 @@ class TestZero3MuonUniversalAtZero12(DistributedTest):
         engine.destroy()
 
 
+ZERO12_TAG = "zero12"
+
+
+def _save_zero12_and_continue(run, tmp_path):
+    """W=2, ``run``'s ZeRO-1/2 stage: train ``SAVE_AFTER`` steps, save, convert (on rank 0), train
+    ``MORE`` steps on; writes ``tmp_path/expected.pt`` with the weights after each of them."""
+    import deepspeed.comm as dist
+    engine = run.build_engine(run.config(2))
+    train_steps(engine, run, range(SAVE_AFTER))
+    engine.save_checkpoint(str(tmp_path / "ckpt"), tag=ZERO12_TAG)
+    convert_to_universal(str(tmp_path / "ckpt"), ZERO12_TAG, inject_missing_state=True)
+    continued = []
+    for step in range(SAVE_AFTER, SAVE_AFTER + MORE):
+        train_steps(engine, run, [step])
+        continued.append(gathered_weights(engine))
+    engine.destroy()
+    if dist.get_rank() == 0:
+        torch.save(dict(continued=continued), tmp_path / "expected.pt")
+    dist.barrier()
+
+
 @pytest.mark.parametrize("stage, offload", [(1, None), (2, None), (2, "cpu")])
-class TestZero12MuonCheckpointConversion(DistributedTest):
+class TestZero12MuonCheckpointConverts(DistributedTest):
+    reuse_dist_env = True
+
+    @pytest.mark.parametrize("world_size, load_stage", [([2, 1], None), ([2, 4], None), ([2, 2], 3)],
+                             ids=["2to1", "2to4", "2toZeRO3"])
+    def test_resumes_as_the_run_that_never_stopped(self, stage, offload, world_size, load_stage, tmp_path):
+        import deepspeed.comm as dist
+        run = RUN.with_(stage=stage, offload=offload)
+        if not (tmp_path / "expected.pt").exists():
+            _save_zero12_and_continue(run, tmp_path)
+            return
+        target = run.with_(stage=load_stage, offload=None) if load_stage else run
+        engine, expected = load_at(target, tmp_path, tag=f"{ZERO12_TAG}_universal")
+        differences = continue_training(engine, target, expected)
+        if dist.get_rank() == 0:
+            print(f"MEASURED ZeRO-{stage} offload={offload} W=2 -> {'ZeRO-3' if load_stage else f'ZeRO-{stage}'} "
+                  f"W'={world_size[1]}: relative weight differences per step {differences}")
+        assert max(differences) < CONTINUE_FLOOR, differences
+
+
+class TestZero12OlderLayoutRefused(DistributedTest):
     world_size = 2
     reuse_dist_env = True
 
-    def test_refused_naming_the_state(self, stage, offload, tmp_path):
-        """A ZeRO-1/2 Muon checkpoint (momentum in whole parameters of the partition, or with
-        offload in the partition) is refused by ``ds_to_universal`` with a ``ValueError`` naming the
-        checkpoint, the rank and the Muon state, before it writes any parameter, instead of
-        upstream's ``KeyError: 'exp_avg'``."""
-        run = RUN.with_(stage=stage, offload=offload, zero=(("reduce_scatter", False), ) if offload else ())
-        check_zero12_conversion_refused(run, tmp_path, "momentum_buffer")
+    def test_refused_naming_the_checkpoint(self, tmp_path):
+        """A ZeRO-1/2 Muon checkpoint of the older layout (whole parameters, no ``muon_state_layout``:
+        stock DeepSpeed, older builds) is refused by ``ds_to_universal`` before it writes anything,
+        with the way out; a checkpoint of this build converts (``TestZero12MuonCheckpointConverts``)."""
+        import deepspeed.comm as dist
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+        from muon_testing.models import build_model, is_muon_param
+        run = Zero3MuonRun(model="mixed", gas=2, stage=2)
+        engine = run.build_engine(run.config(2))
+        train_steps(engine, run, range(2))
+        engine.save_checkpoint(str(tmp_path / "ckpt"), tag=ZERO12_TAG)
+        engine.destroy()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shapes = [tuple(p.shape) for n, p in build_model("mixed").named_parameters() if is_muon_param(n, p)]
+            to_older_zero12_layout(str(tmp_path / "ckpt"), ZERO12_TAG, shapes, 2, None)
+            args = ds_to_universal_args(str(tmp_path / "ckpt"), ZERO12_TAG, inject_missing_state=True)
+            with pytest.raises(ValueError,
+                               match=rf"ds_to_universal: .*{ZERO12_TAG}/\S*optim_states\.pt is of a ZeRO stage 1/2 "
+                               "checkpoint of a Muon run saved by stock DeepSpeed or an older build of the Muon "
+                               r"patch \(parameter group 0 holds momentum_buffer without the 'muon_state_layout' "
+                               "mark; without offload those builds kept the momentum as whole parameters"):
+                ds_to_universal(args)
+            assert not os.path.exists(os.path.join(args.output_folder, "zero")), "a parameter was written"
+        dist.barrier()

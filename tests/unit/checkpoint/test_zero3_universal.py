@@ -37,7 +37,8 @@ import torch
 
 from unit.common import DistributedTest
 from unit.checkpoint.zero3_universal_helpers import unequal_states
-from unit.runtime.zero.zero3_muon_helpers import FLOOR, Zero3MuonRun, relative_difference
+from muon_testing.compare import FLOOR, relative_difference
+from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
 SAVED_AT = 3
 """Optimizer steps before the checkpoint."""
@@ -153,7 +154,7 @@ def _optimizer_file(fp32, state):
 
 
 def test_sub_group_states_keep_every_state_upcast_and_the_step():
-    from deepspeed.checkpoint.zero3_universal import zero3_sub_group_states
+    from deepspeed.checkpoint.universal_states import zero3_sub_group_states
     fp32 = torch.arange(6, dtype=torch.float32)
     momentum = torch.linspace(-1, 1, 6).bfloat16()
     sgd = zero3_sub_group_states(_optimizer_file(fp32, {"momentum_buffer": momentum}), 0)
@@ -174,7 +175,7 @@ def test_sub_group_states_keep_every_state_upcast_and_the_step():
 
 
 def test_merge_writes_the_logical_shape_without_padding(tmp_path):
-    from deepspeed.checkpoint.zero3_universal import merge_zero3_param_states
+    from deepspeed.checkpoint.universal_states import merge_zero3_param_states
     weight = torch.arange(15, dtype=torch.float32).reshape(3, 5)  # 15 elements on 2 ranks: 8 + 7 (1 padding)
     fragments = tmp_path / "tmp" / "w" / "0"
     fragments.mkdir(parents=True)
@@ -204,7 +205,7 @@ class _OneRankZero3:
         self.optimizer = SimpleNamespace(state={}, param_groups=param_groups)
 
     def load_hp_checkpoint_state(self, folder, key, param=None):
-        from deepspeed.checkpoint.zero3_universal import check_loaded_state
+        from deepspeed.checkpoint.universal_states import check_loaded_state
         stored = torch.load(os.path.join(folder, f"{key}.pt"), weights_only=False)
         loaded = stored["param"].flatten()
         check_loaded_state(param, folder, key, loaded, stored)
@@ -227,7 +228,7 @@ def test_restore_per_sub_group(tmp_path):
     """Two sub-groups with different states (Adam's moments and a momentum without step), a
     checkpoint without per-parameter ``step.pt``: each sub-group gets its own states in place,
     the step of the saved sub-group with the same states, and each group its own settings."""
-    from deepspeed.checkpoint.zero3_universal import restore_zero3_optimizer_state
+    from deepspeed.checkpoint.universal_states import restore_zero3_optimizer_state
     zero = tmp_path / "zero"
     a, b, m = _param(2, 3), _param(4), _param(5)
     _write(zero, "a", fp32=torch.ones(2, 3), exp_avg=torch.full((2, 3), 2.0), exp_avg_sq=torch.full((2, 3), 3.0))

@@ -17,8 +17,10 @@ was recorded.
 import numpy as np
 import torch
 
-from unit.runtime.zero.zero3_muon_helpers import (convert_to_universal, fp32_newton_schulz, gathered_weights, loss_fn,
-                                                  relative_difference, step_batch)
+from muon_testing.compare import gathered_weights, relative_difference
+from muon_testing.models import loss_fn, step_batch
+from muon_testing.reference import fp32_newton_schulz
+from unit.runtime.zero.zero3_muon_helpers import convert_to_universal
 
 SAVE_AFTER = 3
 """Optimizer steps before the checkpoint."""

@@ -10,52 +10,21 @@ On the patched build, for example::
     accumulation boundary (patches 0001-zero3-muon-boundary-update, 0002-zero3-grad-partition-first-use-in-window,
     0003-zero3-unscale-by-backward-loss-scale, 0004-muon-update-split)
 
-(one line), exit status 0. The versions come from ``_build_info.py``, which the build backend
-(``build_backend/zero3muon_build.py``) writes into this package, and the check that the installed
-files really carry every patch of the base reads them (``stage3.py``; on 0.19.7 also
-``partition_parameters.py``). Anything else (a stock DeepSpeed, a build whose files lack a patch,
-a version that does not match the build info) is reported on the same one line, with exit status 1. (Importing DeepSpeed may log a line of its own
-before it, e.g. the accelerator auto-detection warning when ``DS_ACCELERATOR`` is not set.)
+(one line), exit status 0. The facts come from ``_build_info.py``, which the build backend
+(``build_backend/zero3muon_build.py``) writes into this package: the versions, the patch names, and
+``PATCHED_FILES``, the sha256 of every file of the package the patches change as it was built. The
+report hashes the installed files and compares, so it needs nothing but the installed package (no
+repository, no patch files). Anything else (a stock DeepSpeed, a missing or changed patched file, a
+version that does not match the build info) is reported on the same one line, with exit status 1.
+(Importing DeepSpeed may log a line of its own before it, e.g. the accelerator auto-detection
+warning when ``DS_ACCELERATOR`` is not set.)
 """
 
+import hashlib
 import sys
 from pathlib import Path
 
 LOCAL_LABEL = "+zero3muon"
-
-# Something each patch adds, to check that the installed files are the patched ones:
-# (patch number, file under the deepspeed package, text the patch adds, bases it exists for or None for all).
-PATCH_MARKERS = (
-    ("0001", "runtime/zero/stage3.py", "Zero3MuonUpdate", None),  # the boundary update's call in step()
-    ("0002", "runtime/zero/stage3.py", "_complete_window_gradients", None),  # first use in a window, window sums
-    ("0003", "runtime/zero/stage3.py", "backward_loss_scale", None),  # unscale by the step's backward loss scale
-    ("0004", "runtime/zero/muon/original_muon.py", "def muon_momentum_step_", None),  # muon_update split
-    # 0.19.8's fix, backported: the coalesced parameter all-gather waits on every handle
-    ("0005", "runtime/zero/partition_parameters.py", "for handle in launch_handles:", ("0.19.7", )),
-    # universal checkpoints: every ZeRO-3 optimizer state converted, loaded per sub-group
-    ("0006", "checkpoint/ds_to_universal.py", "zero3_sub_group_states", None),
-    ("0007", "runtime/zero/stage3.py", "restore_zero3_optimizer_state", None),
-    # a regular checkpoint at another world size: the error names the universal checkpoint
-    ("0008", "runtime/engine.py", "import raise_if_saved_at_another_world_size", None),
-    # a ZeRO-3 universal checkpoint loads at ZeRO-1/2 (its model-states files, no ds_version)
-    ("0009", "runtime/zero/stage_1_and_2.py", "zero3_universal import checkpoint_version", None),
-    # Muon's parameter selection: embeddings and tied heads on Adam, user flags kept
-    ("0010", "__init__.py", "import select_muon_parameters", None),
-    # a client Muon optimizer: tagged from its groups or refused on flat partitions; the selection report
-    ("0011", "runtime/engine.py", "import resolve_optimizer_selection", None),
-    # ZeRO-1/2 Muon runs in step(), after the norm and the clip of the raw gradient
-    ("0012", "runtime/zero/stage_1_and_2.py", "Zero12MuonUpdate", None),
-    # universal checkpoints of Muon runs: the Muon state checked (ZeRO-3), the momentum restored (ZeRO-1/2)
-    ("0013", "runtime/zero/stage3.py", "check_zero3_universal_state", None),
-    # Muon's two learning rates under DeepSpeed's schedulers, named in the progress log; keys checked
-    ("0014", "runtime/engine.py", "import scheduler_params_for_groups", None),
-    ("0015", "runtime/engine.py", "import momenta_by_group, rates_by_group", None),
-    ("0016", "runtime/engine.py", "import check_muon_keys", None),
-    # Polar Express as an ns_method of upstream's Muon (muon_orthogonalize's dispatch, NS_METHODS)
-    ("0017", "runtime/zero/muon/original_muon.py", "import zeropower_via_polar_express", None),
-    # Muon variants: NorMuon's keys reach the Muon groups (checked); its owner state saved per parameter
-    ("0018", "runtime/engine.py", "import check_variant_config", None),
-)
 MODE = "owner-centric at the accumulation boundary"
 
 
@@ -63,8 +32,80 @@ def _patch_name(filename):
     return filename[:-len(".patch")] if filename.endswith(".patch") else filename
 
 
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def unpatched_files(package, patched_files):
+    """The installed files that are not as the build patched them.
+
+    Args:
+        package (Path): the installed ``deepspeed`` package directory.
+        patched_files (dict[str, str]): ``_build_info.PATCHED_FILES``: path relative to ``package`` ->
+            lowercase hex sha256 of the file as built.
+
+    Returns:
+        list[str]: ``"<file> (missing)"``, ``"<file> (sha256 differs)"`` or ``"<file> (unreadable: <error>)"``
+        for each file that does not match, ``<file>`` its full path, in the order of ``patched_files``;
+        empty when all match. Raises nothing for a file (an unreadable one is listed), so the report
+        stays one line whatever the installation looks like.
+    """
+    package = Path(package)
+    problems = []
+    for rel, expected in patched_files.items():
+        path = package / rel
+        if not path.is_file():
+            problems.append(f"{path} (missing)")
+            continue
+        try:
+            actual = _sha256(path)
+        except OSError as exc:
+            problems.append(f"{path} (unreadable: {exc.strerror or exc})")
+            continue
+        if actual != str(expected).lower():
+            problems.append(f"{path} (sha256 differs)")
+    return problems
+
+
+def report_for(version, package, info):
+    """``(exit_status, line)`` for a DeepSpeed of ``version`` installed at ``package`` with build info ``info``.
+
+    Args:
+        version (str): ``deepspeed.__version__``.
+        package (Path): the directory of the installed ``deepspeed`` package.
+        info: the ``_build_info`` module (or any object with its attributes ``BASE_VERSION``,
+            ``PATCH_VERSION``, ``PATCHES`` and ``PATCHED_FILES``).
+
+    Returns:
+        tuple[int, str]: 0 and the line naming versions, mode and patches when the version is the build's
+        and every patched file has the recorded sha256; else 1 and a line saying ``NOT the patched one``
+        and why (including a build info without ``PATCHED_FILES``, written by an older build backend).
+    """
+    head = f"deepspeed {version}: upstream {info.BASE_VERSION}, zero3muon {info.PATCH_VERSION}"
+    problems = []
+    if version != f"{info.BASE_VERSION}{LOCAL_LABEL}":
+        problems.append(f"the version is not {info.BASE_VERSION}{LOCAL_LABEL} "
+                        "(another DeepSpeed installed over the build?)")
+    patched_files = getattr(info, "PATCHED_FILES", None)
+    if patched_files is None:
+        problems.append("its _build_info.py has no PATCHED_FILES to check the installed files against "
+                        "(written by an older zero3muon build backend; reinstall the build)")
+    else:
+        changed = unpatched_files(package, patched_files)
+        if changed:
+            problems.append(f"file(s) not as the build patched them: {', '.join(changed)}")
+    if problems:
+        return 1, f"{head}, ZeRO-3 Muon update: NOT the patched one: {'; '.join(problems)}"
+    patches = ", ".join(_patch_name(p) for p in info.PATCHES)
+    return 0, f"{head}, ZeRO-3 Muon update: {MODE} (patches {patches})"
+
+
 def report():
-    """``(exit_status, line)`` describing the installed DeepSpeed."""
+    """``(exit_status, line)`` describing the installed DeepSpeed (see ``report_for``)."""
     import deepspeed
     version = deepspeed.__version__
     try:
@@ -73,28 +114,7 @@ def report():
         return 1, (f"deepspeed {version}: not the zero3muon build (no deepspeed/runtime/zero/muon/_build_info.py); "
                    "ZeRO-3 Muon runs upstream's update. Install it with `pip install .` from the zero3muon "
                    "repository.")
-
-    head = f"deepspeed {version}: upstream {info.BASE_VERSION}, zero3muon {info.PATCH_VERSION}"
-    problems = []
-    if version != f"{info.BASE_VERSION}{LOCAL_LABEL}":
-        problems.append(f"the version is not {info.BASE_VERSION}{LOCAL_LABEL} "
-                        "(another DeepSpeed installed over the build?)")
-    package = Path(deepspeed.__file__).parent
-    missing, sources = [], {}
-    for num, rel, marker, bases in PATCH_MARKERS:
-        if bases is not None and info.BASE_VERSION not in bases:
-            continue
-        if rel not in sources:
-            path = package / rel
-            sources[rel] = path.read_text(encoding="utf-8") if path.is_file() else ""
-        if marker not in sources[rel]:
-            missing.append(f"{num} ({package / rel})")
-    if missing:
-        problems.append(f"lacks patch(es) {', '.join(missing)}")
-    if problems:
-        return 1, f"{head}, ZeRO-3 Muon update: NOT the patched one: {'; '.join(problems)}"
-    patches = ", ".join(_patch_name(p) for p in info.PATCHES)
-    return 0, f"{head}, ZeRO-3 Muon update: {MODE} (patches {patches})"
+    return report_for(version, Path(deepspeed.__file__).parent, info)
 
 
 def main():

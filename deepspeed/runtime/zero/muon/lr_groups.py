@@ -41,6 +41,8 @@ means an absolute rate everywhere else would be a new surprise. Schedulers from
 
 from typing import Any, List, Mapping, Optional, Sequence
 
+from deepspeed.runtime.zero.muon.momentum import is_muon_group
+
 CONFIGURED = "each group's configured rate"
 """An unset key of this kind becomes the list of the groups' configured rates."""
 
@@ -79,7 +81,7 @@ def _torch_optimizer(optimizer):
     return None
 
 
-def is_muon_optimizer(optimizer) -> bool:
+def has_muon_groups(optimizer) -> bool:
     """Whether ``optimizer`` (or the optimizer a DeepSpeed wrapper holds) has Muon parameter groups,
     i.e. groups carrying ``use_muon``."""
     inner = _torch_optimizer(optimizer)
@@ -100,7 +102,7 @@ def _rate(value) -> float:
 
 
 def _describe(param_groups, names) -> str:
-    return ", ".join(f"{name} ({'Muon' if group.get('use_muon') else 'Adam'}) {_rate(group['lr']):g}"
+    return ", ".join(f"{name} ({'Muon' if is_muon_group(group) else 'Adam'}) {_rate(group['lr']):g}"
                      for name, group in zip(names, param_groups))
 
 
@@ -124,7 +126,7 @@ def scheduler_params_for_groups(scheduler_name: Optional[str], params: Optional[
             ``scheduler.params.<key>``, each group with its rate, and the list to write.
     """
     keys = RATE_KEYS.get(scheduler_name or "")
-    if not keys or not is_muon_optimizer(optimizer):
+    if not keys or not has_muon_groups(optimizer):
         return params
     resolved = dict(params or {})
     groups = _torch_optimizer(optimizer).param_groups
@@ -160,7 +162,7 @@ def rates_by_group(optimizer, lrs):
     """The learning rates ``lrs`` (``engine.get_lr()``: one per parameter group of ``optimizer``)
     labelled by group, for the progress log: a dict ``{group label: lr}`` (labels of
     ``group_names``) when ``optimizer`` has Muon groups, else ``lrs`` unchanged."""
-    if not is_muon_optimizer(optimizer):
+    if not has_muon_groups(optimizer):
         return lrs
     groups = _torch_optimizer(optimizer).param_groups
     if len(groups) != len(lrs):
@@ -173,10 +175,10 @@ def momenta_by_group(optimizer, moms):
     Muon group's ``momentum`` (its beta) and an Adam group's ``betas``. ``engine.get_mom()`` reads
     ``betas`` only, which a Muon group does not have (it would log 0.0). ``moms`` unchanged when
     ``optimizer`` has no Muon groups or the counts differ."""
-    if not is_muon_optimizer(optimizer):
+    if not has_muon_groups(optimizer):
         return moms
     groups = _torch_optimizer(optimizer).param_groups
     if len(groups) != len(moms):
         return moms
-    values = [g.get("momentum") if g.get("use_muon") else g.get("betas", m) for g, m in zip(groups, moms)]
+    values = [g.get("momentum") if is_muon_group(g) else g.get("betas", m) for g, m in zip(groups, moms)]
     return dict(zip(group_names(groups), values))

@@ -2,19 +2,13 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Muon's momentum: its optimizer-state key, a parameter group's settings, and the elementwise step.
+"""Muon's momentum: its optimizer-state key, a group's settings, and the elementwise step.
 
-Upstream ``deepspeed.runtime.zero.muon.original_muon.muon_update`` (Keller Jordan et al., 2024,
-"Muon: An optimizer for hidden layers in neural networks",
-https://kellerjordan.github.io/posts/muon/) is an elementwise momentum step followed by
-Newton-Schulz on the whole matrix. The elementwise step gives the same result on any slice of a
-matrix as on the whole, so every ZeRO stage runs it where the gradient is (a ZeRO-3 partition,
-a ZeRO-1/2 partition under optimizer offload, or the whole matrix), and the momentum never
-travels. ``newton_schulz`` holds the other half.
-
-The step assumes a finite gradient: a step whose gradients are not finite never reaches it
-(ZeRO-3 skips such a step before the sub-group loop, as it skips an overflow; ZeRO-1/2 agree one
-flag per group, ``zero12_update``), so no per-matrix flag travels.
+Upstream ``original_muon.muon_update`` (Keller Jordan et al., 2024, "Muon: An optimizer for hidden layers in neural
+networks", https://kellerjordan.github.io/posts/muon/) is an elementwise momentum step followed by Newton-Schulz on the
+whole matrix (``newton_schulz``). The elementwise step gives the same result on any slice of a matrix, so every ZeRO
+stage runs it on its partition and the momentum never travels. It assumes a finite gradient: the stages skip, or the
+binding holds back, a step whose gradients are not finite.
 """
 
 from dataclasses import dataclass
@@ -22,19 +16,25 @@ from dataclasses import dataclass
 import torch
 
 MOMENTUM_KEY = "momentum_buffer"
-"""Optimizer-state key of the Muon momentum, as upstream ``MuonWithAuxAdam`` stores it (checkpoints keep it)."""
+"""Optimizer-state key of the Muon momentum, as upstream ``MuonWithAuxAdam`` stores it (checkpoints keep it,
+and a universal checkpoint names its per-parameter file after it)."""
+
+
+def is_muon_group(param_group) -> bool:
+    """Whether a parameter group of ``MuonWithAuxAdam`` is one of its Muon groups (``use_muon``)."""
+    return bool(param_group.get("use_muon", False))
+
+
+def is_muon_optimizer(optimizer) -> bool:
+    """Whether ``optimizer`` is DeepSpeed's ``MuonWithAuxAdam`` (imported here: importing Muon compiles its kernels)."""
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    return isinstance(optimizer, MuonWithAuxAdam)
 
 
 @dataclass(frozen=True)
 class MuonSettings:
-    """A Muon parameter group's settings, with upstream ``muon_update``'s defaults.
-
-    Attributes:
-        momentum: beta of the momentum (the group's ``momentum``; required).
-        nesterov: Nesterov blend of gradient and momentum (default True).
-        ns_method: Newton-Schulz kernel, "gram", "standard" or "polar_express" (default "gram").
-        ns_steps: Newton-Schulz iterations (default 5).
-    """
+    """A Muon group's ``momentum`` (beta, required), ``nesterov`` (True), ``ns_method`` ("gram") and
+    ``ns_steps`` (5), with upstream ``muon_update``'s defaults."""
     momentum: float
     nesterov: bool
     ns_method: str
@@ -50,19 +50,10 @@ class MuonSettings:
 
 
 def momentum_step(grad: torch.Tensor, momentum: torch.Tensor, settings: MuonSettings, out: torch.Tensor) -> None:
-    """Advance the momentum in place and write the Newton-Schulz input into ``out``.
-
-    Upstream ``muon_momentum_step_`` on a finite gradient, bit for bit: ``momentum.lerp_(grad,
-    1 - beta)``, then the Nesterov blend ``grad.lerp(momentum, beta)`` (or the momentum itself).
-    ``out`` may be ``grad`` (in place, what upstream leaves in the gradient) or a send buffer, in
-    which case the gradient is left as it is.
-
-    Args:
-        grad: gradient slice (any shape, fp32), unscaled and clipped.
-        momentum: the momentum of the same slice, same shape, fp32; advanced in place.
-        settings: the parameter group's ``MuonSettings`` (``momentum``, ``nesterov``).
-        out: receives the NS input: same number of elements, on the same device as ``grad``.
-    """
+    """Upstream ``muon_momentum_step_`` on a finite gradient, bit for bit: ``momentum.lerp_(grad, 1 -
+    beta)`` in place, then the Nesterov blend ``grad.lerp(momentum, beta)`` (or the momentum) into
+    ``out`` (``grad`` itself, or a send buffer of as many elements on ``grad``'s device). ``grad``
+    and ``momentum``: fp32 slices of one shape, the gradient unscaled and clipped."""
     momentum.lerp_(grad, 1 - settings.momentum)
     out = out.view(grad.shape)
     if settings.nesterov:

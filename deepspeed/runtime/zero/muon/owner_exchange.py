@@ -2,29 +2,14 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The two all-to-alls of one bucket: Newton-Schulz-input pieces to their owner, results back.
-
-``BucketLayout`` is tensor bookkeeping for one rank (where each piece goes in the send buffer,
-how the owner reassembles whole matrices, how it splits the results) and can be tested in one
-process. ``OwnerExchange`` issues the collectives on a process group with
-``deepspeed.comm.all_to_all_single`` and counts what crossed ranks. ``ExchangeBuffers`` holds the
-buffers, reserved once from the plan.
-
-Layout. Let the bucket's matrices be ``j`` with owner ``o(j)``, ``numel(j)`` elements and
-``pieces(j)[s]`` elements held by rank ``s`` (rank order; their sum may exceed ``numel(j)`` by
-ZeRO-3's zero padding at the end). Order the matrices by ``(o(j), position in bucket)``.
-
-- Forward, on every rank ``r``: the send buffer holds this rank's piece of every matrix in that
-  order, so the chunk for destination ``d`` is the pieces of the matrices ``d`` owns.
-- On owner ``r``: the receive buffer is one chunk per source rank ``s``, holding ``s``'s pieces of
-  the matrices ``r`` owns, in order. Matrix ``j`` is the concatenation over ``s`` of its piece in
-  chunk ``s``, cut to ``numel(j)``.
-- Back: the owner writes each result, split into the same pieces (padding zero), into the same
-  layout, and chunk ``s`` goes to rank ``s``. Every rank then receives exactly its forward send
-  layout, so unpacking is packing in reverse.
-
-Under ZeRO-3 with a balanced plan the elements received per rank (own pieces excluded) average
-``2 P (W - 1) / W^2`` over the ranks for ``P`` Muon elements, the owner-centric lower bound.
+"""The two all-to-alls of one bucket: Newton-Schulz-input pieces to their owner, results back. ``BucketLayout``: one
+rank's bookkeeping of a bucket; ``OwnerExchange``: the collectives, counted; ``ExchangeBuffers``: the buffers, reserved
+once. Layout: order the bucket's matrices ``j`` by ``(owner(j), position)``. Every rank's send buffer holds its piece
+of each matrix in that order, so the chunk for rank ``d`` is its pieces of the matrices ``d`` owns; the owner receives
+one chunk per source rank and rebuilds matrix ``j`` as the concatenation of its pieces in rank order, cut to its numel
+(ZeRO-3 pads). The results go back in the same layout, so every rank receives exactly its send layout and unpacks in
+reverse. Under ZeRO-3 with a balanced plan a rank receives ``2 P (W - 1) / W^2`` elements on average for ``P`` Muon
+elements, the owner-centric lower bound.
 """
 
 from dataclasses import dataclass, field
@@ -35,16 +20,9 @@ import torch
 
 @dataclass
 class ExchangeStats:
-    """Cumulative counters of one rank's Muon work at the accumulation boundary.
-
-    Attributes:
-        optimizer_steps: accumulation boundaries at which the Muon update ran.
-        ns_calls: matrices this rank orthogonalized (as owner).
-        elements_sent / elements_received: Muon elements that crossed ranks in the two
-            all-to-alls (a rank's own pieces are not counted).
-        bytes_sent / bytes_received: the same in bytes.
-        exchanges: all-to-all collectives issued (none with one rank).
-    """
+    """One rank's cumulative counters: ``optimizer_steps`` the update ran, ``ns_calls`` (matrices
+    orthogonalized as owner), the elements and bytes sent and received in the all-to-alls (own
+    pieces excluded), ``exchanges`` (all-to-alls issued; none with one rank)."""
     optimizer_steps: int = 0
     ns_calls: int = 0
     elements_sent: int = 0
@@ -59,20 +37,16 @@ class BucketLayout:
     """One rank's view of one bucket's exchange.
 
     Args:
-        matrices: indices of the bucket's matrices in sub-group order.
-        owners: owner rank of each of them (bucket order).
-        numels: elements of each whole matrix.
-        pieces: per matrix, the elements every rank holds of it (length ``world_size``).
-        rank: this rank within the process group.
+        matrices: the bucket's matrix indices (partition order). owners, numels: per matrix.
+        pieces: per matrix, the elements every rank holds of it. rank: this rank in the group.
 
     Attributes:
-        send_order: bucket positions ordered by (owner, position): the send buffer's order.
+        send_order: bucket positions by (owner, position), the send buffer's order.
         send_splits / recv_splits: elements sent to / received from each rank, forward.
         owned: bucket positions of the matrices this rank owns, in send order.
-        send_pieces: ``(k, offset, numel)`` for every matrix this rank holds a piece of: where
-            its piece sits in the send buffer (``k``: position in the bucket).
-        owned_spans: per owned matrix (order of ``owned``), ``(start, numel)`` in the forward
-            receive buffer of each of its nonzero pieces, in rank order.
+        send_pieces: ``(k, offset, numel)`` of each piece this rank holds, in the send buffer.
+        owned_spans: per owned matrix, ``(start, numel)`` of its nonzero pieces in the receive
+            buffer, in rank order.
 
     Raises:
         ValueError: entries of different lengths, or pieces that cannot hold their matrix.
@@ -89,7 +63,7 @@ class BucketLayout:
     send_pieces: Tuple[Tuple[int, int, int], ...] = field(init=False)
     owned_spans: Tuple[Tuple[Tuple[int, int], ...], ...] = field(init=False)
 
-    def __post_init__(self):
+    def __post_init__(self):  # the derived fields, computed once
         if not len(self.matrices) == len(self.owners) == len(self.numels) == len(self.pieces):
             raise ValueError("matrices, owners, numels and pieces need one entry per matrix")
         for numel, pieces in zip(self.numels, self.pieces):
@@ -133,18 +107,8 @@ class BucketLayout:
         return sum(self.recv_splits)
 
     def owned_matrix(self, recv: torch.Tensor, position: int, shape: Tuple[int, ...]) -> torch.Tensor:
-        """One matrix this rank owns, reassembled from the forward receive buffer.
-
-        Args:
-            recv: 1-D, ``recv_numel`` elements (chunk ``s`` from rank ``s``).
-            position: index of the matrix in ``owned``.
-            shape: its full shape.
-
-        Returns:
-            a contiguous tensor of ``shape``, padding dropped: a view of ``recv`` where its pieces lie
-            back to back there (the only matrix this rank owns in the bucket, or one rank
-            contributes), else a copy.
-        """
+        """Owned matrix ``position`` (index in ``owned``) of ``shape``, rebuilt from the receive buffer
+        ``recv`` (1-D, ``recv_numel``): a view where its pieces lie back to back, else a copy."""
         spans = self.owned_spans[position]
         if all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:])):
             flat = recv.narrow(0, spans[0][0], sum(n for _, n in spans))
@@ -153,14 +117,8 @@ class BucketLayout:
         return flat[:self.numels[self.owned[position]]].view(shape)
 
     def write_result(self, position: int, result: torch.Tensor, out: torch.Tensor) -> None:
-        """Split the result of owned matrix ``position`` into per-rank pieces, in the layout
-        ``owned_matrix`` reads, zeroing each piece's padding.
-
-        Args:
-            position: index of the matrix in ``owned``.
-            result: the matrix's update (its numel, any shape); cast on copy.
-            out: 1-D, ``recv_numel`` elements, the back send buffer.
-        """
+        """Write owned matrix ``position``'s ``result`` (its numel, any shape; cast on copy) into the
+        back send buffer ``out`` (1-D, ``recv_numel``) in the layout ``owned_matrix`` reads, padding zero."""
         flat, start, numel = result.reshape(-1), 0, self.numels[self.owned[position]]
         for a, n in self.owned_spans[position]:
             dest = out.narrow(0, a, n)
@@ -173,15 +131,8 @@ class BucketLayout:
 
 
 class OwnerExchange:
-    """Issues the forward and back all-to-all of buckets on one process group.
-
-    Args:
-        group: the process group (``None`` for the world).
-        rank, world_size: this rank in ``group`` and its size.
-        all_to_all_single: ``deepspeed.comm.all_to_all_single`` or a compatible callable
-            ``(output, input, output_split_sizes, input_split_sizes, group, async_op)``.
-        stats: counters to add to.
-    """
+    """The all-to-alls of one process group (``group``; this ``rank`` of ``world_size``), through
+    ``all_to_all_single`` (``deepspeed.comm``'s or a compatible callable), counted into ``stats``."""
 
     def __init__(self, group, rank: int, world_size: int, all_to_all_single, stats: ExchangeStats):
         self.group = group
@@ -213,23 +164,14 @@ class OwnerExchange:
 
 
 class ExchangeBuffers:
-    """The exchange buffers of a stage's Muon pipelines, reserved once and reused at every step.
+    """The exchange buffers of a stage's Muon pipelines, reserved once (an out-of-memory error comes
+    at construction, not at the first step) and shared: the pipelines run one after the other.
 
-    Each slot holds one bucket in flight: an outgoing buffer (this rank's pieces: forward send,
-    back receive) and an incoming one (the owner's whole matrices: forward receive, back send).
-    Each is raw bytes viewed as the dtype a step asks for. The pipelines of a stage's sub-groups
-    run one after the other inside ``step()``, so they share one set, sized to the largest
-    demand (``pipeline.MuonPipeline.buffer_demand``).
-
-    Args:
-        slots: buckets in flight at once.
-        outgoing_numel, incoming_numel: elements of the largest bucket's buffers (fp32).
-        device: where the buffers live (the accelerator).
-        staging_device: where the pieces live, when that is another device (optimizer offload):
-            the momentum step writes there first, into a pinned staging buffer per slot.
-
-    Raises:
-        torch.OutOfMemoryError: at construction, not at the first step.
+    Each of ``slots`` holds one bucket in flight: an outgoing buffer (this rank's pieces) and an
+    incoming one (the owner's matrices), raw bytes viewed as each step's dtype, sized to
+    ``outgoing_numel`` / ``incoming_numel`` fp32 elements, on ``device``. Where the pieces live on
+    ``staging_device`` (optimizer offload), the momentum step writes into a pinned staging buffer
+    per slot first.
     """
 
     def __init__(self, slots: int, outgoing_numel: int, incoming_numel: int, device, staging_device=None):
@@ -248,16 +190,8 @@ class ExchangeBuffers:
 
     @classmethod
     def covering(cls, demands: Sequence[Tuple[int, int, int, torch.device]], device) -> "ExchangeBuffers":
-        """One set for several pipelines that never run at the same time.
-
-        Args:
-            demands: per pipeline ``(slots, outgoing_numel, incoming_numel, piece_device)``.
-            device: where the buffers live.
-
-        Returns:
-            buffers with the most slots and the largest buffers any demand asks for, with host
-            staging where some pipeline's pieces live off ``device``.
-        """
+        """One set on ``device`` covering every pipeline's ``(slots, outgoing_numel, incoming_numel,
+        piece_device)`` (``MuonPipeline.buffer_demand``), with host staging where pieces live off it."""
         slots = max((d[0] for d in demands), default=0)
         outgoing = max((d[1] for d in demands), default=0)
         incoming = max((d[2] for d in demands), default=0)

@@ -2,41 +2,27 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""State a Muon variant keeps per matrix on the matrix's owner rank: the extension point.
+"""A Muon variant's per-matrix state on the owner rank: the registry, the storage, its checkpoint form.
 
-The distributed Muon core (``pipeline.MuonPipeline``) runs Newton-Schulz once per matrix, on its
-owner rank, with the whole matrix in hand. A *variant* is a rule applied there, to each
-Newton-Schulz result, before the result is split back into the ranks' gradient partitions
-(``BucketLayout.write_result``). Statistics over a matrix's rows or the whole matrix are therefore
-exact and cost no communication. A variant may keep per-row state, which lives only on the owner,
-in fp32, on the Newton-Schulz device, and is updated once per optimizer step. It is a class with:
+A *variant* is a rule the owner rank applies to each Newton-Schulz result with the whole matrix in hand (``pipeline``),
+so statistics over its rows are exact and cost no communication; its per-row state lives on the owner in fp32. A
+variant is a class with ``name`` (its value of ``variant``), ``state_key`` (the optimizer-state key of its checkpoint
+form), ``defaults`` (``{key: default}`` of its settings), ``key_problems(settings, where)`` and
+``from_group(param_group)``; an instance has ``state_numel(spec)``, ``state_rows(spec)`` (``(rows, cols)``: one value
+per ``cols`` consecutive elements of the flattened parameter) and ``apply(update, state, spec)`` (the rule on one
+``MatrixSpec``'s NS result, its 1-D fp32 ``state`` advanced in place; returns the update in the result's shape and
+dtype). A variant's module registers it when imported; plain Muon (``"muon"``) has none, and nothing of this runs.
 
-- ``name``: its value of the ``variant`` key; ``state_key``: the optimizer-state key its state
-  travels under in checkpoints; ``defaults``: ``{key: default}`` of its own settings;
-- ``key_problems(settings, where)``: what is wrong with its settings in a config block or group;
-- ``from_group(param_group)``: the rule with a group's settings;
-- on an instance: ``state_numel(spec)`` (elements of state one matrix, an
-  ``owner_plan.MatrixSpec``, needs), ``state_rows(spec)`` (``(rows, cols)``: the state holds one
-  value per row of ``cols`` consecutive elements of the flattened parameter, which is how
-  checkpoints carry it), and ``apply(update, state, spec)``: the rule. ``update`` is the matrix's
-  Newton-Schulz result (``spec.shape``, in the kernel's dtype, scaled by upstream's aspect ratio;
-  not modified), ``state`` its 1-D fp32 state of ``state_numel(spec)`` elements, advanced in
-  place; it returns the update to send back, ``spec.shape`` and ``update``'s dtype.
-
-A variant's module registers it (``register_variant``) when imported; NorMuon
-(``deepspeed.runtime.zero.muon.normuon``) is imported by the engine (patch 0018).
-
-``OwnerState`` holds the state of the matrices one rank owns in one flat tensor, allocated from
-the owner plan at construction. Plain Muon (no ``variant`` key, or ``"muon"``) has no variant:
-nothing is allocated and the pipeline runs exactly as before (no call, no collective, the same
-results bit for bit). The plan's memory budget counts the state (``owner_plan.within_budget``,
-``state_numels``).
+Checkpoint form: per parameter, not per owner, so any owner plan takes it back: a tensor of the flat partition's layout
+whose every element holds its row's state (NorMuon's V_t broadcast over the row), under ``state_key`` in the optimizer
+state, which every checkpoint path carries like the momentum (``OwnerState.to_partition`` / ``from_partition``).
 """
 
-import difflib
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Sequence, Tuple
 
 import torch
+
+from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY
 
 VARIANT_KEY = "variant"
 """Muon parameter-group (and ``optimizer.params``) key choosing the variant."""
@@ -59,6 +45,11 @@ def register_variant(variant: type) -> type:
     return variant
 
 
+def registered() -> Dict[str, type]:
+    """The registered variant classes by name (a copy)."""
+    return dict(_VARIANTS)
+
+
 def variants() -> Tuple[str, ...]:
     """The accepted values of ``variant``: ``"muon"`` and each registered variant's name."""
     return (MUON, *sorted(_VARIANTS))
@@ -69,119 +60,29 @@ def state_keys() -> Tuple[str, ...]:
     return tuple(sorted(v.state_key for v in _VARIANTS.values()))
 
 
-def _closest(value, choices: Sequence[str]) -> str:
-    """`` Did you mean 'x'?`` for the choice closest to ``value`` lower-cased ("NorMuon",
-    "nor-muon": 'normuon'; ``difflib`` ratio >= 0.75), else ""."""
-    close = difflib.get_close_matches(value.lower(), choices, n=1, cutoff=0.75) if isinstance(value, str) else []
-    return f" Did you mean {close[0]!r}?" if close else ""
-
-
-def _problems(settings: Mapping[str, Any], where: str) -> List[str]:
-    variant = settings.get(VARIANT_KEY, MUON)
-    problems = []
-    if variant not in variants():
-        problems.append(f"{where}.{VARIANT_KEY}: {variant!r} is not a Muon variant; accepted: "
-                        f"{', '.join(repr(v) for v in variants())}.{_closest(variant, variants())}")
-    for registered in _VARIANTS.values():
-        problems += registered.key_problems(settings, where)
-    return problems
-
-
-def _where_no_owner_runs(engine) -> Optional[str]:
-    """Why ``engine``'s Muon update runs outside the owner-centric core, or None where it runs there.
-
-    Stage 0 runs upstream's ``MuonWithAuxAdam.step`` on whole weights; ZeRO stage 1 with bf16
-    parameters, fp32 gradient accumulation and no optimizer offload runs DeepSpeed's
-    ``BF16_Optimizer`` (the engine's optimizer-wrapper choice), whose Muon is upstream's too.
-    """
-    stage = engine.zero_optimization_stage()
-    if stage == 0:
-        return "zero_optimization.stage 0"
-    model_dtype, grad_accum_dtype = engine.get_data_types()
-    if (stage == 1 and model_dtype == torch.bfloat16 and grad_accum_dtype == torch.float32
-            and not engine.zero_cpu_offload()):
-        return ("zero_optimization.stage 1 with bf16 and data_types.grad_accum_dtype fp32 (DeepSpeed's "
-                "BF16_Optimizer)")
-    return None
-
-
-def check_variant_config(optimizer_parameters: Mapping[str, Any], model_parameters, param_groups: Sequence[dict],
-                         engine) -> None:
-    """Check the variant keys where the engine builds Muon, and fill each variant's defaults in.
-
-    Called by the engine (patch 0018) right after ``_muon_param_groups``. A Muon group that uses a
-    variant gets each of the variant's settings (its own, the config's, or the default), so
-    checkpoints record them; other groups are left as they are.
-
-    Args:
-        optimizer_parameters: the config's ``optimizer.params``.
-        model_parameters: what ``deepspeed.initialize`` got (only a list or tuple of group dicts is
-            checked for its own keys; the built groups are checked in any case).
-        param_groups: the groups the engine built (``use_muon`` halves); modified as above.
-        engine: the ``DeepSpeedEngine`` (its ZeRO stage, data types and offload).
-
-    Raises:
-        ValueError: naming each key: an unknown ``variant``, a variant's setting it refuses
-            (``key_problems``), a variant's settings where no Muon group uses that variant, and
-            a variant where no owner rank runs the update (``_where_no_owner_runs``: ZeRO stage 0,
-            where upstream's ``MuonWithAuxAdam.step`` orthogonalizes, and ZeRO-1's
-            ``BF16_Optimizer``).
-    """
-    problems = _problems(optimizer_parameters or {}, "optimizer.params")
-    if isinstance(model_parameters, (list, tuple)):
-        for index, group in enumerate(model_parameters):
-            if isinstance(group, dict):
-                problems += _problems(group, f"model_parameters[{index}]")
-    muon_groups = [g for g in param_groups if g.get("use_muon")]
-    if not problems and muon_groups:
-        used = {g.get(VARIANT_KEY, MUON) for g in muon_groups}
-        for name, registered in sorted(_VARIANTS.items()):
-            unused = sorted({k for g in muon_groups for k in registered.defaults if k in g})
-            if unused and name not in used:
-                problems.append(f"{', '.join(unused)} (optimizer.params or a parameter group): {name}'s settings, "
-                                f"but no Muon group has {VARIANT_KEY} {name!r}, so they would do nothing; add "
-                                f"\"{VARIANT_KEY}\": \"{name}\" or remove them.")
-    if not problems:
-        for group in param_groups:
-            registered = _VARIANTS.get(group.get(VARIANT_KEY, MUON)) if group.get("use_muon") else None
-            if registered is None:
-                continue
-            where = _where_no_owner_runs(engine)
-            if where is not None:
-                problems.append(f"optimizer.params.{VARIANT_KEY}: {registered.name!r} needs ZeRO stage 1, 2 or 3 "
-                                "(its state lives on the rank that orthogonalizes each matrix), and does not run "
-                                f"with {where}; use the default variant 'muon' there.")
-                break
-            for key, default in registered.defaults.items():
-                group.setdefault(key, default)
-    if problems:
-        raise ValueError("The Muon optimizer's variant settings are invalid:\n" + "\n".join(f"- {p}"
-                                                                                            for p in problems))
-
-
-def variant_of(param_group: Mapping[str, Any]):
+def variant_of(param_group):
     """The variant a Muon parameter group runs: ``None`` for plain Muon, else an instance of the
-    registered variant with the group's settings.
+    registered variant with the group's settings (checked at ``deepspeed.initialize``).
 
     Raises:
-        ValueError: invalid settings (see ``check_variant_config``), naming the key.
+        ValueError: a ``variant`` that is not registered, or a setting its variant refuses
+            (``key_problems``), naming the key.
     """
-    problems = _problems(param_group, "optimizer parameter group")
+    name = param_group.get(VARIANT_KEY, MUON)
+    if name == MUON:
+        return None
+    if name not in _VARIANTS:
+        raise ValueError(f"optimizer parameter group {VARIANT_KEY}: {name!r} is not a Muon variant; accepted: "
+                         f"{', '.join(repr(v) for v in variants())}.")
+    problems = _VARIANTS[name].key_problems(param_group, "optimizer parameter group")
     if problems:
         raise ValueError("; ".join(problems))
-    name = param_group.get(VARIANT_KEY, MUON)
-    return None if name == MUON else _VARIANTS[name].from_group(param_group)
+    return _VARIANTS[name].from_group(param_group)
 
 
 def check_same_kind(built, group_variant, where: str) -> None:
-    """Refuse a parameter group whose variant is not the one its state was allocated for.
-
-    A checkpoint's parameter groups replace the engine's settings at ``load_checkpoint`` (torch's
-    ``load_state_dict``, the universal loader), ``variant`` included.
-
-    Raises:
-        RuntimeError: naming ``where`` and both variants.
-    """
+    """Refuse (``RuntimeError`` naming ``where`` and both) a group whose variant is not the one its
+    state was allocated for (a checkpoint's groups replace the engine's at ``load_checkpoint``)."""
     names = [MUON if v is None else v.name for v in (built, group_variant)]
     if names[0] != names[1]:
         raise RuntimeError(f"{where}: this engine was built with Muon variant '{names[0]}', but the parameter group "
@@ -190,77 +91,144 @@ def check_same_kind(built, group_variant, where: str) -> None:
 
 
 class OwnerState:
-    """A variant's state of some matrices of one pipeline, in one flat fp32 tensor.
+    """A variant's state of the ``owned`` matrices (indices into ``specs``, the partition's
+    ``MatrixSpec``) in one zero-initialized flat fp32 tensor on ``device``; ``spans`` maps a matrix
+    to its ``(offset, numel)`` in ``flat``."""
 
-    Args:
-        variant: the variant (``state_numel``, ``apply``).
-        specs: every matrix of the pipeline (``owner_plan.MatrixSpec``, sub-group order).
-        matrices: the indices whose state is kept here, in order (an owner's matrices).
-        device: where the state lives (the Newton-Schulz device), when ``flat`` is not given.
-        flat: storage to use instead (1-D fp32, ``numel`` elements), e.g. a tensor of the
-            optimizer state.
-
-    Attributes:
-        spans: ``{matrix index: (offset, numel)}`` in ``flat``.
-        numel: elements of state kept here.
-    """
-
-    def __init__(self, variant, specs: Sequence, matrices: Iterable[int], device=None, flat=None):
+    def __init__(self, variant, specs: Sequence, owned: Iterable[int], device):
         self.variant = variant
         self.specs = list(specs)
         self.spans: Dict[int, Tuple[int, int]] = {}
         offset = 0
-        for j in matrices:
+        for j in owned:
             n = variant.state_numel(self.specs[j])
             self.spans[j] = (offset, n)
             offset += n
-        self.numel = offset
-        self.flat = torch.zeros(offset, dtype=torch.float32, device=device) if flat is None else flat
-        if self.flat.numel() != offset or self.flat.dtype != torch.float32:
-            raise ValueError(f"OwnerState needs {offset} fp32 elements, got {self.flat.numel()} {self.flat.dtype}.")
+        self.flat = torch.zeros(offset, dtype=torch.float32, device=device)
+
+    @property
+    def numel(self) -> int:
+        return self.flat.numel()
 
     def view(self, j: int) -> torch.Tensor:
+        """Matrix ``j``'s state (1-D fp32 view of ``flat``)."""
         offset, n = self.spans[j]
         return self.flat.narrow(0, offset, n)
 
     def apply(self, j: int, update: torch.Tensor, variant=None) -> torch.Tensor:
-        """``variant.apply`` of matrix ``j`` (the step's settings; default the one built with)."""
+        """``variant.apply`` on matrix ``j`` (the step's settings; default those it was built with)."""
         return (variant or self.variant).apply(update, self.view(j), self.specs[j])
 
+    def _pieces(self, pieces: Sequence[Sequence[int]], slices: Sequence[Tuple[int, int]], rank: int):
+        """Per matrix ``(j, offset, numel)`` of its state among all matrices' states, ``cols`` per row, and
+        ``(first, count, start)`` of this rank's piece: its first element in the matrix, its elements
+        (ZeRO-3's padding excluded) and its offset in the flat partition."""
+        offset = 0
+        for j, (spec, piece, (start, _)) in enumerate(zip(self.specs, pieces, slices)):
+            n, (_, cols) = self.variant.state_numel(spec), self.variant.state_rows(spec)
+            first = sum(piece[:rank])
+            yield j, offset, n, cols, first, max(0, min(piece[rank], spec.numel - first)), start
+            offset += n
 
-# Checkpoints. A variant's state is saved per parameter, not per owner: in the optimizer state of
-# the flat partition, under ``variant.state_key``, as a tensor of the partition's layout holding,
-# for every element, the state of its row (the paper's V_t: v broadcast over the row's columns).
-# Every checkpoint path then carries it as it carries the momentum (regular checkpoints, and
-# ds_to_universal's per-parameter files of the parameter's shape), whatever the owner plan.
+    @staticmethod
+    def _all_reduce(tensor: torch.Tensor, op: str, group, world_size: int) -> torch.Tensor:
+        if world_size > 1:
+            from deepspeed import comm as dist
+            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=group)
+        return tensor
+
+    def to_partition(self, pieces: Sequence[Sequence[int]], slices: Sequence[Tuple[int, int]], rank: int, numel: int,
+                     group, world_size: int) -> torch.Tensor:
+        """The checkpoint form: a 1-D fp32 host tensor of the flat partition's ``numel`` elements,
+        each element of this rank's pieces holding its row's state, the rest zero. Collective over
+        ``group`` (this ``rank`` of ``world_size``); ``pieces`` and ``slices`` as ``MuonPartition``'s."""
+        full = torch.zeros(sum(self.variant.state_numel(s) for s in self.specs), device=self.flat.device)
+        for j, offset, n, *_ in self._pieces(pieces, slices, rank):
+            if j in self.spans:
+                full.narrow(0, offset, n).copy_(self.view(j))
+        full = self._all_reduce(full, "SUM", group, world_size).cpu()
+        out = torch.zeros(numel, dtype=torch.float32)
+        for j, offset, n, cols, first, count, start in self._pieces(pieces, slices, rank):
+            if count:
+                out.narrow(0, start, count).copy_(expand_rows(full.narrow(0, offset, n), cols, first, count))
+        return out
+
+    def from_partition(self, loaded: torch.Tensor, pieces: Sequence[Sequence[int]], slices: Sequence[Tuple[int, int]],
+                       rank: int, group, world_size: int) -> None:
+        """Take a checkpoint form (``to_partition``'s layout, any device or dtype; each rank its own
+        partition's) back into the owners' state; collective over ``group``.
+
+        Raises:
+            ValueError: on every rank, where some rank's form is not one value per row (another
+                variant's state, a damaged file), naming one such matrix.
+        """
+        loaded = loaded.to(device=self.flat.device, dtype=torch.float32)
+        full = torch.zeros(sum(self.variant.state_numel(s) for s in self.specs), device=self.flat.device)
+        for j, offset, n, cols, first, count, start in self._pieces(pieces, slices, rank):
+            if count:  # each row's first element is in exactly one piece: the sum over ranks rebuilds it
+                row, values = rows_in_piece(loaded.narrow(0, start, count), cols, first)
+                full.narrow(0, offset + row, values.numel()).copy_(values)
+        full = self._all_reduce(full, "SUM", group, world_size)
+        uneven = [
+            j for j, offset, n, cols, first, count, start in self._pieces(pieces, slices, rank) if count and
+            not torch.equal(loaded.narrow(0, start, count), expand_rows(full.narrow(0, offset, n), cols, first, count))
+        ]
+        flag = self._all_reduce(torch.tensor([max(uneven, default=-1)], device=self.flat.device), "MAX", group,
+                                world_size)
+        if flag.item() >= 0:
+            j = int(flag.item())
+            raise ValueError(f"matrix {j} (shape {tuple(self.specs[j].shape)}) is not {self.variant.name}'s per-row "
+                             f"state ({self.variant.state_rows(self.specs[j])[1]} equal values per row).")
+        for j, offset, n, *_ in self._pieces(pieces, slices, rank):
+            if j in self.spans:
+                self.view(j).copy_(full.narrow(0, offset, n))
+
+
+def load_checkpoint_form(owner: "OwnerState", state: dict, part, exchange, group_variant: str) -> None:
+    """Take a loaded checkpoint form out of a partition's optimizer ``state`` into ``owner`` (None for
+    plain Muon); collective over the partition's process group (``exchange``: its ``OwnerExchange``).
+
+    Raises:
+        RuntimeError: ``state`` holds another variant's state (it would be dropped), or holds a
+            momentum but no state of ``owner``'s variant (a checkpoint of plain Muon: it would restart
+            at zero), or one of another size than the partition (``part.numel``).
+        ValueError: the form is not one value per row (``from_partition``).
+    """
+    own_key = owner.variant.state_key if owner is not None else None
+    foreign = [k for k in state_keys() if k in state and k != own_key]
+    if foreign:
+        raise RuntimeError(f"{part.label}: the loaded optimizer state holds a Muon variant's {', '.join(foreign)}, "
+                           f"but this run's group uses variant {group_variant!r}; build the engine with the variant "
+                           "the checkpoint was trained with (refusing to drop the state).")
+    if owner is None:
+        return
+    loaded = state.pop(own_key, None)
+    if loaded is None:
+        if state.get(MOMENTUM_KEY) is not None:
+            raise RuntimeError(f"{part.label}: the loaded optimizer state has no '{own_key}' for the "
+                               f"{owner.variant.name} variant (a checkpoint of a plain Muon run?); refusing to "
+                               "restart it at zero. Load a checkpoint of the same variant.")
+        return
+    if loaded.numel() != part.numel:
+        raise RuntimeError(f"{part.label}: '{own_key}' has {loaded.numel()} elements for a partition of {part.numel} "
+                           "(another partitioning); convert the checkpoint with ds_to_universal and load it as a "
+                           "universal checkpoint.")
+    try:
+        owner.from_partition(loaded, part.pieces, part.slices, exchange.rank, exchange.group, exchange.world_size)
+    except ValueError as e:
+        raise ValueError(f"{part.label}: '{own_key}' of the checkpoint: {e}") from e
 
 
 def expand_rows(rows: torch.Tensor, cols: int, start: int, count: int) -> torch.Tensor:
-    """The broadcast state of elements ``[start, start + count)`` of a flattened parameter.
-
-    Args:
-        rows: 1-D, the parameter's state, one value per row of ``cols`` consecutive elements.
-        cols: elements per row (the variant's ``state_rows``).
-        start, count: the elements (within the parameter's numel).
-
-    Returns:
-        1-D, ``count`` values, ``rows``' dtype and device: element ``e`` gets ``rows[e // cols]``.
-    """
+    """Elements ``[start, start + count)`` of a flattened parameter's broadcast state: element ``e``
+    gets ``rows[e // cols]`` (``rows``: 1-D, one value per row of ``cols`` elements)."""
     index = torch.arange(start, start + count, device=rows.device) // cols
     return rows.index_select(0, index)
 
 
 def rows_in_piece(piece: torch.Tensor, cols: int, start: int) -> Tuple[int, torch.Tensor]:
-    """The rows whose first element lies in a piece of a broadcast state (``expand_rows``' inverse).
-
-    Args:
-        piece: 1-D, the broadcast state of elements ``[start, start + piece.numel())``.
-        cols: elements per row. start: the piece's first element in the flattened parameter.
-
-    Returns:
-        ``(first_row, values)``: rows ``first_row ..`` and their values (each row's first element
-        is in exactly one piece of a partitioned parameter, so summing over pieces rebuilds it).
-    """
+    """``(first_row, values)``: the rows whose first element lies in ``piece`` (1-D, the broadcast
+    state of elements ``[start, start + piece.numel())``), ``expand_rows``' inverse."""
     end = start + piece.numel()
     first, stop = -(-start // cols), -(-end // cols)
     if stop <= first:

@@ -45,6 +45,8 @@ from typing import Iterable, Mapping, Optional, Tuple
 
 import torch
 
+from deepspeed.runtime.zero.muon.momentum import is_muon_group, is_muon_optimizer
+
 CHOICE_ATTR = "_muon_choice"
 """Parameter attribute recording ``(use_muon, reason)`` as this module set it."""
 
@@ -225,7 +227,7 @@ def optimizer_selection(optimizer: torch.optim.Optimizer, model: Optional[torch.
                 continue
             trained.add(id(param))
             key = position.get(id(param), (1, len(entries), f"group{g}.param{i}"))
-            entries.append((key, param, bool(group.get("use_muon", False))))
+            entries.append((key, param, is_muon_group(group)))
     # The model's order (Muon groups come sorted by size), then the parameters the model lacks.
     entries = [(key[2], param, use_muon) for key, param, use_muon in sorted(entries, key=lambda e: e[0][:2])]
     return _build(entries, [n for n, p in named if id(p) not in trained])
@@ -255,11 +257,6 @@ def format_report(selection: MuonSelection, limit: int = LISTED_NAMES) -> Tuple[
     return tuple(lines)
 
 
-def _is_deepspeed_muon(optimizer) -> bool:
-    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
-    return isinstance(optimizer, MuonWithAuxAdam)
-
-
 def _looks_like_muon(optimizer) -> bool:
     return "muon" in type(optimizer).__name__.lower() or any("use_muon" in g for g in optimizer.param_groups)
 
@@ -275,7 +272,7 @@ def tag_client_groups(optimizer, model: Optional[torch.nn.Module]) -> None:
     """
     names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
     for g, group in enumerate(optimizer.param_groups):
-        group_flag = bool(group.get("use_muon", False))
+        group_flag = is_muon_group(group)
         for i, param in enumerate(group["params"]):
             name = names.get(id(param), f"param {i} of group {g}")
             flag = user_flag(param)
@@ -299,7 +296,7 @@ def refuse_flat_partition_muon(optimizer, zero_stage: int) -> None:
     Raises:
         ValueError: naming the class and the config to use instead.
     """
-    if zero_stage < 1 or not _looks_like_muon(optimizer) or _is_deepspeed_muon(optimizer):
+    if zero_stage < 1 or not _looks_like_muon(optimizer) or is_muon_optimizer(optimizer):
         return
     cls = type(optimizer)
     raise ValueError(f"The client optimizer {cls.__module__}.{cls.__qualname__} looks like Muon (its name, or param "
@@ -325,7 +322,7 @@ def resolve_optimizer_selection(optimizer,
         return None
     if client:
         refuse_flat_partition_muon(optimizer, zero_stage)
-    if not _is_deepspeed_muon(optimizer):
+    if not is_muon_optimizer(optimizer):
         return None
     if client:
         tag_client_groups(optimizer, model)

@@ -4,42 +4,16 @@
 # DeepSpeed Team
 """The per-bucket pipeline of the distributed Muon update: prepare, compute, finalize.
 
-For each bucket of the owner plan (``owner_plan``), on every rank:
-
-- **prepare**: the momentum step (``momentum.momentum_step``) on this rank's piece of each of
-  the bucket's matrices, writing the Newton-Schulz input straight into the bucket's send buffer;
-  then the forward all-to-all to the owners starts. The gradient is not written.
-- **compute**: once the forward exchange is complete, the owner reassembles its whole matrices,
-  runs Newton-Schulz on them (``newton_schulz.orthogonalize_each``), writes the results into the
-  back send buffer, and the back all-to-all starts.
-- **finalize**: once the results are back, each rank copies its piece of every update into the
-  gradient.
-
-``depth`` buckets are prepared ahead of the one being computed, and the back exchange of up to
-``depth - 1`` buckets is in flight meanwhile, so communication overlaps Newton-Schulz; depth 1 is
-the serial order. With depth ``d`` the collectives on every rank are, for ``n`` buckets, the
-forward exchanges of buckets ``0 .. d-1``, then for each bucket ``k`` its back exchange followed
-by the forward exchange of bucket ``k + d``; every rank issues the same collectives in the same
-order whatever it owns. A bucket holds one slot of ``ExchangeBuffers`` from prepare to finalize:
-``2 d - 1`` slots are in use at most (``owner_plan.slots_for_depth``). The stage binding reserves
-the buffers at construction (``buffer_demand``), one set for all its sub-groups, which run one
-after the other.
-
-Memory on the owner: compute reads each matrix from the receive buffer (in place where its pieces
-lie back to back, else one copy at a time), and, where the results have the exchange's dtype,
-writes each result into the back send buffer as soon as its Newton-Schulz call returns, over the
-pieces that call has read. So beyond the reserved buffers a bucket costs one call's inputs,
-working set and results, not the bucket's. A narrower result dtype (fp16/bf16 Newton-Schulz on
-an accelerator) views the same bytes at other offsets, so those results are written once the
-bucket's calls are done.
-
-A Muon variant with owner state (``owner_state``, e.g. NorMuon) is applied in compute, to each
-Newton-Schulz result with the whole matrix in hand, before it is written back; its state lives in
-``MuonPipeline.owner_state`` on the owner. Plain Muon (``variant=None``) allocates and runs
-nothing of it.
-
-The schedule follows torchtitan's DistributedMuon (prepare/compute/finalize over a reserved
-transfer layout) and microsoft/dion's overlap of one batch's exchange with another's compute.
+Per bucket of the owner plan, on every rank: **prepare** runs the momentum step on this rank's pieces straight into the
+send buffer and starts the forward all-to-all; **compute** rebuilds the owner's whole matrices, runs Newton-Schulz and
+a variant's rule (``owner_state``) on each, and starts the back all-to-all; **finalize** copies this rank's pieces of
+the update into the gradient. ``depth`` buckets are prepared ahead of the one being computed, so communication overlaps
+Newton-Schulz (depth 1: serial); every rank issues the same collectives in the same order, with at most ``2 depth - 1``
+buffer slots busy. Beyond the reserved buffers an owner holds one call's tensors: results overwrite, as each call
+returns, the pieces it has read (half-precision results wait for the bucket's calls). After torchtitan's
+DistributedMuon (prepare/compute/finalize over a reserved layout) and microsoft/dion (one batch's exchange overlapping
+another's compute). A matrix one rank holds whole on the NS device skips the exchange: its holder orthogonalizes it in
+place.
 """
 
 from collections import deque
@@ -61,28 +35,18 @@ EXCHANGE_DTYPE = torch.float32
 
 
 class MuonPipeline:
-    """The Muon update of one sub-group on one rank.
+    """The Muon update of one partition on one rank.
 
     Args:
-        plan: the sub-group's owner plan.
-        specs: per matrix (sub-group order) its ``MatrixSpec`` (shape, Newton-Schulz problem).
-        pieces: per matrix, the elements every rank holds of it (rank order).
-        slices: per matrix, ``(offset, numel)`` of this rank's piece in the sub-group's flat
-            gradient and momentum (``numel`` 0 where it holds none).
-        exchange: the ``OwnerExchange`` of the sub-group's process group.
-        device: where Newton-Schulz runs and the exchange buffers live (the accelerator).
-        piece_device: where the gradient and momentum pieces live (the host under optimizer
-            offload).
-        depth: see the module docstring; at least 1.
-        batch_ns: passed to ``orthogonalize_each`` (None: batch same-shape problems where it pays).
-        variant: a Muon variant with owner state (``owner_state``; e.g. ``normuon.NorMuon``), or None
-            for plain Muon.
-        state_flat: storage for the owner state (``OwnerState``'s ``flat``; None: allocated on
-            ``device``).
+        plan, specs: the owner plan and each matrix's ``MatrixSpec``. pieces, slices: as
+            ``binding.MuonPartition``'s. exchange: the group's ``OwnerExchange``.
+        device: where Newton-Schulz runs and the buffers live; piece_device: where the pieces live.
+        depth: at least 1. batch_ns: for ``orthogonalize_each``. variant: a Muon variant, or None.
 
     Attributes:
-        owner_state: the variant's ``OwnerState`` of the matrices this rank owns (None for plain
-            Muon).
+        layouts: per bucket with a matrix held by more than one rank, its ``BucketLayout``.
+        in_place: per bucket, the matrices this rank holds whole on the NS device (ZeRO-1/2, W=1).
+        owner_state: the variant's ``OwnerState`` of the matrices this rank owns, or None.
 
     Raises:
         ValueError: ``depth`` below 1.
@@ -98,8 +62,7 @@ class MuonPipeline:
                  piece_device,
                  depth: int = DEFAULT_DEPTH,
                  batch_ns=None,
-                 variant=None,
-                 state_flat=None):
+                 variant=None):
         if depth < 1:
             raise ValueError(f"the Muon pipeline depth must be at least 1, got {depth}")
         self.plan = plan
@@ -107,23 +70,22 @@ class MuonPipeline:
         self.slices = list(slices)
         self.exchange = exchange
         self.piece_device = torch.device(piece_device)
-        # One rank with its pieces where Newton-Schulz runs holds every matrix whole in place:
-        # nothing to exchange, so no buffers and no copies.
-        self.alone = exchange.world_size == 1 and self.piece_device == torch.device(device)
         self.depth = depth
         self.batch_ns = batch_ns
-        self.layouts = [
-            BucketLayout(matrices=bucket,
-                         owners=tuple(plan.owners[j] for j in bucket),
-                         numels=tuple(specs[j].numel for j in bucket),
-                         pieces=tuple(tuple(pieces[j]) for j in bucket),
-                         rank=exchange.rank) for bucket in plan.buckets
-        ]
+        whole = [sum(map(bool, p)) == 1 and self.piece_device == torch.device(device) for p in pieces]
+
+        def layout(bucket, local):  # BucketLayout(matrices, owners, numels, pieces, rank)
+            b = [j for j in bucket if whole[j] == local and (not local or plan.owners[j] == exchange.rank)]
+            return b and BucketLayout(tuple(b), tuple(plan.owners[j] for j in b), tuple(specs[j].numel for j in b),
+                                      tuple(tuple(pieces[j]) for j in b), exchange.rank)
+
+        self.layouts = [lay for lay in (layout(b, False) for b in plan.buckets) if lay]
+        self.in_place = [lay for lay in (layout(b, True) for b in plan.buckets) if lay]
         self.owner_state = None
         self._variant = None
         if variant is not None:
             owned = [j for j, owner in enumerate(plan.owners) if owner == exchange.rank]
-            self.owner_state = OwnerState(variant, self.specs, owned, device=device, flat=state_flat)
+            self.owner_state = OwnerState(variant, self.specs, owned, device=device)
 
     @classmethod
     def for_process_group(cls,
@@ -139,23 +101,11 @@ class MuonPipeline:
                           batch_ns=None,
                           variant=None,
                           **plan_args) -> "MuonPipeline":
-        """The pipeline of one sub-group on this rank of ``group``, with its owner plan.
-
-        The plan is ``owner_plan.plan_for_depth`` (buckets up to ``max_bucket_numel``, the
-        stage's ``reduce_bucket_size``, within the momentum budget; the depth lowered where
-        even one matrix per bucket does not fit). The collectives are ``deepspeed.comm.all_to_all_single``
-        on ``group``, counted into ``stats``.
-
-        Args:
-            specs, pieces, slices, device, piece_device, depth, batch_ns, variant: as for the
-                constructor (the plan's budget counts the variant's owner state).
-            group: the sub-group's process group.
-            stats: the binding's ``ExchangeStats``.
-            max_bucket_numel: the largest bucket (elements of whole matrices).
-            plan_args: ``initial_load`` or ``holders``, and ``result_itemsize`` (bytes per
-                element of the Newton-Schulz results, ``ns_compute_dtype(ns_method)``), of
-                ``plan_for_depth``.
-        """
+        """The pipeline of one partition on this rank of ``group``, planned by
+        ``owner_plan.plan_for_depth`` (buckets of at most ``max_bucket_numel`` elements within the
+        momentum budget, the variant's owner state counted; ``plan_args``: ``initial_load``,
+        ``holders``, ``result_itemsize``), its all-to-alls counted into ``stats``. Other arguments
+        as for the constructor."""
         from deepspeed import comm as dist
         rank, world_size = dist.get_rank(group=group), dist.get_world_size(group=group)
         if variant is not None:
@@ -166,10 +116,9 @@ class MuonPipeline:
 
     @property
     def buffer_demand(self) -> Tuple[int, int, int, torch.device]:
-        """``(slots, outgoing_numel, incoming_numel, piece_device)`` for ``ExchangeBuffers.covering``:
-        the slots this pipeline uses at its depth and its largest bucket's buffers (fp32 elements);
-        none for a rank alone (``alone``)."""
-        if self.alone:
+        """``(slots, outgoing_numel, incoming_numel, piece_device)`` for ``ExchangeBuffers.covering``
+        (fp32 elements of the largest bucket that travels; none where nothing does)."""
+        if not self.layouts:
             return (0, 0, 0, self.piece_device)
         return (min(slots_for_depth(self.depth),
                     max(1, len(self.layouts))), max((layout.send_numel for layout in self.layouts), default=0),
@@ -182,30 +131,15 @@ class MuonPipeline:
             update_dtype: torch.dtype,
             buffers: ExchangeBuffers,
             variant=None) -> None:
-        """Replace this rank's pieces of the gradient with its pieces of the Muon update.
-
-        Call on every rank of the process group, once per optimizer step.
-
-        Args:
-            grad_flat: the sub-group's flat gradient (1-D, fp32), unscaled and clipped; each
-                piece is overwritten with the update once that bucket's results are back.
-            momentum_flat: the momentum, same layout (fp32); advanced in place.
-            settings: the parameter group's ``MuonSettings``.
-            update_dtype: dtype of the back exchange (the kernel's compute dtype: no loss).
-            buffers: at least ``buffer_demand``; nothing else may use them during the call.
-            variant: the step's variant settings (the parameter group's), of the kind the
-                pipeline was built with; None for plain Muon.
-
-        Raises:
-            RuntimeError: ``variant`` of another kind than the one the pipeline was built with.
-        """
+        """Replace this rank's pieces of ``grad_flat`` (the flat fp32 gradient partition, unscaled and
+        clipped) with its pieces of the Muon update, advancing ``momentum_flat`` (same layout) in
+        place; once per step on every rank of the group. ``update_dtype``: the back exchange's (the
+        kernel's compute dtype); ``buffers``: at least ``buffer_demand``; ``variant``: the group's
+        settings of the kind built with (None: plain Muon; else ``RuntimeError``)."""
         if (variant is None) != (self.owner_state is None):
             raise RuntimeError(f"MuonPipeline built {'with' if self.owner_state is not None else 'without'} "
                                f"owner state, run with variant {variant!r}.")
         self._variant = variant
-        if self.alone:
-            self._run_alone(grad_flat, momentum_flat, settings, update_dtype)
-            return
         free = deque(range(self.buffer_demand[0]))
         preparing, returning = deque(), deque()
 
@@ -216,37 +150,60 @@ class MuonPipeline:
 
         for b in range(len(self.layouts)):
             preparing.append(self._prepare(b, free.popleft(), grad_flat, momentum_flat, settings, buffers))
+            if b == 0:  # while the first exchange is on its way
+                self._run_in_place(grad_flat, momentum_flat, settings, update_dtype)
             if len(preparing) == self.depth:
                 compute_oldest()
+        if not self.layouts:
+            self._run_in_place(grad_flat, momentum_flat, settings, update_dtype)
         while preparing:
             compute_oldest()
         while returning:
             self._finalize(*returning.popleft(), grad_flat, update_dtype, buffers)
 
-    def _run_alone(self, grad_flat, momentum_flat, settings: MuonSettings, update_dtype: torch.dtype) -> None:
-        """World size 1, pieces on the Newton-Schulz device: every piece is its whole matrix. The
-        momentum step writes the NS input over the gradient, and each call's results overwrite
-        the inputs it has read (in a batched call, a stacked copy)."""
-        for layout in self.layouts:
-            specs = [self.specs[layout.matrices[k]] for k in layout.owned]
+    def _run_in_place(self, grad_flat, momentum_flat, settings: MuonSettings, update_dtype: torch.dtype) -> None:
+        """The matrices this rank holds whole: the NS input and each call's results are written over
+        the gradient in place."""
+        for layout in self.in_place:
             starts = []
             for k in layout.owned:
                 start, numel = self.slices[layout.matrices[k]]
                 piece = grad_flat.narrow(0, start, numel)
                 momentum_step(piece, momentum_flat.narrow(0, start, numel), settings, out=piece)
                 starts.append(start)
+            specs = [self.specs[layout.matrices[k]] for k in layout.owned]
 
             def matrix(p):
                 return grad_flat.narrow(0, starts[p], specs[p].numel).view(specs[p].shape)
 
-            for positions, results in orthogonalize_each(matrix, specs, settings.ns_steps, settings.ns_method,
-                                                         update_dtype, grad_flat.device, self.batch_ns,
-                                                         self.plan.workspace(0)):
-                self.exchange.stats.ns_calls += len(results)
-                for position, result in zip(positions, results):
-                    if self._variant is not None:
-                        result = self.owner_state.apply(layout.matrices[layout.owned[position]], result, self._variant)
-                    matrix(position).copy_(result)
+            self._orthogonalize(layout,
+                                matrix,
+                                lambda p, result: matrix(p).copy_(result),
+                                settings,
+                                update_dtype,
+                                grad_flat.device,
+                                in_place=True)
+
+    def _orthogonalize(self, layout: BucketLayout, load, write, settings: MuonSettings, update_dtype: torch.dtype,
+                       device, in_place: bool) -> None:
+        """NS and the variant's rule on each matrix this rank owns in a bucket, then ``write(position,
+        result)``: as each call returns where ``in_place``, else after the bucket's calls."""
+        specs = [self.specs[layout.matrices[k]] for k in layout.owned]
+        held = []
+        calls = orthogonalize_each(load, specs, settings.ns_steps, settings.ns_method, update_dtype, device,
+                                   self.batch_ns, self.plan.workspace(self.exchange.rank))
+        for positions, results in calls:
+            self.exchange.stats.ns_calls += len(results)
+            for position, result in zip(positions, results):
+                if self._variant is not None:
+                    result = self.owner_state.apply(layout.matrices[layout.owned[position]], result, self._variant)
+                if in_place:
+                    write(position, result)
+                else:
+                    held.append((position, result))
+            del results
+        for position, result in held:
+            write(position, result)
 
     def _prepare(self, b: int, slot: int, grad_flat, momentum_flat, settings, buffers: ExchangeBuffers):
         layout = self.layouts[b]
@@ -267,27 +224,16 @@ class MuonPipeline:
                  buffers: ExchangeBuffers):
         layout = self.layouts[b]
         _wait(handle)
-        specs = [self.specs[layout.matrices[k]] for k in layout.owned]
         recv = buffers.incoming(slot, layout.recv_numel, EXCHANGE_DTYPE)
         back = buffers.incoming(slot, layout.recv_numel, update_dtype)
-        in_place = update_dtype.itemsize == EXCHANGE_DTYPE.itemsize
-        held = []
-        calls = orthogonalize_each(lambda p: layout.owned_matrix(recv, p, specs[p].shape), specs, settings.ns_steps,
-                                   settings.ns_method, update_dtype, recv.device, self.batch_ns,
-                                   self.plan.workspace(self.exchange.rank))
-        for positions, results in calls:
-            self.exchange.stats.ns_calls += len(results)
-            for position, result in zip(positions, results):
-                if self._variant is not None:
-                    result = self.owner_state.apply(layout.matrices[layout.owned[position]], result, self._variant)
-                if in_place:
-                    layout.write_result(position, result, back)
-                else:
-                    held.append((position, result))
-            del results
-        for position, result in held:
-            layout.write_result(position, result, back)
-        del held
+        shapes = [self.specs[layout.matrices[k]].shape for k in layout.owned]
+        self._orthogonalize(layout,
+                            lambda p: layout.owned_matrix(recv, p, shapes[p]),
+                            lambda p, result: layout.write_result(p, result, back),
+                            settings,
+                            update_dtype,
+                            recv.device,
+                            in_place=update_dtype.itemsize == EXCHANGE_DTYPE.itemsize)
         returned = buffers.outgoing(slot, layout.send_numel, update_dtype)
         handle = self.exchange.all_to_all(returned, back, layout.send_splits, layout.recv_splits, async_op=True)
         return b, slot, handle

@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Every key of the Muon block is checked (``deepspeed.runtime.zero.muon.config_keys``), and each
+"""Every key of the Muon block is checked (``deepspeed.runtime.zero.muon.config``), and each
 accepted key changes the update of the half it is documented to reach.
 
 - A key of ``optimizer.params`` or of a parameter group that the engine would drop (``muon_momentum``,
@@ -14,6 +14,8 @@ accepted key changes the update of the half it is documented to reach.
   baseline's; after the first step the half the key does not reach is bit for bit the baseline's
   (after that the halves interact through the forward pass).
 - The precedence of ``lr``, ``muon_lr``, ``adam_lr`` and a group's own ``lr``.
+- The distributed update's settings (``pipeline_depth``, ``batch_ns``) reach the update the engine
+  builds, and values it cannot use are refused naming the key.
 """
 
 import deepspeed
@@ -21,9 +23,10 @@ import pytest
 import torch
 
 from unit.common import DistributedTest
-from unit.runtime.zero.zero3_muon_helpers import (FLOOR, HYPER, build_model, ds_config, fp32_newton_schulz,
-                                                  gathered_weights, is_muon_param, loss_fn, reference_muon_update,
-                                                  relative_difference, step_batch)
+from muon_testing.compare import FLOOR, gathered_weights, relative_difference
+from muon_testing.models import HYPER, build_model, is_muon_param, loss_fn, step_batch
+from muon_testing.reference import fp32_newton_schulz, reference_muon_update
+from unit.runtime.zero.zero3_muon_helpers import ds_config
 
 STEPS = 2
 
@@ -186,7 +189,8 @@ class TestEachKeyReachesItsHalf(DistributedTest):
         assert message.startswith("The Muon optimizer's configuration has keys that would do nothing:"), message
         assert "- optimizer.params.muon_momentum: not a key of the Muon optimizer" in message
         assert "- optimizer.params.lr_muon: not a key of the Muon optimizer" in message
-        assert "Accepted: adam_lr, adam_w_mode, betas, eps, foreach, fp32_optimizer_states, lr, momentum" in message
+        assert ("Accepted: adam_lr, adam_w_mode, batch_ns, betas, eps, foreach, fp32_optimizer_states, lr, momentum"
+                in message), message
 
     def test_group_keys_refused_at_initialize(self):
 
@@ -203,96 +207,122 @@ class TestEachKeyReachesItsHalf(DistributedTest):
         assert "- model_parameters[1].use_muon: which half a tensor goes to is its own flag" in message, message
         # every key the engine copies into a Muon half is accepted (a variant's too, where the engine has one)
         from deepspeed.runtime.engine import DeepSpeedEngine
-        from deepspeed.runtime.zero.muon.config_keys import GROUP_KEYS
-        accepted = sorted(set(GROUP_KEYS) | set(DeepSpeedEngine._MUON_HALF_KEYS))
+        from deepspeed.runtime.zero.muon.config import group_keys
+        accepted = sorted(set(group_keys()) | set(DeepSpeedEngine._MUON_HALF_KEYS))
         assert {"betas", "eps", "lr", "moe", "momentum", "name", "ns_method", "params",
                 "weight_decay"} <= set(accepted)
         assert f"Accepted: {', '.join(accepted)}." in message
 
 
 def test_check_muon_keys_accepts_every_key_it_lists():
-    from deepspeed.runtime.zero.muon import config_keys
-    extra = ("a_variant_key", )
-    params = {key: None for key in config_keys.config_keys(extra)} | {"ns_method": "gram"}
-    group = {key: None for key in config_keys.group_keys(extra)} | {"ns_method": "standard"}
-    assert "a_variant_key" in params and "a_variant_key" in group
-    config_keys.check_muon_keys(params, [group, torch.zeros(1)], extra)
+    from deepspeed.runtime.zero.muon import config
+    valid = {"ns_method": "gram", "pipeline_depth": 2, "batch_ns": None, "variant": "muon"}
+    params = {key: None for key in config.config_keys()} | valid
+    group = {key: None for key in config.group_keys()} | valid | {"ns_method": "standard"}
+    assert {"pipeline_depth", "batch_ns", "variant"} <= set(params) & set(group)
+    config.check_muon_keys(params, [group, torch.zeros(1)])
     with pytest.raises(ValueError, match=r"optimizer\.params\.a_variant_key: not a key of the Muon optimizer"):
-        config_keys.check_muon_keys(params, [group])
+        config.check_muon_keys(params | {"a_variant_key": 1}, [group])
     # a generator is left alone (not consumed)
     gen = (p for p in [torch.zeros(1)])
-    config_keys.check_muon_keys({}, gen)
+    config.check_muon_keys({}, gen)
     assert next(gen) is not None
 
 
+def test_variant_refused_with_a_guess():
+    """An unknown ``variant`` is refused where the engine builds Muon, with the closest accepted name."""
+    from deepspeed.runtime.zero.muon import config
+    with pytest.raises(ValueError) as info:
+        config.check_muon_groups({"variant": "Muon"}, [{"params": [], "variant": "nor-muon"}], [], engine=None)
+    message = str(info.value)
+    assert message.startswith("The Muon optimizer's variant settings are invalid:\n"), message
+    assert "- optimizer.params.variant: 'Muon' is not a Muon variant; accepted: 'muon'" in message, message
+    assert "Did you mean 'muon'?" in message, message
+    assert "- model_parameters[0].variant: 'nor-muon' is not a Muon variant" in message, message
+
+
+def test_update_settings_values_refused_naming_the_key():
+    from deepspeed.runtime.zero.muon import config
+    for depth in (1, 3):
+        config.check_muon_keys({"pipeline_depth": depth, "batch_ns": True}, [{"params": [], "batch_ns": False}])
+    for bad in (0, -1, 2.0, True, "2", None):
+        with pytest.raises(ValueError,
+                           match=r"values it cannot use:\n- optimizer\.params\.pipeline_depth: "
+                           f"{bad!r}; buckets of the boundary update in flight"):
+            config.check_muon_keys({"pipeline_depth": bad}, None)
+    for bad in (1, "yes", 0.5):
+        with pytest.raises(ValueError, match=rf"- model_parameters\[0\]\.batch_ns: {bad!r}; same-shape Newton-Schulz"):
+            config.check_muon_keys({}, [{"params": [], "batch_ns": bad}])
+
+
 def test_check_muon_keys_refusals():
-    from deepspeed.runtime.zero.muon import config_keys
+    from deepspeed.runtime.zero.muon import config
     for key in ("amsgrad", "ns_steps", "nesterov", "bias_correction", "muon_momentum", "lr_muon"):
         with pytest.raises(ValueError, match=rf"- optimizer\.params\.{key}: not a key of the Muon optimizer"):
-            config_keys.check_muon_keys({key: 1}, None)
+            config.check_muon_keys({key: 1}, None)
     with pytest.raises(ValueError,
                        match=r"ns_steps: .* nothing \(Newton-Schulz always runs upstream's 5 iterations\)"):
-        config_keys.check_muon_keys({"ns_steps": 3}, None)
+        config.check_muon_keys({"ns_steps": 3}, None)
     with pytest.raises(ValueError, match=r"nesterov: .* nothing \(Muon always uses the Nesterov blend"):
-        config_keys.check_muon_keys({"nesterov": False}, None)
+        config.check_muon_keys({"nesterov": False}, None)
     with pytest.raises(ValueError, match=r"model_parameters\[0\]\.ns_steps: not a key of a Muon parameter group"):
-        config_keys.check_muon_keys({}, [{"params": [], "ns_steps": 3}])
+        config.check_muon_keys({}, [{"params": [], "ns_steps": 3}])
 
 
 def test_check_muon_keys_suggests_the_key_meant():
     """A misspelled key or value gets the closest accepted one, lower-cased first; a key far from
     every accepted one, or with a reason of its own, gets none."""
-    from deepspeed.runtime.zero.muon import config_keys
+    from deepspeed.runtime.zero.muon import config
     for key, meant in (("muon_momentum", "momentum"), ("weight_decy", "weight_decay"), ("Momentum", "momentum"),
                        ("adamlr", "adam_lr"), ("ns_methods", "ns_method")):
         with pytest.raises(ValueError) as info:
-            config_keys.check_muon_keys({key: 1}, None)
+            config.check_muon_keys({key: 1}, None)
         assert str(info.value).endswith(f". Did you mean {meant!r}?"), str(info.value)
     for key in ("amsgrad", "epsilon", "ns_steps", "nesterov"):
         with pytest.raises(ValueError) as info:
-            config_keys.check_muon_keys({key: 1}, None)
+            config.check_muon_keys({key: 1}, None)
         assert "Did you mean" not in str(info.value), str(info.value)
     with pytest.raises(ValueError) as info:
-        config_keys.check_muon_keys({}, [{"params": [], "momentun": 0.9}, {"params": [], "muon_lr": 0.1}])
+        config.check_muon_keys({}, [{"params": [], "momentun": 0.9}, {"params": [], "muon_lr": 0.1}])
     first, second = str(info.value).splitlines()[1:]
     assert first.startswith("- model_parameters[0].momentun:") and first.endswith(" Did you mean 'momentum'?")
     assert second.startswith("- model_parameters[1].muon_lr: a group's lr") and "Did you mean" not in second
     for value, meant in (("Gram", "gram"), ("polar-express", "polar_express"), ("PolarExpress", "polar_express")):
         with pytest.raises(ValueError,
                            match=rf"is not a Newton-Schulz method of Muon\. .*\. Did you mean {meant!r}\?"):
-            config_keys.check_muon_keys({"ns_method": value}, None)
+            config.check_muon_keys({"ns_method": value}, None)
 
 
 def test_check_muon_keys_ns_method_values():
     """Every Newton-Schulz method of upstream's Muon is accepted, in the config and in a group
     ("polar_express" where patch 0017 adds it); anything else is refused naming the key, the value
     and the accepted methods, after the unknown keys."""
-    from deepspeed.runtime.zero.muon import config_keys, original_muon
-    assert config_keys.ns_methods() == set(original_muon.NS_METHODS) >= {"gram", "standard"}
-    for method in config_keys.ns_methods():
-        config_keys.check_muon_keys({"ns_method": method}, [{"params": [], "ns_method": method}])
+    from deepspeed.runtime.zero.muon import config, original_muon
+    assert config.ns_methods() == set(original_muon.NS_METHODS) >= {"gram", "standard"}
+    for method in config.ns_methods():
+        config.check_muon_keys({"ns_method": method}, [{"params": [], "ns_method": method}])
     accepted = f"Accepted: {', '.join(sorted(original_muon.NS_METHODS))}."
     for bad in ("polar-express", "Gram", None, 5, ["gram"]):
         with pytest.raises(ValueError) as info:
-            config_keys.check_muon_keys({"ns_method": bad}, [{"params": []}, {"params": [], "ns_method": bad}])
+            config.check_muon_keys({"ns_method": bad}, [{"params": []}, {"params": [], "ns_method": bad}])
         message = str(info.value)
         assert message.startswith("The Muon optimizer's configuration has values it cannot use:"), message
         assert f"- optimizer.params.ns_method: {bad!r} is not a Newton-Schulz method of Muon. {accepted}" in message
         assert f"- model_parameters[1].ns_method: {bad!r} is not a Newton-Schulz method of Muon. {accepted}" in message
     with pytest.raises(ValueError) as info:
-        config_keys.check_muon_keys({"ns_method": "newton", "ns_steps": 3}, None)
+        config.check_muon_keys({"ns_method": "newton", "ns_steps": 3}, None)
     keys, values = str(info.value).split("\nThe Muon optimizer's configuration has values it cannot use:\n")
     assert "optimizer.params.ns_steps" in keys and "optimizer.params.ns_method: 'newton'" in values
 
 
 def test_per_head_muon_on_each_base():
     """Accepted where DeepSpeed has per-head Muon, refused (saying so) where it has none."""
-    from deepspeed.runtime.zero.muon import config_keys
-    if config_keys.has_per_head_muon():
-        config_keys.check_muon_keys({"per_head_muon": True}, None)
+    from deepspeed.runtime.zero.muon import config
+    if config.has_per_head_muon():
+        config.check_muon_keys({"per_head_muon": True}, None)
     else:
         with pytest.raises(ValueError, match="per_head_muon: this DeepSpeed has no per-head Muon"):
-            config_keys.check_muon_keys({"per_head_muon": True}, None)
+            config.check_muon_keys({"per_head_muon": True}, None)
 
 
 def _resolved(optimizer_params, groups=None):
@@ -316,3 +346,31 @@ def test_learning_rate_precedence():
     assert _resolved({"muon_lr": 0.05, "adam_lr": 0.003}) == [(True, 0.05), (False, 0.003)]
     own = lambda matrix, bias: [dict(params=[matrix, bias], lr=0.007)]  # noqa: E731
     assert _resolved({"lr": 0.01, "muon_lr": 0.05, "adam_lr": 0.003}, own) == [(True, 0.007), (False, 0.007)]
+
+
+class TestUpdateSettingsReachTheUpdate(DistributedTest):
+    """``pipeline_depth`` and ``batch_ns`` set like any Muon key reach each pipeline of the update the
+    engine builds, at ZeRO-2 and ZeRO-3 (``binding.MuonUpdate``). The depth is an upper bound: the
+    plan lowers it where the exchange buffers would not fit the momentum's memory (``owner_plan``)."""
+    world_size = 2
+    reuse_dist_env = True
+
+    @pytest.mark.parametrize("stage", [2, 3])
+    def test_settings_reach_every_pipeline(self, stage):
+        from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH
+        for settings, depth, batch_ns in (({}, DEFAULT_DEPTH, None), ({
+                "pipeline_depth": 1,
+                "batch_ns": False
+        }, 1, False), ({
+                "batch_ns": True
+        }, DEFAULT_DEPTH, True)):
+            net = build_model("mixed")
+            config = ds_config(stage, 1, self.world_size)
+            config["optimizer"]["params"].update(settings)
+            engine, *_ = deepspeed.initialize(model=net, config=config, model_parameters=list(net.parameters()))
+            pipelines = list(engine.optimizer.muon_update.pipelines.values())
+            assert pipelines and all(p.batch_ns is batch_ns for p in pipelines), settings
+            assert all(1 <= p.depth <= depth for p in pipelines), settings
+            if depth == 1:
+                assert all(p.depth == 1 for p in pipelines)
+            engine.destroy()

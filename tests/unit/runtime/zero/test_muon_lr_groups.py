@@ -23,9 +23,10 @@ import pytest
 import torch
 
 from unit.common import DistributedTest
-from unit.runtime.zero.zero3_muon_helpers import (FLOOR, HYPER, build_model, ds_config, fp32_newton_schulz,
-                                                  gathered_weights, is_muon_param, loss_fn, reference_muon_update,
-                                                  relative_difference, step_batch)
+from muon_testing.compare import FLOOR, gathered_weights, relative_difference
+from muon_testing.models import HYPER, build_model, is_muon_param, loss_fn, step_batch
+from muon_testing.reference import fp32_newton_schulz, reference_muon_update
+from unit.runtime.zero.zero3_muon_helpers import ds_config
 
 STEPS = 5
 MUON_LR, ADAM_LR = HYPER["muon_lr"], HYPER["adam_lr"]

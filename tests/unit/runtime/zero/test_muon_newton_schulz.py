@@ -9,6 +9,7 @@ Newton-Schulz on the owner.
   gradient untouched), the NS input reassembled as the owner does and ``muon_orthogonalize`` on it,
   give bit for bit what upstream ``muon_update`` gives on the whole matrix, for W up to 4; in place
   it leaves what upstream's in-place step leaves;
+- upstream's ``muon_ns_problem`` (patch 0004) is the problem its kernel sees;
 - ``newton_schulz.orthogonalize_each`` batches same-shape problems (as accurate as one by one) where it
   pays, and ``newton_schulz_problem`` refuses what Muon cannot orthogonalize, naming the key;
 """
@@ -20,11 +21,25 @@ import torch
 
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum import MuonSettings, momentum_step
-from deepspeed.runtime.zero.muon.newton_schulz import batches, newton_schulz_problem
+from deepspeed.runtime.zero.muon.newton_schulz import batches, newton_schulz_problem, orthogonalize_each
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec
-from unit.runtime.zero.newton_schulz_testing import NSCounter, orthogonalize_all, reference_muon_update
+from muon_testing.counting import NSCounter
+from muon_testing.reference import reference_muon_update
 
 HAS_PER_HEAD = hasattr(original_muon, "_per_head_orthogonalize")
+
+
+def orthogonalize_all(matrices, specs, ns_steps, ns_method, dtype, batch=None, max_call_numel=None):
+    """``newton_schulz.orthogonalize_each`` over matrices in hand: their updates as a list, in order
+    (``test_muon_polar_express`` uses it too)."""
+    updates = [None] * len(matrices)
+    device = matrices[0].device if matrices else "cpu"
+    for members, results in orthogonalize_each(matrices.__getitem__, specs, ns_steps, ns_method, dtype, device, batch,
+                                               max_call_numel):
+        for k, result in zip(members, results):
+            updates[k] = result
+    return updates
+
 
 CASES = [
     # (shape, keyword arguments of muon_update / muon_orthogonalize)
@@ -92,6 +107,29 @@ def _partitioned_update(grad, momentum, world_size, beta, nesterov=True, **kwarg
     x = _reassemble(to_owner, grad.shape)
     update = original_muon.muon_orthogonalize(x, **kwargs).to(grad.dtype)
     return update, _reassemble(momenta, grad.shape)
+
+
+@pytest.mark.parametrize("shape,kwargs,problem", [
+    ((64, 32), {}, (1, 64, 32)),
+    ((8, 3, 3, 3), {}, (1, 8, 27)),
+    ((3, 12, 20), {}, (3, 12, 20)),
+    ((4, 16, 32), dict(is_expert_group=True), (4, 16, 32)),
+    ((2, 4, 16, 32), dict(is_expert_group=True), (8, 16, 32)),
+] + ([((96, 32), dict(num_heads=4), (4, 24, 32))] if HAS_PER_HEAD else []))
+def test_ns_problem_is_what_the_kernel_sees(shape, kwargs, problem, monkeypatch):
+    assert original_muon.muon_ns_problem(shape, kwargs.get("is_expert_group", False),
+                                         kwargs.get("num_heads")) == problem
+    seen = []
+    kernel = original_muon.zeropower_via_gram_newtonschulz
+
+    def spy(G, steps):
+        seen.append(tuple(G.shape))
+        return kernel(G, steps)
+
+    monkeypatch.setattr(original_muon, "zeropower_via_gram_newtonschulz", spy)
+    original_muon.muon_orthogonalize(torch.randn(shape), **kwargs)
+    batch, rows, cols = problem
+    assert len(seen) == 1 and math.prod(seen[0][:-2]) == batch and seen[0][-2:] == (rows, cols)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -278,3 +316,11 @@ def _profiled_peak(prof):
         elif ptr in known:
             live -= known.pop(ptr)
     return peak
+
+
+@pytest.mark.parametrize("ns_method", ["gram", "standard"])
+def test_orthogonalize_returns_the_ns_compute_dtype_and_leaves_its_input(ns_method):
+    x = torch.randn(6, 10)
+    before = x.clone()
+    assert original_muon.muon_orthogonalize(x, ns_method=ns_method).dtype == original_muon.ns_compute_dtype(ns_method)
+    assert torch.equal(x, before)

@@ -140,7 +140,6 @@ def test_the_registry(registered):
     with pytest.raises(ValueError) as info:
         variant_of({"variant": "Row-Sum"})
     assert "variant: 'Row-Sum' is not a Muon variant; accepted: 'muon', " in str(info.value), str(info.value)
-    assert str(info.value).endswith("'row_sum'. Did you mean 'row_sum'?"), str(info.value)
     with pytest.raises(ValueError, match="row_sum_scale: -1 must be > 0"):
         variant_of({"variant": "row_sum", "row_sum_scale": -1})
     register_variant(RowSum)  # the same class again: a re-import

@@ -28,9 +28,11 @@ import pytest
 import torch
 
 from unit.common import DistributedTest
-from unit.runtime.zero.zero3_muon_helpers import (FLOOR, HYPER, NSCounter, Zero3MuonRun, build_model, ds_config,
-                                                  fp32_newton_schulz, gathered_weights, loss_fn, relative_difference,
-                                                  step_batch)
+from muon_testing.compare import FLOOR, gathered_weights, relative_difference
+from muon_testing.counting import NSCounter
+from muon_testing.models import HYPER, build_model, loss_fn, step_batch
+from muon_testing.reference import fp32_newton_schulz
+from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun, ds_config
 
 VOCAB, SEQ, MICRO = 96, 8, 2
 

@@ -24,7 +24,8 @@ import torch
 from deepspeed.runtime.zero.muon import original_muon, polar_express
 from deepspeed.runtime.zero.muon.newton_schulz import newton_schulz_problem
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec
-from unit.runtime.zero.newton_schulz_testing import NSCounter, orthogonalize_all
+from muon_testing.counting import NSCounter
+from unit.runtime.zero.test_muon_newton_schulz import orthogonalize_all
 
 HAS_PER_HEAD = hasattr(original_muon, "_per_head_orthogonalize")
 

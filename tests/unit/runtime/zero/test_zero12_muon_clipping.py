@@ -5,7 +5,7 @@
 """Gradient clipping with Muon is the same at ZeRO stages 1, 2 and 3, and is PyTorch's:
 ``torch.nn.utils.clip_grad_norm_`` on the raw accumulated gradients, then Muon (upstream
 ``muon_update``) on the clipped gradient, the orthogonalized update applied as it is
-(``deepspeed.runtime.zero.muon.zero12_update``; upstream issues #8439, #7776).
+(``deepspeed.runtime.zero.muon.binding``; upstream issues #8439, #7776).
 
 On W = 2 and 3 gloo ranks (``DS_ACCELERATOR=cpu``), gas 1 and 4, 3 optimizer steps of 24 samples
 each (``Zero3MuonRun``), against the single-process reference (``train_reference``: the same
@@ -33,8 +33,9 @@ from deepspeed import comm as dist
 import pytest
 
 from unit.common import DistributedTest
-from unit.runtime.zero.zero3_muon_helpers import (FLOOR, Zero3MuonRun, build_model, initialize_error,
-                                                  newton_schulz_problem_count, relative_difference)
+from muon_testing.compare import FLOOR, relative_difference
+from muon_testing.models import build_model, newton_schulz_problem_count
+from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun, initialize_error
 
 BASE = tuple(int(v) for v in deepspeed.__version__.split("+")[0].split(".")[:3])
 SAMPLES = 24  # divisible by W * gas for W in (2, 3), gas in (1, 4)

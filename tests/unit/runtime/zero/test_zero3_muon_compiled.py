@@ -20,7 +20,9 @@ import os
 import pytest
 
 from unit.common import DistributedTest
-from unit.runtime.zero.zero3_muon_helpers import FLOOR, NS_KERNELS, Zero3MuonRun, relative_difference
+from muon_testing.compare import FLOOR, relative_difference
+from muon_testing.counting import NS_KERNELS
+from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
 RUN = Zero3MuonRun(model="cross", gas=4, steps=3)
 

@@ -3,7 +3,7 @@
 
 # DeepSpeed Team
 """The ZeRO-3 configurations a Muon user reaches for, each trained on W gloo ranks and compared
-with the single-process PyTorch reference (``zero3_muon_helpers.train_reference``); Newton-Schulz
+with the single-process PyTorch reference (``muon_testing.reference.train_reference``); Newton-Schulz
 must run once per Muon matrix per step, summed over ranks, in each (stock 0.19.8 runs every
 matrix on every rank under CPU offload).
 
@@ -43,8 +43,9 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.muon import original_muon
 
 from unit.common import DistributedTest
-from unit.runtime.zero.zero3_muon_helpers import (BF16_NS_FLOOR, FLOOR, Zero3MuonRun, build_model, needs_stage3_fix,
-                                                  newton_schulz_problem_count, relative_difference)
+from muon_testing.compare import FLOOR, relative_difference
+from muon_testing.models import build_model, newton_schulz_problem_count
+from unit.runtime.zero.zero3_muon_helpers import BF16_NS_FLOOR, Zero3MuonRun
 
 STEPS = 4
 HAS_PER_HEAD = hasattr(original_muon, "_per_head_orthogonalize")
@@ -72,7 +73,6 @@ SINGLE_RUNS = {
 }
 CORE = {(2, "stage3_alone"), (2, "shapes"), (2, "routed"), (4, "hpz")}
 MARKS = {key: [pytest.mark.core] if key in CORE else [] for key in SINGLE_RUNS}
-MARKS[(2, "routed")].append(needs_stage3_fix("grad-window"))
 STANDARD_FIRST = DEFAULT.with_(groups="standard_first")
 HEADS = DEFAULT.with_(model="heads", per_head=True)
 FROZEN = DEFAULT.with_(model="frozen")

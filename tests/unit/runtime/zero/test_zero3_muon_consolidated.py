@@ -23,7 +23,9 @@ import pytest
 import torch
 
 from unit.common import DistributedTest
-from unit.runtime.zero.zero3_muon_helpers import (Zero3MuonRun, build_model, fp32_newton_schulz, loss_fn, step_batch)
+from muon_testing.models import build_model, loss_fn, step_batch
+from muon_testing.reference import fp32_newton_schulz
+from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
 RUN = Zero3MuonRun(gas=2, steps=3)
 FP32_SETTINGS = {"fp32": RUN, "bf16": RUN.with_(dtype="bf16"), "offload": RUN.with_(offload="cpu")}

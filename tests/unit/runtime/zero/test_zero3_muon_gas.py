@@ -22,15 +22,16 @@ from deepspeed import comm as dist
 from deepspeed.runtime.zero import stage_1_and_2
 
 from unit.common import DistributedTest
-from unit.runtime.zero.zero3_muon_helpers import (FLOOR, CrossShapes, Zero3MuonRun, build_model,
-                                                  newton_schulz_problem_count, relative_difference)
+from muon_testing.compare import FLOOR, relative_difference
+from muon_testing.models import CrossShapes, build_model, newton_schulz_problem_count
+from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
 # Stock 0.19.7's ZeRO-2 Muon does not match upstream muon_update on this model: measured 4.6e-2
 # (two bias-free layers) and 4.9e-2 (MixedMLP) from the reference at W=1, where our ZeRO-3 is at
 # 0.0 and 3.7e-7. ZeRO-2 is a yardstick from 0.19.8 on, and on 0.19.7 with the ZeRO-1/2 Muon of
-# patch 0012 (zero12_update); the reference is one on every base.
+# patch 0012 (the binding); the reference is one on every base.
 ZERO2_MATCHES_REFERENCE = (tuple(int(v) for v in deepspeed.__version__.split("+")[0].split(".")[:3]) >= (0, 19, 8)
-                           or "Zero12MuonUpdate" in inspect.getsource(stage_1_and_2))
+                           or "MuonUpdate.create" in inspect.getsource(stage_1_and_2))
 GAS4 = Zero3MuonRun(model="mixed", gas=4, steps=4)
 CLIPPED = GAS4.with_(clip=1.0, target_scale=10.0)  # gradient norms of 10-30: the clip bites every step
 CROSS = Zero3MuonRun(model="cross", gas=2, steps=3)

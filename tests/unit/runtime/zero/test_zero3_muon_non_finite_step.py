@@ -15,7 +15,8 @@ import torch
 
 import deepspeed
 from unit.common import DistributedTest
-from unit.runtime.zero.zero3_muon_helpers import build_model, ds_config, momentum_tensors, train_one_step
+from muon_testing.models import build_model
+from unit.runtime.zero.zero3_muon_helpers import ds_config, momentum_tensors, train_one_step
 
 
 class TestZero3MuonNonFiniteStep(DistributedTest):

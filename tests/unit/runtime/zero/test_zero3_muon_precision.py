@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 from unit.common import DistributedTest
-from unit.runtime.zero.zero3_muon_helpers import (HYPER, REPLAY_FLOOR, Zero3MuonRun, build_model, is_muon_param,
-                                                  max_relative_error, needs_stage3_fix, replay)
+from muon_testing.models import HYPER, build_model, is_muon_param
+from unit.runtime.zero.zero3_muon_helpers import REPLAY_FLOOR, Zero3MuonRun, max_relative_error, replay
 
 OVERFLOWS = (3, 5)  # steps whose first micro-batch overflows fp16: the scale goes down twice, up in between
 BASE = Zero3MuonRun(gas=2, steps=8)
@@ -88,9 +88,6 @@ RUNS = {
 }
 CORE = {"fp16", "bf16_clip"}
 MARKS = {name: [pytest.mark.core] if name in CORE else [] for name in RUNS}
-for name in RUNS:  # the replay divides by the loss scale of the step's backward, which needs that fix
-    if name.startswith("fp16"):
-        MARKS[name].append(needs_stage3_fix("loss-scale"))
 
 
 class TestZero3MuonPrecision(DistributedTest):

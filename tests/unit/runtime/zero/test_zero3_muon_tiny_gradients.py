@@ -29,8 +29,10 @@ facts and print the measured sizes the user guide quotes:
 import torch
 
 from unit.common import DistributedTest
-from unit.runtime.zero.zero3_muon_helpers import (HYPER, Zero3MuonRun, build_model, fp32_newton_schulz, is_muon_param,
-                                                  relative_difference)
+from muon_testing.compare import relative_difference
+from muon_testing.models import HYPER, build_model, is_muon_param
+from muon_testing.reference import fp32_newton_schulz
+from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
 SCALES = (1.0, 1e-6, 1e-8, 3e-10, 1e-10, 1e-11, 1e-12)
 BETA = 0.95

@@ -24,9 +24,10 @@ import pytest
 import torch
 
 from unit.common import DistributedTest
-from unit.runtime.zero.zero3_muon_helpers import (FLOOR, HYPER, Zero3MuonRun, build_model, ds_config,
-                                                  fp32_newton_schulz, initialize_error, is_muon_param, loss_fn,
-                                                  reference_muon_update, relative_difference, step_batch)
+from muon_testing.compare import FLOOR, relative_difference
+from muon_testing.models import HYPER, build_model, is_muon_param, loss_fn, step_batch
+from muon_testing.reference import fp32_newton_schulz, reference_muon_update
+from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun, ds_config, initialize_error
 
 BETA2, EPS = 0.9, 1e-8
 """The tests' NorMuon settings (beta2 off its 0.95 default, so the key is seen to reach the update)."""
@@ -105,7 +106,7 @@ def references():
 
 def _owner_rows(engine) -> int:
     """Elements of owner state this rank keeps (ZeRO-3), 0 without."""
-    return sum(p.owner_state.numel for p in engine.optimizer.zero3_muon.pipelines.values()
+    return sum(p.owner_state.numel for p in engine.optimizer.muon_update.pipelines.values()
                if p.owner_state is not None)
 
 
@@ -146,7 +147,7 @@ class TestZero3NorMuon(DistributedTest):
 
     @pytest.mark.world_size(2)
     def test_per_head(self):
-        from deepspeed.runtime.zero.muon.config_keys import has_per_head_muon
+        from deepspeed.runtime.zero.muon.config import has_per_head_muon
         if not has_per_head_muon():
             pytest.skip("this DeepSpeed has no per-head Muon")
         block = normuon_block(per_head_muon=True)
@@ -189,7 +190,7 @@ class TestZero3NorMuon(DistributedTest):
         bit, with the same exchange counters (no extra collective)."""
         plain = Zero3MuonRun(steps=3, gas=2)
         engine = plain.build_engine(plain.config(2))
-        assert all(p.owner_state is None for p in engine.optimizer.zero3_muon.pipelines.values())
+        assert all(p.owner_state is None for p in engine.optimizer.muon_update.pipelines.values())
         assert all("variant" not in g for g in engine.optimizer.optimizer.param_groups)
         engine.destroy()
         block = ds_config(3, 1, 1)["optimizer"]
@@ -248,13 +249,13 @@ class TestNorMuonRefusals(DistributedTest):
 
     def test_group_keys_refused_naming_the_group(self):
         run = Zero3MuonRun(groups="two_muon_groups")
-        from unit.runtime.zero import zero3_muon_helpers as helpers
-        original = helpers.GROUPINGS["two_muon_groups"]
-        helpers.GROUPINGS[
+        from muon_testing import models
+        original = models.GROUPINGS["two_muon_groups"]
+        models.GROUPINGS[
             "normuon_bad_group"] = lambda model: [dict(original(model)[0], normuon_beta2=2.0),
                                                   original(model)[1]]
         try:
             error = initialize_error(run.with_(groups="normuon_bad_group"))
         finally:
-            del helpers.GROUPINGS["normuon_bad_group"]
+            del models.GROUPINGS["normuon_bad_group"]
         assert error is not None and "model_parameters[0].normuon_beta2: 2.0" in error, error

@@ -13,13 +13,13 @@
   matrix's new owner; at the same W these small models get the same plan whatever
   ``reduce_bucket_size`` is, one matrix per bucket within the momentum budget).
 - The same universal checkpoint loaded at ZeRO-1 and ZeRO-2 (W' = 1 and 2; ZeRO-2 with optimizer
-  offload, whose owner plan differs again): the per-row state each rank keeps equals the saved
-  one exactly, and the continued run equals the reference to the fp32 floor (on 0.19.7 ZeRO-2
-  with offload refuses the load, as it does for plain Muon).
-- ZeRO-1/2 (stage 2, with and without optimizer offload), same W: bit-identical resume.
+  offload): the per-row state each rank keeps equals the saved one exactly, and the continued run
+  equals the reference to the fp32 floor.
+- ZeRO-1/2 (stage 2, with and without optimizer offload), same W: bit-identical resume; a ZeRO-2
+  NorMuon checkpoint converts with ``ds_to_universal`` and resumes at another W and at ZeRO-3; one
+  of an older build (no layout mark) loads and trains on bit-identically.
 - Refused: a plain Muon checkpoint loaded into a NorMuon run, a NorMuon checkpoint whose state was
-  removed (regular and universal), a universal file whose rows are not constant, and a ZeRO-2
-  NorMuon checkpoint given to ``ds_to_universal`` (naming both of its states).
+  removed (regular and universal), and a universal file whose rows are not constant.
 """
 
 import glob
@@ -29,21 +29,15 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from deepspeed.git_version_info import version as deepspeed_version
-from packaging import version
 
 from unit.common import DistributedTest
 from unit.checkpoint.zero3_universal_helpers import unequal_states
 from unit.runtime.zero.test_zero3_normuon import normuon_reference, normuon_run
-from unit.runtime.zero.zero3_muon_helpers import (FLOOR, Zero3MuonRun, check_zero12_conversion_refused,
-                                                  relative_difference)
+from muon_testing.compare import FLOOR, relative_difference
+from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
 KEY = "normuon_second_moment"
 SAVED_AT = 3
-UPSTREAM_0197 = version.parse(deepspeed_version).base_version == "0.19.7"
-"""DeepSpeed 0.19.7 refuses to load Muon momentum into ZeRO-1/2 with CPU offload (its offload path
-kept none before patch 0012), so there a universal NorMuon checkpoint is refused at ZeRO-2 with
-offload, naming the key."""
 
 
 def _drop_state(checkpoint_dir, tag):
@@ -80,9 +74,9 @@ class TestNorMuonCheckpoint(DistributedTest):
         for key in straight.weights:
             assert np.array_equal(straight.weights[key], restarted.weights[key]), key
         assert straight.norms == restarted.norms
-        if stage == 3:
-            saved = restarted.optimizer_state
-            assert not any(k[1] == KEY for k in saved), "the state is handed back to the owners after a load"
+        if stage == 3:  # every optimizer state, the NorMuon state in its checkpoint form included
+            assert any(k[1] == KEY for k in straight.optimizer_state)
+            assert unequal_states(straight.optimizer_state, restarted.optimizer_state) == []
 
     def test_checkpoint_without_the_state_is_refused(self, tmp_path):
         from deepspeed import comm as dist
@@ -162,46 +156,46 @@ class TestNorMuonUniversal(DistributedTest):
         dist.barrier()
         zero2 = UNIVERSAL.with_(stage=2)
         engine = zero2.build_engine(dict(zero2.config(2), checkpoint={"load_universal": True}))
-        with pytest.raises(ValueError, match=f"fc1.weight.*{KEY}.pt is not normuon's per-row state"):
+        with pytest.raises(ValueError,
+                           match=f"ZeRO-2 Muon, parameter group 0: '{KEY}' of the checkpoint: matrix 0 "
+                           r"\(shape \(33, 21\)\) is not normuon's per-row state"):
             engine.load_checkpoint(str(tmp_path), tag="uneven")
         engine.destroy()
 
 
 @pytest.mark.parametrize("offload", [None, "cpu"])
 class TestNorMuonZero12Conversion(DistributedTest):
-    world_size = 2
+    """A ZeRO-2 NorMuon checkpoint (W=2, with and without offload) converts with ``ds_to_universal``,
+    the per-row state in its checkpoint form like the momentum, and resumes at ZeRO-2 W'=1 and at
+    ZeRO-3 W'=2, equal to the single-process NorMuon reference at the fp32 floor."""
     reuse_dist_env = True
 
-    def test_refused_naming_the_state(self, offload, tmp_path):
-        run = normuon_run(stage=2, offload=offload, gas=2)
-        check_zero12_conversion_refused(run, tmp_path, f"momentum_buffer, {KEY}")
+    @pytest.mark.parametrize("world_size, load_stage", [([2, 1], 2), ([2, 2], 3)], ids=["2to1", "2toZeRO3"])
+    def test_converts_and_resumes(self, offload, world_size, load_stage, tmp_path):
+        import deepspeed.comm as dist
+        run = normuon_run(stage=2, offload=offload, gas=2, steps=5, samples=24, universal=True)
+        if not (tmp_path / "restart_universal").exists():
+            run.with_(steps=SAVED_AT, restart_after=SAVED_AT).train(checkpoint_dir=str(tmp_path))
+            names = os.listdir(tmp_path / "restart_universal" / "zero" / "fc1.weight")
+            assert f"{KEY}.pt" in names and "momentum_buffer.pt" in names, names
+            return
+        target = run.with_(stage=load_stage, offload=offload if load_stage < 3 else None, resume_from=SAVED_AT)
+        resumed = target.train(checkpoint_dir=str(tmp_path))
+        diff = relative_difference(normuon_reference(steps=5, samples=24), resumed.weights)
+        if dist.get_rank() == 0:
+            print(f"MEASURED normuon ZeRO-2 offload={offload} W=2 -> ZeRO-{load_stage} W'={world_size[1]}: {diff:.2e} "
+                  "from the reference")
+        assert diff <= FLOOR
 
 
 def _rows_held(engine) -> dict:
-    """``{(flat partition index, matrix index): rows}`` of the NorMuon state this ZeRO-1/2 rank holds
-    once loaded (``zero12_update``'s layouts), with ``{name: rows}`` of the same matrices."""
-    from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec
-    from deepspeed.runtime.zero.muon.normuon import NorMuon
+    """``{name: rows}`` of the NorMuon state this rank holds as owner once loaded (``MuonUpdate.pipelines``)."""
     opt = engine.optimizer
     held = {}
-    for i, group in enumerate(opt.optimizer.param_groups):
-        state = opt.optimizer.state.get(group["params"][0], {})
-        if not group.get("use_muon") or KEY not in state:
-            continue
-        flat = state[KEY].cpu()
-        if KEY + "_matrices" in state:  # offload: the owned matrices, in the owner state's order
-            owner = opt.zero12_muon.pipelines[i].owner_state
-            params = opt.round_robin_bit16_groups[i]
-            assert sorted(owner.spans) == state[KEY + "_matrices"].long().tolist()
-            for j, (offset, n) in owner.spans.items():
-                held[opt.param_names[params[j]]] = flat.narrow(0, offset, n)
-        else:
-            offset = 0
-            for p in opt.params_in_partition[i]:
-                n = NorMuon.state_numel(matrix_spec(p, p.shape, group["ns_method"]))
-                held[opt.param_names[p]] = flat.narrow(0, offset, n)
-                offset += n
-            assert offset == flat.numel()
+    for key, pipeline in opt.muon_update.pipelines.items():
+        params = opt.muon_update.partitions[key].params
+        for j in pipeline.owner_state.spans:
+            held[opt.param_names[params[j]]] = pipeline.owner_state.view(j).cpu()
     return held
 
 
@@ -223,11 +217,6 @@ class TestNorMuonUniversalAtZero12(DistributedTest):
         saved_state = torch.load(saved_file, weights_only=False)
         run = UNIVERSAL.with_(stage=stage, offload=offload)
         engine = run.build_engine(dict(run.config(dist.get_world_size()), checkpoint={"load_universal": True}))
-        if offload and UPSTREAM_0197:
-            with pytest.raises(ValueError, match="ZeRO stage 2 with zero_optimization.offload_optimizer"):
-                engine.load_checkpoint(str(tmp_path), tag="restart_universal")
-            engine.destroy()
-            return
         engine.load_checkpoint(str(tmp_path), tag="restart_universal")
         held = _rows_held(engine)
         engine.destroy()
@@ -243,3 +232,32 @@ class TestNorMuonUniversalAtZero12(DistributedTest):
         print(f"MEASURED normuon universal 2->ZeRO-{stage} offload={offload} W'={world_size[1]}: {diff:.2e} "
               "from the reference")
         assert diff <= FLOOR
+
+
+@pytest.mark.parametrize("offload", [None, "cpu"])
+class TestNorMuonOlderZero12Checkpoints(DistributedTest):
+    """A ZeRO-2 NorMuon checkpoint of an older build (rows of the whole matrices a rank holds a piece
+    of, or with offload of the matrices it owns with their indices: ``to_older_zero12_layout``) loads
+    and trains on bit-identically to the uninterrupted run (W=3: two matrices straddle)."""
+    world_size = 3
+    reuse_dist_env = True
+
+    def test_resume_equals_the_uninterrupted_run(self, offload, tmp_path):
+        from deepspeed import comm as dist
+        from muon_testing.models import build_model, is_muon_param
+        from unit.runtime.zero.zero12_muon_helpers import to_older_zero12_layout
+        run = normuon_run(stage=2, offload=offload, gas=2, steps=5, samples=24)
+        engine = run.build_engine(run.config(self.world_size))
+        (pipeline, ) = engine.optimizer.muon_update.pipelines.values()
+        owners = pipeline.plan.owners
+        engine.destroy()
+        straight = run.train()
+        run.with_(steps=SAVED_AT, restart_after=SAVED_AT).train(checkpoint_dir=str(tmp_path))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shapes = [tuple(p.shape) for n, p in build_model("mixed").named_parameters() if is_muon_param(n, p)]
+            to_older_zero12_layout(str(tmp_path), "restart", shapes, self.world_size, offload, owners)
+        dist.barrier()
+        resumed = run.with_(resume_from=SAVED_AT).train(checkpoint_dir=str(tmp_path))
+        for name in straight.weights:
+            assert np.array_equal(straight.weights[name], resumed.weights[name]), name

@@ -22,8 +22,9 @@ import deepspeed
 import pytest
 
 from unit.common import DistributedTest
-from unit.runtime.zero.zero3_muon_helpers import (FLOOR, Zero3MuonRun, build_model, initialize_error,
-                                                  newton_schulz_problem_count, relative_difference)
+from muon_testing.compare import FLOOR, relative_difference
+from muon_testing.models import build_model, newton_schulz_problem_count
+from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun, initialize_error
 
 STEPS = 4
 RUN = Zero3MuonRun(model="mixed", gas=4, steps=STEPS, ns_method="polar_express", ns_fp32=True)

@@ -2,47 +2,35 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Shared by the ZeRO-3 Muon tests, the benchmark (``bench/``) and the demo (``examples/demo/``).
+"""The ZeRO Muon tests' harness, on top of ``muon_testing`` (the models, per-step data,
+comparisons and single-process reference the tests share with the benchmark and the demo).
 
-- Tolerances (``FLOOR``, ``BF16_NS_FLOOR``, ``REPLAY_FLOOR``), ``relative_difference``,
-  ``free_port``, ``NSCounter`` (Newton-Schulz calls, by wrapping upstream's kernels) and
-  ``gathered_weights`` (full weights, one parameter at a time under ZeRO-3): used by all three.
-- Models, per-step data, DeepSpeed configs and the single-process reference
-  (``train_reference``): what a PyTorch user writes by hand, one process, the whole batch of a
-  step at once, optionally ``torch.nn.utils.clip_grad_norm_``, then upstream ``muon_update`` per
-  Muon matrix (weight decay and ``-lr * update`` as ``MuonWithAuxAdam`` applies them) and
-  ``torch.optim.AdamW`` for everything else.
 - ``Zero3MuonRun``: one DeepSpeed training run, described as data; ``train()`` runs it on every
-  rank of the current process group and returns a ``Zero3MuonResult``.
+  rank of the current process group and returns a ``Zero3MuonResult``. ``ds_config`` is its
+  DeepSpeed config; ``initialize_error`` the error ``deepspeed.initialize`` raises for one.
 - ``Recorder`` / ``replay``: what the boundary update saw and did at every step, recomputed with
   upstream ``muon_update`` (for fp16/bf16 runs no single-process model reproduces bit for bit).
+- Checkpoints: the optimizer state gathered whole, universal conversion, older layouts.
+- Tolerances beyond ``muon_testing.compare.FLOOR``: ``BF16_NS_FLOOR``, ``REPLAY_FLOOR``.
 
-Importable as ``unit.runtime.zero.zero3_muon_helpers`` with ``tests/`` on sys.path (pytest's
-conftest puts it there; bench and demo add it). Imports only numpy and torch at module level and
-upstream DeepSpeed names inside functions, so it loads under stock DeepSpeed too (the benchmark).
-The measurements behind the tolerances are in docs/configurations.md.
+DeepSpeed names are imported inside functions; the measurements behind the tolerances are in
+docs/configurations.md.
 """
 
 import contextlib
 import dataclasses
 import glob
 import os
-import socket
 import types
 from typing import Optional
 
 import numpy as np
-import pytest
 import torch
 
-from unit.runtime.zero.newton_schulz_testing import NS_KERNELS, NSCounter, reference_muon_update  # noqa: F401
-
-FLOOR = 2e-6
-"""Relative weight difference allowed between two fp32 runs that differ only in the order of fp32
-sums (samples split differently over ranks and micro-steps, reference vs ZeRO-3). Newton-Schulz
-runs in fp32 on the CPU; the largest such difference measured on the test models after 4 steps
-is 6.0e-7 (gas=1 vs gas=4 at W=4), so FLOOR is about 3x that. Wrong results are far off:
-momentum advanced per micro-step gives 1e-1, clipping the update instead of the gradient 4e-3."""
+from muon_testing.compare import gathered_weights
+from muon_testing.counting import NSCounter, NS_KERNELS
+from muon_testing.models import HYPER, TOTAL_SAMPLES, build_model, loss_fn, param_groups, step_batch
+from muon_testing.reference import device, fp32_newton_schulz, train_reference
 
 BF16_NS_FLOOR = 5e-3
 """For runs using the "standard" Newton-Schulz kernel, which computes in bf16 on the CPU: one
@@ -57,108 +45,6 @@ elements in the scalar remainder loop."""
 
 OVERFLOW_FACTOR = 1e6
 """Multiplies the inputs of a step's first micro-batch on an ``overflow_steps`` step: fp16 overflows."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for torchrun's ``--master_port``)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _float64(x):
-    if torch.is_tensor(x):
-        return x.detach().double().cpu().numpy()
-    return np.asarray(x, dtype=np.float64)
-
-
-def relative_difference(a, b) -> float:
-    """``||a - b|| / ||a||`` over all parameters.
-
-    Args:
-        a, b: dicts name -> array (numpy or torch, any float dtype) with the same keys, or
-            sequences of arrays of equal length, paired in order.
-
-    Raises:
-        ValueError: the keys (or lengths) differ.
-    """
-    if isinstance(a, dict):
-        if a.keys() != b.keys():
-            raise ValueError(f"different parameter names: {sorted(a)} vs {sorted(b)}")
-        pairs = [(a[k], b[k]) for k in a]
-    else:
-        a, b = list(a), list(b)
-        if len(a) != len(b):
-            raise ValueError(f"different numbers of parameters: {len(a)} vs {len(b)}")
-        pairs = list(zip(a, b))
-    num = den = 0.0
-    for x, y in pairs:
-        x, y = _float64(x), _float64(y)
-        num += float(np.sum((x - y)**2))
-        den += float(np.sum(x**2))
-    return (num / den)**0.5
-
-
-def gathered_weights(engine) -> dict:
-    """Full parameters of ``engine.module`` by name, fp32 CPU tensors, on every rank (collective
-    under ZeRO-3). Under ZeRO-3 one parameter at a time: stock 0.19.7 gathers several at once
-    and waits on the last handle only, which on gloo can return before the others arrive."""
-    import deepspeed
-    weights = {}
-    for name, param in engine.module.named_parameters():
-        ctx = deepspeed.zero.GatheredParameters([param]) if hasattr(param, "ds_id") else contextlib.nullcontext()
-        with ctx:
-            weights[name] = param.detach().float().cpu().clone()
-    return weights
-
-
-def needs_stage3_fix(fix: str):
-    """A ``skipif`` mark for a test whose expectation holds only with another ZeRO-3 fix of this
-    change, which is proposed upstream as a pull request of its own: ``"grad-window"`` (a
-    parameter without gradient in part of an accumulation window counts as zero there) or
-    ``"loss-scale"`` (unscale by the loss scale of the step's backward). With the whole change
-    installed both are present; with the Muon pull request alone these tests skip and say why."""
-    import inspect
-    from deepspeed.runtime.zero import stage3
-    # Names each fix adds to stage3.py (its methods are wrapped by NVTX decorators without
-    # functools.wraps, so their signatures cannot tell).
-    present = {"grad-window": "_complete_window_gradients", "loss-scale": "backward_loss_scale"}[fix] in \
-        inspect.getsource(stage3)
-    return pytest.mark.skipif(not present, reason=f"needs ZeRO-3's {fix} fix (its own pull request), not installed")
-
-
-def device():
-    """The device the tests' tensors live on: DeepSpeed's accelerator's current device (``"cpu"``
-    on the CPU accelerator, ``"cuda:<local rank>"`` on a GPU). References, replays and the inputs
-    a DeepSpeed engine is fed go there; results come back as CPU numpy arrays."""
-    from deepspeed.accelerator import get_accelerator
-    return torch.device(get_accelerator().current_device_name())
-
-
-@contextlib.contextmanager
-def fp32_newton_schulz(every_method: bool = False):
-    """Newton-Schulz's "gram" kernel in fp32, the tests' premise (FLOOR), on any accelerator.
-
-    Upstream's ``ns_compute_dtype`` runs "gram" in fp16 where the accelerator supports fp16: on
-    every GPU, and on CPUs whose oneDNN has fp16 (AVX512-FP16 or AMX,
-    ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``), where the reference and ZeRO-3 then differ
-    by 5.7e-4 (measured on the CPU, MixedMLP, 4 steps) instead of the fp32 floor. While a test
-    trains or replays, the accelerator reports no fp16 (fp16 engines claim it back while they are
-    built, ``fp16_allowed_on_cpu``).
-
-    With ``every_method`` the accelerator reports no bf16 either, so the kernels that compute
-    in bf16 where it is supported ("standard", "polar_express") run in fp32 too: for fp32 runs only
-    (``bf16.enabled`` needs bf16 at ``deepspeed.initialize``)."""
-    from deepspeed.accelerator import get_accelerator
-    accelerator = get_accelerator()
-    original, original_bf16 = accelerator.is_fp16_supported, accelerator.is_bf16_supported
-    accelerator.is_fp16_supported = lambda: False
-    if every_method:
-        accelerator.is_bf16_supported = lambda: False
-    try:
-        yield
-    finally:
-        accelerator.is_fp16_supported, accelerator.is_bf16_supported = original, original_bf16
 
 
 @contextlib.contextmanager
@@ -178,174 +64,6 @@ def fp16_allowed_on_cpu(enabled=True):
         yield
     finally:
         accelerator.is_fp16_supported = original
-
-
-TOTAL_SAMPLES = 16
-"""Samples per optimizer step, whatever the world size and gradient accumulation."""
-
-HYPER = dict(muon_lr=0.02, adam_lr=0.003, momentum=0.95, weight_decay=0.01, betas=(0.9, 0.95), eps=1e-8)
-
-
-class MixedMLP(torch.nn.Module):
-    """Matrices of different shapes, none of whose sizes divides by 2, 3 or 4, plus 1-D params.
-
-    Muon matrices: 33x21 (tall), 17x33 (wide), 7x17 (wide); AdamW: two biases and a LayerNorm.
-    Input (N, 21) fp32, output (N, 7).
-    """
-    in_dim, out_dim = 21, 7
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(21, 33)
-        self.fc2 = torch.nn.Linear(33, 17, bias=False)
-        self.fc3 = torch.nn.Linear(17, 7)
-        self.norm = torch.nn.LayerNorm(7)
-
-    def forward(self, x):
-        return self.norm(self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x))))))
-
-
-class CrossShapes(torch.nn.Module):
-    """Two bias-free Linear layers with weights 48x64 and 64x48, the shapes that crash stock
-    DeepSpeed 0.19.7's reduce-path Muon at W=2. Input (N, 64), output (N, 64)."""
-    in_dim, out_dim = 64, 64
-
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(64, 48, bias=False)
-        self.b = torch.nn.Linear(48, 64, bias=False)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x)))
-
-
-class Routed(torch.nn.Module):
-    """A branch only some samples use, so some steps (and some micro-steps) give it no gradient.
-
-    Samples whose first input feature is positive also go through ``extra`` (a 9x21 Muon matrix
-    and a bias). ``step_batch`` sets that feature so that in step 0 only the last 4 samples use
-    the branch (at gas=4 it gets no gradient in the first micro-steps), in step 1 none does (no
-    gradient in the whole step), in step 2 all do, in step 3 the first 4. Input (N, 21), output (N, 9).
-    """
-    in_dim, out_dim = 21, 9
-    ROUTES = {0: range(12, 16), 1: range(0), 2: range(16), 3: range(0, 4)}
-
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(21, 9)
-        self.extra = torch.nn.Linear(21, 9)
-
-    def forward(self, x):
-        out = self.fc(x)
-        routed = x[:, 0] > 0
-        if bool(routed.any()):
-            out = out + torch.where(routed[:, None], self.extra(x), torch.zeros_like(out))
-        return out
-
-
-class Shapes(torch.nn.Module):
-    """The tensor shapes Muon dispatches on: a 3-D expert weight (``is_expert_group``: NS per
-    expert), a 4-D convolution weight (flattened), and a 1x3 matrix with fewer elements than
-    ranks. Input (N, 12), output (N, 6)."""
-    in_dim, out_dim = 12, 6
-
-    def __init__(self):
-        super().__init__()
-        self.experts = torch.nn.Parameter(torch.randn(3, 5, 12) * 0.3)  # (expert, out, in)
-        self.experts.is_expert_group = True
-        self.conv = torch.nn.Conv2d(3, 4, kernel_size=(2, 3), bias=False)  # weight (4, 3, 2, 3)
-        self.tiny = torch.nn.Linear(3, 1, bias=False)  # weight (1, 3)
-        self.head = torch.nn.Linear(16 + 1, 6)
-
-    def forward(self, x):
-        mixed = torch.einsum("eoi,ni->neo", self.experts, x).mean(1)  # (N, 5)
-        image = torch.tanh(x.view(-1, 3, 2, 2).repeat(1, 1, 2, 2))  # (N, 3, 4, 4)
-        features = self.conv(image).mean(dim=(2, 3))  # (N, 4)
-        tiny = self.tiny(x[:, :3])  # (N, 1)
-        hidden = torch.cat([torch.tanh(mixed), features, torch.tanh(x[:, 3:10]), tiny], dim=1)  # (N, 17)
-        return self.head(hidden)
-
-
-class Frozen(MixedMLP):
-    """MixedMLP with its first layer frozen (``requires_grad=False``): no optimizer state, no update."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1.requires_grad_(False)
-
-
-class Heads(torch.nn.Module):
-    """Attention-style projections that ``per_head_muon`` splits into heads: ``attn.q_proj``
-    (24x24, 4 heads of 6 rows) and ``attn.k_proj`` (12x24, 2 key/value heads), found through a
-    Hugging Face style ``config``; ``attn.o_proj`` and ``out`` stay whole. Input (N, 24), output (N, 5)."""
-    in_dim, out_dim = 24, 5
-    MUON_HEADS = {"attn.q_proj.weight": 4, "attn.k_proj.weight": 2}
-
-    def __init__(self):
-        super().__init__()
-        self.config = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=24, head_dim=6)
-        self.attn = torch.nn.Module()
-        self.attn.q_proj = torch.nn.Linear(24, 24, bias=False)
-        self.attn.k_proj = torch.nn.Linear(24, 12, bias=False)
-        self.attn.o_proj = torch.nn.Linear(24, 24, bias=False)
-        self.out = torch.nn.Linear(24, 5)
-
-    def forward(self, x):
-        q = self.attn.q_proj(x)
-        k = self.attn.k_proj(x).repeat(1, 2)
-        return self.out(self.attn.o_proj(torch.tanh(q) * torch.tanh(k)))
-
-
-MODELS = {
-    "mixed": MixedMLP,
-    "cross": CrossShapes,
-    "routed": Routed,
-    "shapes": Shapes,
-    "frozen": Frozen,
-    "heads": Heads
-}
-
-
-def build_model(name: str, seed: int = 0) -> torch.nn.Module:
-    """A fresh model with weights fixed by ``seed`` (identical on every rank)."""
-    torch.manual_seed(seed)
-    return MODELS[name]()
-
-
-def is_muon_param(name: str, param: torch.Tensor) -> bool:
-    """DeepSpeed's rule (``param_selection``) on the test models, which have no ``nn.Embedding``:
-    matrices, except names containing ``embed`` or ``lm_head``."""
-    return param.ndim >= 2 and not any(key in name.lower() for key in ("embed", "lm_head"))
-
-
-def newton_schulz_problem_count(name: str, num_heads: Optional[dict] = None) -> int:
-    """Number of 2-D Newton-Schulz problems per optimizer step of model ``name``: over the
-    parameters DeepSpeed optimizes with Muon, one per matrix, one per expert of an expert group,
-    one per head of a projection in ``num_heads`` (parameter name -> ``muon_num_heads``, as
-    ``Zero3MuonResult.muon_num_heads`` reports them; ``muon_ns_problem``): what
-    ``NSCounter.count`` counts for one step."""
-    from deepspeed.runtime.zero.muon.newton_schulz import newton_schulz_problem
-    heads = num_heads or {}
-    return sum(
-        newton_schulz_problem(p.shape, getattr(p, "is_expert_group", False), heads.get(n))[0]
-        for n, p in build_model(name).named_parameters() if is_muon_param(n, p) and p.requires_grad)
-
-
-def step_batch(name: str, step: int, target_scale: float = 1.0, samples: int = TOTAL_SAMPLES):
-    """The samples of optimizer step ``step``: inputs (N, in) and targets (N, out), N = ``samples``."""
-    model_cls = MODELS[name]
-    gen = torch.Generator().manual_seed(1000 + step)
-    x = torch.randn(samples, model_cls.in_dim, generator=gen)
-    y = torch.randn(samples, model_cls.out_dim, generator=gen) * target_scale
-    routes = getattr(model_cls, "ROUTES", None)
-    if routes is not None:
-        x[:, 0] = -1.0
-        x[list(routes[step % len(routes)]), 0] = 1.0
-    return x, y
-
-
-def loss_fn(out, target):
-    return torch.nn.functional.mse_loss(out, target)
 
 
 def ds_config(stage: int,
@@ -385,132 +103,6 @@ def ds_config(stage: int,
     }
 
 
-GROUPINGS = {
-    # MixedMLP's first layer in a Muon group of its own, with its own momentum, learning rate and
-    # weight decay; the rest takes the config's settings.
-    "two_muon_groups":
-    lambda model: [
-        dict(params=list(model.fc1.parameters()), momentum=0.8, lr=0.01, weight_decay=0.0),
-        dict(params=[p for n, p in model.named_parameters() if not n.startswith("fc1.")]),
-    ],
-    # The first layer orthogonalized by the "standard" Newton-Schulz kernel, the rest by "gram".
-    "standard_first":
-    lambda model: [
-        dict(params=list(model.fc1.parameters()), ns_method="standard"),
-        dict(params=[p for n, p in model.named_parameters() if not n.startswith("fc1.")]),
-    ],
-    # The first layer orthogonalized by Polar Express, the rest by "gram".
-    "polar_express_first":
-    lambda model: [
-        dict(params=list(model.fc1.parameters()), ns_method="polar_express"),
-        dict(params=[p for n, p in model.named_parameters() if not n.startswith("fc1.")]),
-    ],
-}
-
-
-def param_groups(model, grouping=None):
-    """``model_parameters`` for ``deepspeed.initialize``: all parameters, or GROUPINGS[grouping]."""
-    if grouping is None:
-        return list(model.parameters())
-    return GROUPINGS[grouping](model)
-
-
-def _muon_settings(model, grouping, hyper, ns_method="gram"):
-    """Per parameter name, the Muon or AdamW settings DeepSpeed's Muon engine resolves: the
-    config's shared values (``ns_method``: the config's), ``muon_lr`` / ``adam_lr``, then the
-    group's own (engine ``_muon_param_groups``)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    settings = {}
-    for group in param_groups(model, grouping) if grouping else [dict(params=list(model.parameters()))]:
-        overrides = {k: v for k, v in group.items() if k != "params"}
-        for p in group["params"]:
-            name = names[id(p)]
-            if is_muon_param(name, p):
-                base = dict(lr=hyper["muon_lr"],
-                            momentum=hyper["momentum"],
-                            weight_decay=hyper["weight_decay"],
-                            ns_method=ns_method)
-                keys = ("lr", "momentum", "weight_decay", "ns_method")
-            else:
-                base = dict(lr=hyper["adam_lr"],
-                            betas=hyper["betas"],
-                            eps=hyper["eps"],
-                            weight_decay=hyper["weight_decay"])
-                keys = ("lr", "betas", "eps", "weight_decay")
-            base.update({k: v for k, v in overrides.items() if k in keys})
-            settings[name] = base
-    return settings
-
-
-def train_reference(*args, ns_fp32=False, **kwargs):
-    """``_train_reference`` with Newton-Schulz in fp32 (``fp32_newton_schulz``; with ``ns_fp32``
-    for every method)."""
-    with fp32_newton_schulz(every_method=ns_fp32):
-        return _train_reference(*args, **kwargs)
-
-
-def _train_reference(name: str,
-                     steps: int,
-                     clip: float = 0.0,
-                     target_scale: float = 1.0,
-                     hyper=HYPER,
-                     grouping=None,
-                     adamw_only=False,
-                     per_head=False,
-                     samples: int = TOTAL_SAMPLES,
-                     ns_method: Optional[str] = None):
-    """Single-process PyTorch + upstream ``muon_update`` training; see the module docstring.
-
-    A parameter without a gradient in a step (a branch no sample used) gets a zero gradient, as
-    DeepSpeed's optimizers treat it; a frozen parameter is left out. With ``adamw_only`` every
-    parameter uses AdamW (lr ``adam_lr``), the reference for DeepSpeed's ``"AdamW"`` optimizer.
-    With ``per_head`` the model's ``MUON_HEADS`` are orthogonalized per head. ``ns_method``: the
-    config's (``optimizer.params.ns_method``; None: upstream's default, "gram").
-
-    Returns:
-        ``(weights, norms)``: final parameters by name (numpy fp32) and the pre-clip global
-        gradient norm of every step.
-    """
-    dev = device()
-    model = build_model(name).to(dev)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    heads = getattr(model, "MUON_HEADS", {}) if per_head else {}
-    settings = _muon_settings(model, grouping, hyper, ns_method or "gram")
-    muon = [(n, p) for n, p in named if is_muon_param(n, p) and not adamw_only]
-    other = [(n, p) for n, p in named if adamw_only or not is_muon_param(n, p)]
-    if adamw_only:
-        settings = {
-            n: dict(lr=hyper["adam_lr"], betas=hyper["betas"], eps=hyper["eps"], weight_decay=hyper["weight_decay"])
-            for n, _ in named
-        }
-    adamw = torch.optim.AdamW([dict(params=[p], **settings[n]) for n, p in other]) if other else None
-    momenta = {n: torch.zeros_like(p) for n, p in muon}
-    norms = []
-    for step in range(steps):
-        x, y = (t.to(dev) for t in step_batch(name, step, target_scale, samples))
-        model.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
-        params = [p for _, p in named]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, clip)
-        else:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-        norms.append(float(norm))
-        with torch.no_grad():
-            for n, p in muon:
-                s = settings[n]
-                update = reference_muon_update(p.grad.clone(), momenta[n], s["momentum"], s["ns_method"],
-                                               getattr(p, "is_expert_group", False), heads.get(n))
-                p.mul_(1 - s["lr"] * s["weight_decay"])
-                p.add_(update.reshape(p.shape), alpha=-s["lr"])
-        if adamw is not None:
-            adamw.step()
-    return {n: p.detach().cpu().numpy().copy() for n, p in model.named_parameters()}, norms
-
-
 ADAMW = {
     "type": "AdamW",
     "params": {
@@ -545,8 +137,8 @@ class Zero3MuonRun:
         partition_all: ``stage3_param_persistence_threshold: 0`` (see ``ds_config``).
         optimizer: "Muon" or "AdamW" (``ADAMW``). per_head: ``per_head_muon``.
         groups: a key of GROUPINGS (several parameter groups). zero_init: build the model under
-            ``deepspeed.zero.Init``. pipeline_depth: ``Zero3MuonUpdate(pipeline_depth=...)`` (buckets
-            in flight ahead of the one the owner orthogonalizes; 1 is serial).
+            ``deepspeed.zero.Init``. pipeline_depth: ``optimizer.params.pipeline_depth`` (buckets in
+            flight ahead of the one the owner orthogonalizes; 1 is serial; None: not set, 2).
         overflow_steps: steps whose first micro-batch is scaled by OVERFLOW_FACTOR.
         restart_after: after that many steps, ``save_checkpoint`` (tag ``restart``), a fresh
             engine, ``load_checkpoint``, go on (needs ``train(checkpoint_dir=...)``); equal to
@@ -579,7 +171,7 @@ class Zero3MuonRun:
     per_head: bool = False
     groups: Optional[str] = None
     zero_init: bool = False
-    pipeline_depth: int = 2
+    pipeline_depth: Optional[int] = None
     overflow_steps: tuple = ()
     restart_after: Optional[int] = None
     momentum_to_bf16: bool = False
@@ -617,6 +209,8 @@ class Zero3MuonRun:
             config["optimizer"]["params"]["per_head_muon"] = True
         if self.ns_method is not None:
             config["optimizer"]["params"]["ns_method"] = self.ns_method
+        if self.pipeline_depth is not None:
+            config["optimizer"]["params"]["pipeline_depth"] = self.pipeline_depth
         config.update(dict(self.extra))
         return config
 
@@ -649,9 +243,6 @@ class Zero3MuonRun:
             engine, *_ = deepspeed.initialize(model=net,
                                               config=config,
                                               model_parameters=param_groups(net, self.groups))
-        if self.pipeline_depth != 2 and getattr(engine.optimizer, "zero3_muon", None) is not None:
-            from deepspeed.runtime.zero.muon.zero3_update import Zero3MuonUpdate
-            engine.optimizer.zero3_muon = Zero3MuonUpdate(engine.optimizer, pipeline_depth=self.pipeline_depth)
         return engine
 
     def train(self, checkpoint_dir=None, nvme_dir=None, record=False) -> "Zero3MuonResult":
@@ -673,8 +264,8 @@ class Zero3MuonRun:
         if self.momentum_to_bf16:
             _momentum_to_bf16(checkpoint_dir, "restart", rank)
         dist.barrier()
-        if self.universal:
-            convert_to_universal(checkpoint_dir, "restart")
+        if self.universal:  # a ZeRO-1/2 model without universal_checkpoint_info needs it injected
+            convert_to_universal(checkpoint_dir, "restart", inject_missing_state=self.stage < 3)
 
     def _train(self, checkpoint_dir, nvme_dir, record):
         from deepspeed import comm as dist
@@ -724,7 +315,7 @@ class Zero3MuonRun:
                 norm = engine.get_global_grad_norm()
                 norms.append(float(norm) if norm is not None else None)
                 loss_scales.append(float(getattr(engine.optimizer, "loss_scale", 1.0)))
-        boundary = getattr(engine.optimizer, "zero3_muon", None) or getattr(engine.optimizer, "zero12_muon", None)
+        boundary = getattr(engine.optimizer, "muon_update", None)
         local = dict(ns_per_step=ns_per_step,
                      ns_off_boundary=ns_off_boundary,
                      ns_by_kernel=dict(counter.by_kernel),
@@ -801,24 +392,25 @@ class Zero3MuonResult:
         assert self.ns_off_boundary() == 0
 
 
-def ds_to_universal_args(checkpoint_dir, tag) -> types.SimpleNamespace:
+def ds_to_universal_args(checkpoint_dir, tag, inject_missing_state=False) -> types.SimpleNamespace:
     """``ds_to_universal.main``'s arguments for ``checkpoint_dir/tag`` into
-    ``checkpoint_dir/<tag>_universal``: one worker, no child processes, as upstream's tests run it."""
+    ``checkpoint_dir/<tag>_universal``: one worker, no child processes, as upstream's tests run it
+    (``inject_missing_state``: for a ZeRO-1/2 checkpoint of a model without ``universal_checkpoint_info``)."""
     return types.SimpleNamespace(input_folder=os.path.join(checkpoint_dir, tag),
                                  output_folder=os.path.join(checkpoint_dir, f"{tag}_universal"),
                                  num_extract_workers=1,
                                  num_merge_workers=1,
                                  keep_temp_folder=False,
                                  strict=True,
-                                 inject_missing_state=False)
+                                 inject_missing_state=inject_missing_state)
 
 
-def convert_to_universal(checkpoint_dir, tag) -> str:
+def convert_to_universal(checkpoint_dir, tag, inject_missing_state=False) -> str:
     """``ds_to_universal`` of ``checkpoint_dir/tag`` into ``checkpoint_dir/<tag>_universal``, run
     on rank 0 (``ds_to_universal_args``); collective. Returns the output folder."""
     from deepspeed import comm as dist
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-    args = ds_to_universal_args(checkpoint_dir, tag)
+    args = ds_to_universal_args(checkpoint_dir, tag, inject_missing_state)
     dist.barrier()
     if dist.get_rank() == 0:
         ds_to_universal(args)
@@ -826,40 +418,15 @@ def convert_to_universal(checkpoint_dir, tag) -> str:
     return args.output_folder
 
 
-def check_zero12_conversion_refused(run, tmp_path, held):
-    """W=2: train ``run`` (MixedMLP, stage 1/2) to its second optimizer step, save, and expect
-    ``ds_to_universal`` (on rank 0) to refuse the checkpoint naming the Muon ``held`` states
-    (e.g. "momentum_buffer"), with no parameter written. The model sets no
-    ``universal_checkpoint_info`` (as the Hugging Face Trainer's does not): the refusal comes
-    before upstream asks for it. Collective."""
-    from deepspeed import comm as dist
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-    assert run.model == "mixed" and run.stage in (1, 2), run
-    engine = run.build_engine(run.config(2))
-    for micro_step in range(2 * run.gas):
-        train_one_step(engine, micro_step)
-    assert engine.global_steps == 2
-    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="zero12")
-    engine.destroy()
-    dist.barrier()
-    if dist.get_rank() == 0:
-        args = ds_to_universal_args(str(tmp_path / "ckpt"), "zero12")
-        with pytest.raises(ValueError,
-                           match=rf"ds_to_universal: .*zero12/\S*optim_states\.pt is of a ZeRO stage 1/2 "
-                           rf"checkpoint of a Muon run \(parameter group \d+ holds {held}\); converting "
-                           "Muon's state of a ZeRO-1/2 checkpoint is not supported. Resume it at the world "
-                           "size and zero_optimization.offload_optimizer setting that saved it"):
-            ds_to_universal(args)
-        assert not os.path.exists(os.path.join(args.output_folder, "zero")), "a parameter was written"
-    dist.barrier()
-
-
 def gathered_optimizer_state(engine) -> dict:
     """A ZeRO-3 engine's per-parameter optimizer state, whole: ``{(name, key): ndarray}`` for
     ``key`` "fp32" (the master weights) and each flat state of the parameter's sub-group
     (``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``) in the parameter's shape, as fp32
-    (exact for fp32 and bf16 states), plus ``(name, "step")`` where the sub-group has a step. Collective."""
+    (exact for fp32 and bf16 states), plus ``(name, "step")`` where the sub-group has a step, and a Muon
+    variant's owner state in its checkpoint form (``MuonUpdate.state_dict``). Collective."""
     opt = engine.optimizer
+    if getattr(opt, "muon_update", None) is not None:
+        opt.muon_update.state_dict()
     state = {}
     for sub_group_id, params in enumerate(opt.fp16_groups):
         fp32 = opt.fp32_partitioned_groups_flat[sub_group_id]
@@ -954,7 +521,7 @@ class Recorder:
         self.steps, self.current = [], None
         self.initial_master = self._master()
         self.momentum_dtypes = []
-        unscale, apply = opt.unscale_and_clip_grads, opt.zero3_muon.update_gradient
+        unscale, apply = opt.unscale_and_clip_grads, opt.muon_update.update
 
         def unscale_and_clip_grads(sub_group_id, total_norm, *args):
             grad = opt.fp32_partitioned_groups_flat[sub_group_id].grad
@@ -965,14 +532,13 @@ class Recorder:
                     self.current.setdefault(name, {})["accumulated"] = _full(opt, sub_group_id, grad, p)
             return unscale(sub_group_id, total_norm, *args)
 
-        def muon_apply(sub_group_id):
-            grad = opt.fp32_partitioned_groups_flat[sub_group_id].grad
+        def muon_apply(sub_group_id, grad):
             for name, p in self.muon.get(sub_group_id, ()):
                 self.current[name]["entered"] = _full(opt, sub_group_id, grad, p)
-            apply(sub_group_id)
+            apply(sub_group_id, grad)
 
         opt.unscale_and_clip_grads = unscale_and_clip_grads
-        opt.zero3_muon.update_gradient = muon_apply
+        opt.muon_update.update = muon_apply
 
     def _master(self):
         return {

@@ -2,31 +2,40 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""ZeRO-3 in universal checkpoints, for any optimizer: every optimizer state converted, loaded per
-sub-group at any data-parallel world size (also at ZeRO-1/2), and the error that points a
-regular checkpoint loaded at another world size to the conversion.
+"""Universal checkpoints of any optimizer at every ZeRO stage: what one holds per parameter, every
+optimizer state converted (ZeRO-1/2 and ZeRO-3), loaded per sub-group at any data-parallel world
+size under ZeRO-3 (and a ZeRO-3 one at ZeRO-1/2), and the error that points a regular checkpoint
+loaded at another world size to the conversion.
 
 A universal checkpoint (``python -m deepspeed.checkpoint.ds_to_universal``) stores every
 parameter in a folder of its own, ``<output>/zero/<parameter name>/``, independent of the number
 of ranks that wrote it, so ``"checkpoint": {"load_universal": true}`` can load it at any
-data-parallel world size W'. Per parameter of a ZeRO-3 checkpoint:
+data-parallel world size W'. Per parameter, whichever ZeRO stage (1, 2 or 3) saved the checkpoint:
 
 - ``fp32.pt``: the fp32 master weights;
-- one file per optimizer state of the parameter's sub-group, named by the state's key in the
-  optimizer: ``exp_avg.pt`` and ``exp_avg_sq.pt`` for Adam, ``momentum_buffer.pt`` for SGD with
-  momentum or Muon, and so on; floating-point states are stored in fp32 whatever dtype the
-  checkpoint kept them in (a bf16 momentum is upcast; fp32 holds every bf16 value exactly);
-- ``step.pt``: the optimizer's step count, where the sub-group's state has one (Adam's).
+- one file per optimizer state of the flat partition the parameter is optimized in (ZeRO-1/2:
+  its parameter group's; ZeRO-3: its sub-group's), named by the state's key in the optimizer:
+  ``exp_avg.pt`` and ``exp_avg_sq.pt`` for Adam, ``momentum_buffer.pt`` for SGD with momentum or
+  Muon, ``sum.pt`` for Adagrad, and so on; floating-point states are stored in fp32 whatever
+  dtype the checkpoint kept them in (a bf16 momentum is upcast; fp32 holds every bf16 value
+  exactly);
+- ``step.pt``: the optimizer's step count, where the partition's state has one (Adam's).
 
-Each tensor file holds ``{"param": tensor}`` with the parameter's logical shape (``ds_shape``,
-no ZeRO padding), the form both the ZeRO-3 and the ZeRO-1/2 universal loaders read.
-``<output>/zero/optimizer_state.pt`` keeps the optimizer's ``param_groups`` (each group's
-settings: ``lr``, ``betas``, ``weight_decay``, ...) and the loss scaler.
+Each tensor file holds ``{"param": tensor}`` with the parameter's logical shape (no ZeRO padding;
+a tensor-parallel parameter merged over its ranks, with the keys such as ``cat_dim`` that the
+ZeRO-1/2 loader splits it by again), the form both the ZeRO-3 and the ZeRO-1/2 universal loaders
+read. ``<output>/zero/optimizer_state.pt`` keeps the optimizer's ``param_groups`` (each group's
+settings: ``lr``, ``betas``, ``momentum``, ``weight_decay``, ...) and the loss scaler.
 
-The ZeRO-3 loader pairs the checkpoint's parameter groups with the engine's by index and takes
-each group's settings from its own saved group; it does not know which states an optimizer
-needs. An optimizer that does (e.g. Muon, whose matrices must not restart their momentum at
-zero) checks the parameters' folders before calling it.
+The converter cuts each state at the parameters' offsets in the flat partition, as it cuts the
+fp32 master weights, so it takes every state that is a flat tensor of the partition's length (an
+elementwise state, as every state of Adam, SGD and Adagrad is); a state of another layout (a
+per-row or factored statistic, whole parameters) cannot be cut there and is refused, naming it.
+
+The loaders pair the checkpoint's parameter groups with the engine's by index and take each
+group's settings from its own saved group; they do not know which states an optimizer needs. An
+optimizer that does (e.g. Muon, whose matrices must not restart their momentum at zero) checks
+the parameters' folders before calling them.
 """
 
 import glob
@@ -38,7 +47,8 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
-from deepspeed.checkpoint.constants import (DS_VERSION, FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS,
+from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, DS_VERSION, FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT,
+                                            PARAM, PARAM_GROUPS, PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS,
                                             ZERO_STAGE)
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
@@ -49,7 +59,37 @@ STEP = "step"
 
 State = Union[torch.Tensor, int, float]
 
-# Conversion (python -m deepspeed.checkpoint.ds_to_universal), ZeRO-3 branch
+# Conversion (python -m deepspeed.checkpoint.ds_to_universal)
+
+
+def _partition_states(state: dict, partition: torch.Tensor, lengths: Sequence[int], where: str) -> Dict[str, State]:
+    """``{"fp32": partition}`` plus every state of one flat partition's optimizer state ``state``.
+
+    Args:
+        state: the optimizer's state of the flat partition (``{key: value}``).
+        partition: the flat fp32 master weights of the partition (1-D).
+        lengths: the element counts a state may have: it is cut at the same offsets as
+            ``partition`` (``lengths[0]`` is named in the error).
+        where: what ``state`` belongs to, for the error (the file and the group).
+
+    Returns:
+        ``step`` as stored; each other state, a 1-D tensor of one of ``lengths``, floating ones
+        in fp32, other dtypes as stored.
+
+    Raises:
+        ValueError: a state that is neither ``step`` nor such a tensor, naming it and ``where``.
+    """
+    states: Dict[str, State] = {FP32: partition}
+    for key, value in state.items():
+        if key == STEP:
+            states[key] = value
+        elif torch.is_tensor(value) and value.dim() == 1 and value.numel() in lengths:
+            states[key] = value.float() if value.is_floating_point() else value
+        else:
+            shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+            raise ValueError(f"ds_to_universal: optimizer state '{key}' of {where} is {shape}, not a flat tensor "
+                             f"of the partition's {lengths[0]} elements; it cannot be split per parameter.")
+    return states
 
 
 def zero3_sub_group_states(optim_sd: dict, sub_group_id: int) -> Dict[str, State]:
@@ -74,18 +114,8 @@ def zero3_sub_group_states(optim_sd: dict, sub_group_id: int) -> Dict[str, State
             which the per-parameter layout of a universal checkpoint cannot hold.
     """
     partition = optim_sd[FP32_FLAT_GROUPS][sub_group_id]
-    states: Dict[str, State] = {FP32: partition}
-    for key, value in optim_sd[OPTIMIZER_STATE_DICT]["state"].get(sub_group_id, {}).items():
-        if key == STEP:
-            states[key] = value
-        elif torch.is_tensor(value) and value.dim() == 1 and value.numel() == partition.numel():
-            states[key] = value.float() if value.is_floating_point() else value
-        else:
-            shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
-            raise ValueError(f"ds_to_universal: optimizer state '{key}' of ZeRO-3 sub-group {sub_group_id} is "
-                             f"{shape}, not a flat tensor of the partition's {partition.numel()} elements; "
-                             "it cannot be split per parameter.")
-    return states
+    state = optim_sd[OPTIMIZER_STATE_DICT]["state"].get(sub_group_id, {})
+    return _partition_states(state, partition, (partition.numel(), ), f"ZeRO-3 sub-group {sub_group_id}")
 
 
 def merge_zero3_param_states(fragment_dir: str, output_dir: str, logical_shape: Sequence[int]) -> List[str]:
@@ -120,6 +150,98 @@ def merge_zero3_param_states(fragment_dir: str, output_dir: str, logical_shape: 
                              f"{numel}.")
         torch.save({PARAM: merged.reshape(logical_shape)}, os.path.join(output_dir, f"{state}.pt"))
     return sorted(found)
+
+
+def zero12_group_states(optim_sd: dict, group_id: int, source: str) -> Dict[str, State]:
+    """The states of one parameter group in one rank's ZeRO-1/2 optimizer file, for the extractor.
+
+    Args:
+        optim_sd: the file's ``optimizer_state_dict`` entry as the converter reads it
+            (``DeepSpeedCheckpoint.get_zero_checkpoint_state``, which strips the group's padding
+            from the optimizer's states): ``single_partition_of_fp32_groups[group_id]`` is the
+            rank's flat fp32 partition of the group (1-D), ``base_optimizer_state["state"]
+            [group_id]`` the optimizer's state of that flat tensor, and
+            ``param_slice_mappings[group_id]`` each parameter's fragment in it (``start``,
+            ``numel``).
+        group_id: index of the parameter group (the optimizer's state index of its flat partition).
+        source: the optimizer-state file(s) of the rank, named in the error.
+
+    Returns:
+        ``{"fp32": partition}`` plus every state of the group under its own key: ``step`` as
+        stored, and each 1-D tensor as long as the partition (``exp_avg`` and ``exp_avg_sq`` of
+        Adam, ``momentum_buffer`` of SGD, ``sum`` of Adagrad), floating ones in fp32 (a state kept
+        in bf16 is upcast), other dtypes as stored. "As long as the partition": the fp32 partition
+        as saved (ZeRO-1/2 saves it and its states without the group's padding), or up to the end
+        of its last parameter fragment (``BF16_Optimizer`` saves its fp32 partition with the
+        padding, which the converter strips from the states only). A group without state (an
+        optimizer that never stepped; SGD without momentum) gives only ``fp32``.
+
+    Raises:
+        ValueError: a state that is neither ``step`` nor a flat tensor of the partition's length
+            (e.g. a per-row statistic, or a state holding whole parameters), naming the state, the
+            group and ``source``: the converter cuts every state at the parameters' offsets in the
+            partition, which would misplace such a state's elements.
+    """
+    partition = optim_sd[SINGLE_PARTITION_OF_FP32_GROUPS][group_id]
+    fragments = optim_sd[PARAM_SLICE_MAPPINGS][group_id].values()
+    used = max((fragment.start + fragment.numel for fragment in fragments), default=0)
+    state = optim_sd[BASE_OPTIMIZER_STATE]["state"].get(group_id, {})
+    return _partition_states(state, partition, (partition.numel(), used),
+                             f"ZeRO-1/2 parameter group {group_id} in {source}")
+
+
+def fragment_states(fragment_dir: str) -> List[str]:
+    """The tensor states the extractor wrote fragments of for one parameter, for the merge.
+
+    Args:
+        fragment_dir: ``<tmp>/<parameter name>``, where the extractor wrote
+            ``<tensor-parallel index>/<state>.<data-parallel rank>`` for each state of the parameter.
+
+    Returns:
+        the state names (``fp32`` and each optimizer state), without ``step``, sorted; empty for
+        a parameter without fragments.
+    """
+    found = {re.sub(r"\.[0-9]+$", "", os.path.basename(p)) for p in glob.glob(os.path.join(fragment_dir, "*", "*.*"))}
+    return sorted(found - {STEP})
+
+
+MOMENTUM_BUFFER = "momentum_buffer"
+"""The momentum's state name in ``torch.optim.SGD`` and in DeepSpeed's Muon."""
+
+
+def affine_scale_power(state: str, scale_powers: Dict[str, int], affine_map, param_name: str) -> int:
+    """The power of an affine map's piece scale that ``state`` of a parameter carries, for the merge.
+
+    A piece that holds the parameter scaled by ``s`` holds its gradient scaled by ``1 / s``, so a
+    state holds ``full * s ** power`` (``ParamAffineMap.rebuild``). ``scale_powers`` is the
+    converter's table (``fp32``: 1, ``exp_avg``: -1, ``exp_avg_sq``: -2). ``momentum_buffer`` (SGD's,
+    Muon's) is a running sum of gradients, ``buf = mu * buf + (1 - dampening) * grad``, linear in
+    the gradient as ``exp_avg`` is: -1. Any other state's power is unknown; where no piece of the
+    map is scaled every power leaves the state as stored (``1 ** power == 1``), so it is moved
+    unscaled (0 is returned), and where one is it is refused rather than guessed. (``rebuild``
+    itself refuses to move any optimizer state through a scaled piece, whose group settings
+    would need the scale too.)
+
+    Args:
+        state: the state's name.
+        scale_powers: the converter's ``{state: power}``.
+        affine_map: the parameter's ``ParamAffineMap`` (its ``pieces_by_rank`` and their ``scale``).
+        param_name: named in the error.
+
+    Raises:
+        ValueError: an unknown state of a parameter whose map has a scaled piece, naming the state,
+            the parameter and the scales.
+    """
+    if state in scale_powers:
+        return scale_powers[state]
+    if state == MOMENTUM_BUFFER:
+        return -1
+    scales = sorted({piece.scale for pieces in affine_map.pieces_by_rank.values() for piece in pieces} - {1.0})
+    if scales:
+        raise ValueError(f"ds_to_universal: {param_name}: its affine map holds pieces scaled by {scales}, and how "
+                         f"optimizer state '{state}' scales with the parameter is not known (known: "
+                         f"{', '.join(sorted([*scale_powers, MOMENTUM_BUFFER]))}); refusing to convert it.")
+    return 0
 
 
 # Checks shared by the loaders of every stage
@@ -269,7 +391,7 @@ def restore_zero3_optimizer_state(optimizer, zero_dir: str, optim_sd: dict) -> N
             ``_sub_group_plan``, ``check_loaded_state``), or parameter groups that do not pair
             (``_restore_param_groups``).
     """
-    saved = optim_sd[OPTIMIZER_STATE_DICT]
+    saved = optim_sd.get(OPTIMIZER_STATE_DICT, {})  # a ZeRO-3 source's optimizer state; a ZeRO-1/2 one's has none
     saved_steps = {}
     for state in saved.get("state", {}).values():
         if STEP in state:
@@ -303,29 +425,34 @@ def restore_zero3_optimizer_state(optimizer, zero_dir: str, optim_sd: dict) -> N
             step = saved_steps.get(frozenset(keys))
         if step is not None:
             optimizer.optimizer.state.setdefault(fp32_partition, {})[STEP] = step
-    _restore_param_groups(optimizer.optimizer.param_groups, saved[PARAM_GROUPS])
+    _restore_param_groups(optimizer.optimizer.param_groups, optim_sd[PARAM_GROUPS])
 
 
 # Loading a universal checkpoint converted from ZeRO-3 at ZeRO stage 1 or 2
 
 
-def model_states_files(checkpoint_dir: str, mp_placeholder: str = "*") -> List[str]:
-    """The model-states files a stage-1/2 engine reads from a universal checkpoint converted from ZeRO-3.
+def model_states_files(checkpoint_dir: str, mp_placeholder: str = "*", partitioned: bool = False) -> List[str]:
+    """The model-states files an engine reads from a universal checkpoint another ZeRO stage wrote.
 
-    The conversion copies the ZeRO-3 run's ``zero_pp_rank_<r>_mp_rank_<m>_model_states.pt``; a
-    stage-1/2 engine looks for ``mp_rank_<m>_model_states.pt`` and, finding none, fails with a
-    bare ``AssertionError`` (``SDLoaderBase.check_ckpt_list``). Universal loading takes the
+    The conversion copies the saving run's model-states files: a ZeRO-3 run's
+    ``zero_pp_rank_<r>_mp_rank_<m>_model_states.pt``, a ZeRO-1/2 run's
+    ``mp_rank_<m>_model_states.pt``. An engine of the other kind finds none of its own and fails
+    with a bare ``AssertionError`` (``SDLoaderBase.check_ckpt_list``). Universal loading takes the
     weights from ``zero/`` and only metadata (``dp_world_size``, lr scheduler, step counters,
     client state) from these files, which data-parallel rank 0's file holds like every other.
 
     Args:
         checkpoint_dir: ``<load_dir>/<tag>``.
         mp_placeholder: the model-parallel rank, or ``*`` for every one.
+        partitioned: the loading engine partitions its weights (ZeRO-3): it reads a ZeRO-1/2 run's
+            files; else a ZeRO-3 run's (data-parallel rank 0's).
 
     Returns:
-        rank 0's files, one per model-parallel rank, sorted; empty if the folder has none.
+        the files, one per model-parallel rank, sorted; empty if the folder has none.
     """
-    return sorted(glob.glob(os.path.join(checkpoint_dir, f"zero_pp_rank_0_mp_rank_{mp_placeholder}_model_states.pt")))
+    name = f"mp_rank_{mp_placeholder}_model_states.pt" if partitioned else \
+        f"zero_pp_rank_0_mp_rank_{mp_placeholder}_model_states.pt"
+    return sorted(glob.glob(os.path.join(checkpoint_dir, name)))
 
 
 def checkpoint_version(state: dict) -> Optional[str]:

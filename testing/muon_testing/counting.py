@@ -2,8 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Test utilities for Muon's Newton-Schulz: a call counter on upstream's kernels, and upstream
-``muon_update`` as the single-process reference (conv weights composed as Keller Jordan's Muon)."""
+"""Newton-Schulz calls counted on upstream's kernels (``NSCounter``): how many matrices an optimizer
+step orthogonalized, for the tests, the benchmark and the demo, and how long that took."""
 
 import math
 import time
@@ -90,39 +90,3 @@ class NSCounter:
 
     def __exit__(self, *exc):
         self.uninstall()
-
-
-def reference_muon_update(grad, momentum, beta, ns_method="gram", is_expert_group=False, num_heads=None):
-    """Upstream ``muon_update``, except for 4-D convolution weights, where it fails in its final
-    ``torch.where(finite, update, grad)`` ((out, in*kh*kw) does not broadcast against
-    (out, in, kh, kw)); for those its own steps are composed as Keller Jordan's Muon does them:
-    the same lerps, NS on the weight flattened to (out, -1), scaled by its last two dimensions."""
-    from deepspeed.runtime.zero.muon import original_muon
-    if num_heads is not None:
-        return original_muon.muon_update(grad, momentum, beta=beta, ns_method=ns_method, num_heads=num_heads)
-    if grad.ndim != 4 or is_expert_group:
-        return original_muon.muon_update(grad,
-                                         momentum,
-                                         beta=beta,
-                                         ns_method=ns_method,
-                                         is_expert_group=is_expert_group)
-    momentum.lerp_(grad, 1 - beta)
-    x = grad.lerp_(momentum, beta).view(len(grad), -1)
-    kernel = original_muon.zeropower_via_gram_newtonschulz
-    if ns_method == "standard":
-        kernel = original_muon.zeropower_via_newtonschulz5
-    elif ns_method == "polar_express":
-        kernel = original_muon.zeropower_via_polar_express
-    return kernel(x, steps=5) * max(1, grad.size(-2) / grad.size(-1))**0.5
-
-
-def orthogonalize_all(matrices, specs, ns_steps, ns_method, dtype, batch=None, max_call_numel=None):
-    """``newton_schulz.orthogonalize_each`` over matrices in hand: their updates as a list, in order."""
-    from deepspeed.runtime.zero.muon.newton_schulz import orthogonalize_each
-    updates = [None] * len(matrices)
-    device = matrices[0].device if matrices else "cpu"
-    for members, results in orthogonalize_each(matrices.__getitem__, specs, ns_steps, ns_method, dtype, device, batch,
-                                               max_call_numel):
-        for k, result in zip(members, results):
-            updates[k] = result
-    return updates

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from unit.common import DistributedTest
-from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun, relative_difference
+from muon_testing.compare import relative_difference
+from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
 FP32 = Zero3MuonRun(gas=2, steps=6)
 SETTINGS = {
@@ -57,3 +58,43 @@ class TestZero3MuonCheckpoint(DistributedTest):
         difference = relative_difference(straight.weights, upcast.weights)
         # The momentum lost its low bits once (bf16 keeps 8 of fp32's 24), so the runs part a little.
         assert 0 < difference < 1e-2
+
+
+class TestZero3MuonMomentumOfAnotherSize(DistributedTest):
+    world_size = 2
+    reuse_dist_env = True
+
+    def test_refused_at_the_next_step(self):
+        """A momentum whose size does not match the sub-group's partition (a state of another
+        partitioning) stops the step with an error, rather than being replaced by zeros."""
+        import deepspeed
+        from muon_testing.models import build_model
+        from unit.runtime.zero.zero3_muon_helpers import ds_config, train_one_step
+        net = build_model("mixed")
+        engine, *_ = deepspeed.initialize(model=net,
+                                          config=ds_config(3, 1, self.world_size),
+                                          model_parameters=list(net.parameters()))
+        train_one_step(engine, 0)
+        state = engine.optimizer.optimizer.state
+        held = [s for s in state.values() if "momentum_buffer" in s]
+        assert held, "Muon keeps its momentum in the optimizer state"
+        held[0]["momentum_buffer"] = held[0]["momentum_buffer"][:-1].clone()
+        with pytest.raises(RuntimeError, match="another partitioning.*load_universal"):
+            train_one_step(engine, 1)
+
+
+class TestZero3MuonCheckpointOneRank(DistributedTest):
+    """The same at W=1 (on the accelerator where there is one)."""
+    world_size = 1
+
+    @pytest.mark.parametrize("name", ["fp32", "bf16"])
+    def test_resume_is_bit_identical(self, name, tmp_path):
+        """save_checkpoint / load_checkpoint mid-run: the same weights and norms as without, bit for
+        bit; the momentum stays fp32."""
+        run = SETTINGS[name]
+        straight = run.train()
+        restarted = run.with_(restart_after=RESTART[name]).train(checkpoint_dir=str(tmp_path))
+        for key in straight.weights:
+            assert np.array_equal(straight.weights[key], restarted.weights[key]), key
+        assert straight.norms == restarted.norms
+        assert restarted.final_momentum_dtypes == ["torch.float32"]

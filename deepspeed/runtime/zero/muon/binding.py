@@ -1,0 +1,291 @@
+# Copyright (c) 2026 The zero3muon authors
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""The Muon update of every ZeRO stage, run once per optimizer step at the accumulation boundary.
+
+Each stage describes its rank's share of every Muon ZeRO-3 sub-group or ZeRO-1/2 parameter group
+(``MuonPartition``: the matrices, each rank's piece of each, where this rank's lies in the flat
+fp32 partition); ``MuonUpdate`` serves every stage from that description alone:
+
+- ``update(key, grad_partition)`` in ``step()``, right after the gradient partition was divided by
+  the loss scale and the clip coefficient (as ``clip_grad_norm_`` before Muon in PyTorch): each
+  rank advances its fp32 momentum partition on its pieces, each matrix held by more than one rank
+  goes to one owner among its holders by all-to-all, the owner runs Newton-Schulz once on the whole
+  matrix, and the pieces of the update come back in place of the gradient (``pipeline``). Under
+  ZeRO-3 every rank holds a piece of every matrix; under ZeRO-1/2 most matrices lie whole in one
+  partition and never travel. The momentum never travels; nothing runs on micro-steps.
+- ``state_dict()`` / ``load_state_dict()`` from the stage's own: the momentum is optimizer state of
+  the flat partition, in its layout (as Adam's ``exp_avg``), so every checkpoint path carries it; a
+  variant's owner state (``owner_state``) goes there in its checkpoint form at save and is taken
+  back at load.
+
+``MuonWithAuxAdam`` then applies weight decay and ``-lr * update``; the update is not rescaled.
+"""
+
+import hashlib
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.muon import original_muon
+from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings, is_muon_optimizer
+from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec
+from deepspeed.runtime.zero.muon.owner_exchange import ExchangeBuffers, ExchangeStats
+from deepspeed.runtime.zero.muon.owner_state import (MUON, VARIANT_KEY, check_same_kind, load_checkpoint_form,
+                                                     variant_of)
+from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline
+from deepspeed.utils import logger
+
+PIPELINE_DEPTH_KEY = "pipeline_depth"
+"""Muon group key: buckets in flight ahead of the one being orthogonalized (``pipeline``; default 2)."""
+BATCH_NS_KEY = "batch_ns"
+"""Muon group key: same-shape Newton-Schulz problems of a bucket in one call (True), one call per
+matrix (False), or where it pays (null, the default; ``newton_schulz.batches``)."""
+
+
+@dataclass(frozen=True)
+class MuonPartition:
+    """The Muon matrices of one ZeRO-3 sub-group or ZeRO-1/2 parameter group as this rank holds them,
+    built by the stage (``_muon_partitions`` in ``stage3.py``, ``stage_1_and_2.py``).
+
+    Attributes:
+        key, label: the stage's index (passed to ``update``) and its name in messages.
+        group_index: its group in the optimizer's ``param_groups`` (read at each step: a loaded
+            checkpoint replaces the groups).
+        params, shapes: the Muon parameters in partition order and their full shapes.
+        pieces: per matrix, the elements every rank of ``process_group`` holds of it; in rank order
+            the matrix flattened (ZeRO-3 zero-pads past its end).
+        slices: per matrix, ``(offset, numel)`` of this rank's piece in the flat partition.
+        flat, numel: the fp32 partition (its optimizer state holds the momentum; its device is where
+            the pieces live) and its elements.
+        bucket_numel: most elements of whole matrices exchanged at once (``reduce_bucket_size``).
+        allocate_momentum: puts a zero fp32 momentum into ``flat``'s state the stage's way (ZeRO-3's
+            knows optimizer swapping); None: a zero tensor.
+        agree_finite: hold the update back (momentum unchanged, a zero update) where some rank's
+            gradient is not finite (ZeRO-1/2 may step on one; ZeRO-3 skips such a step itself).
+    """
+    key: int
+    label: str
+    group_index: int
+    params: Sequence[torch.nn.Parameter]
+    shapes: Sequence[Tuple[int, ...]]
+    pieces: Sequence[Tuple[int, ...]]
+    slices: Sequence[Tuple[int, int]]
+    process_group: object
+    flat: torch.Tensor
+    numel: int
+    bucket_numel: int
+    allocate_momentum: Optional[Callable[[], None]] = None
+    agree_finite: bool = False
+
+
+class MuonUpdate:
+    """Muon's momentum and Newton-Schulz for the Muon partitions of one ZeRO optimizer.
+
+    Args:
+        optimizer: the ``MuonWithAuxAdam`` the stage wraps. partitions: the stage's description.
+
+    Attributes:
+        stats: ``ExchangeStats``, cumulative on this rank.
+        pipelines: per partition key its ``MuonPipeline`` (owner plan, layouts, owner state).
+        buffers: the ``ExchangeBuffers`` the pipelines use in turn.
+
+    Raises:
+        ValueError: at initialization, on every rank: a Muon parameter that is not a matrix,
+            ``muon_num_heads`` that does not fit it, an unknown ``variant``.
+        RuntimeError: at initialization, where the ranks of a group built different owner plans.
+    """
+
+    def __init__(self, optimizer, partitions: Sequence[MuonPartition]):
+        self.optimizer = optimizer
+        self.stats = ExchangeStats()
+        self.device = torch.device(get_accelerator().current_device_name())
+        self.partitions: Dict[int, MuonPartition] = {p.key: p for p in partitions if p.params}
+        self.pipelines: Dict[int, MuonPipeline] = {}
+        loads = {}  # NS cost owned per rank so far, per process group
+        for key, part in self.partitions.items():
+            self.pipelines[key] = self._build_pipeline(part, loads)
+        self._check_plans_agree()
+        self.buffers = ExchangeBuffers.covering([p.buffer_demand for p in self.pipelines.values()], self.device)
+        self._log_plan()
+
+    @classmethod
+    def create(cls, optimizer, partitions: Callable[[], Sequence[MuonPartition]]) -> Optional["MuonUpdate"]:
+        """The update for a stage wrapping ``optimizer``, or None when it is not ``MuonWithAuxAdam``
+        (``partitions`` is called only then)."""
+        return cls(optimizer, partitions()) if is_muon_optimizer(optimizer) else None
+
+    def _group(self, part: MuonPartition) -> dict:
+        return self.optimizer.param_groups[part.group_index]
+
+    def _build_pipeline(self, part: MuonPartition, loads) -> MuonPipeline:
+        group = self._group(part)
+        ns_method = MuonSettings.of(group).ns_method
+        specs = [matrix_spec(p, shape, ns_method) for p, shape in zip(part.params, part.shapes)]
+        world_size = dist.get_world_size(group=part.process_group)
+        # every rank meets its partitions in the same order: keyed by the group, the same ones pool
+        load = loads.setdefault(id(part.process_group), [0.0] * world_size)
+        held = [[r for r, n in enumerate(p) if n] for p in part.pieces]
+        holders = None if all(len(h) == world_size for h in held) else held
+        pipeline = MuonPipeline.for_process_group(specs,
+                                                  part.pieces,
+                                                  part.slices,
+                                                  part.process_group,
+                                                  self.stats,
+                                                  self.device,
+                                                  part.flat.device,
+                                                  part.bucket_numel,
+                                                  group.get(PIPELINE_DEPTH_KEY, DEFAULT_DEPTH),
+                                                  group.get(BATCH_NS_KEY),
+                                                  variant=variant_of(group),
+                                                  initial_load=load,
+                                                  holders=holders,
+                                                  result_itemsize=original_muon.ns_compute_dtype(ns_method).itemsize)
+        for r, cost in enumerate(pipeline.plan.load()):
+            load[r] += cost
+        return pipeline
+
+    def _check_plans_agree(self):
+        """Per partition one all-reduce MAX of ``[count, digest, -count, -digest]`` (the matrix count and a
+        SHA-256 of the shapes, pieces, problems, plan and depth, which fix the order of the collectives;
+        fixed length, so ranks with different counts still meet): ranks agree where max and min are theirs."""
+        for key, pipeline in self.pipelines.items():
+            if pipeline.exchange.world_size == 1:
+                continue
+            part = self.partitions[key]
+            description = repr([(s.shape, tuple(p), s.ns_problem) for s, p in zip(pipeline.specs, part.pieces)] +
+                               pipeline.plan.signature() + [pipeline.depth])
+            digest = hashlib.sha256(description.encode()).digest()
+            # 56-bit chunks: non-negative and their negations fit in int64.
+            mine = [len(pipeline.specs)] + [int.from_bytes(digest[k:k + 7], "little") for k in range(0, 28, 7)]
+            extremes = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=self.device)
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=pipeline.exchange.group)
+            most, least = extremes[:len(mine)].tolist(), [-v for v in extremes[len(mine):].tolist()]
+            if most[0] != least[0]:
+                raise RuntimeError(f"{part.label}: ranks disagree on the number of Muon matrices "
+                                   f"({len(pipeline.specs)} here, from {least[0]} to {most[0]} over the ranks).")
+            if most != mine or least != mine:
+                raise RuntimeError(f"{part.label}: ranks built different owner plans. Every rank must see the same "
+                                   "parameter shapes, Muon flags and zero_optimization.reduce_bucket_size.")
+
+    def _log_plan(self):
+        if not self.pipelines or dist.get_rank() != 0:
+            return
+        pipelines = list(self.pipelines.values())
+        travel = sum(1 for p in self.partitions.values() for piece in p.pieces if sum(map(bool, piece)) > 1)
+        momentum = 4 * sum(n for p in pipelines for _, n in p.slices)
+        reserved = self.reserved_bytes()
+        workspace = 4 * max(p.plan.workspace(p.exchange.rank) for p in pipelines)
+        logger.info(
+            f"{next(iter(self.partitions.values())).label.split(',')[0]}: owner-centric update at the "
+            f"accumulation boundary for {sum(len(p.specs) for p in pipelines)} matrices ({travel} held by "
+            f"more than one rank) in {len(pipelines)} partition(s), {sum(len(p.plan.buckets) for p in pipelines)} "
+            f"bucket(s), pipeline depth {min(p.depth for p in pipelines)}, {reserved} bytes of exchange "
+            f"buffers and {workspace} bytes of owner Newton-Schulz working set on rank 0 "
+            f"({'within' if reserved + workspace <= momentum else 'over'} its momentum partition of {momentum} "
+            f"bytes); owner NS cost max/mean {max(p.plan.imbalance() for p in pipelines):.3f}")
+
+    def reserved_bytes(self) -> int:
+        """Bytes of exchange buffer this rank keeps between steps."""
+        return self.buffers.reserved_bytes()
+
+    def _state(self, part: MuonPartition) -> dict:
+        return self.optimizer.state.setdefault(part.flat, {})
+
+    def momentum(self, key: int, device) -> torch.Tensor:
+        """The partition's fp32 momentum (1-D, ``numel``, on ``device``; optimizer state ``MOMENTUM_KEY``),
+        the one place it is created (zero), upcast (stock's bf16) and size-checked (``RuntimeError``)."""
+        part = self.partitions[key]
+        state = self._state(part)
+        if state.get(MOMENTUM_KEY) is None:
+            if part.allocate_momentum is not None:
+                part.allocate_momentum()
+                state = self._state(part)
+            else:
+                state[MOMENTUM_KEY] = torch.zeros(part.numel, dtype=torch.float32, device=device)
+        momentum = state[MOMENTUM_KEY]
+        self._check_momentum(part, momentum)
+        if momentum.dtype != torch.float32 or momentum.device != torch.device(device):
+            converted = momentum.to(device=device, dtype=torch.float32)
+            if hasattr(momentum, "swappable"):  # ZeRO-3 keeps some momenta out of the NVMe swapper
+                converted.swappable = momentum.swappable
+            momentum = state[MOMENTUM_KEY] = converted
+        return momentum
+
+    @staticmethod
+    def _check_momentum(part: MuonPartition, momentum: torch.Tensor) -> None:
+        if momentum.numel() != part.numel:
+            raise RuntimeError(
+                f"{part.label} holds a momentum of {momentum.numel()} elements for a partition of {part.numel}: the "
+                "optimizer state comes from another partitioning (data-parallel world size, "
+                "zero_optimization.sub_group_size, offload_optimizer or the parameters). Convert the checkpoint "
+                "with ds_to_universal and load it with \"checkpoint\": {\"load_universal\": true}.")
+
+    @torch.no_grad()
+    def update(self, key: int, grad_partition: torch.Tensor) -> None:
+        """Replace this rank's pieces of partition ``key``'s gradient (``grad_partition``: 1-D fp32,
+        divided by the loss scale and the clip coefficient) with its pieces of the Muon update, in
+        place; once per step on every rank of the group. Nothing for a key without Muon matrices;
+        where ``agree_finite`` and some rank's gradient is not finite, the momentum stays and the
+        pieces become zero (the matrices take no step but their weight decay);
+        ``RuntimeError`` where the group's ``variant`` is not the one the state was built for."""
+        pipeline = self.pipelines.get(key)
+        if pipeline is None:
+            return
+        part = self.partitions[key]
+        if part.agree_finite and not self._all_finite(pipeline, grad_partition):
+            for start, numel in part.slices:  # no step for the matrices, as at ZeRO-3's skipped step
+                grad_partition.narrow(0, start, numel).zero_()
+            return
+        group = self._group(part)
+        variant = variant_of(group)
+        check_same_kind(pipeline.owner_state and pipeline.owner_state.variant, variant, part.label)
+        if pipeline.owner_state is not None:
+            # A checkpoint form state_dict() left here has served its save.
+            self._state(part).pop(pipeline.owner_state.variant.state_key, None)
+        settings = MuonSettings.of(group)
+        pipeline.run(grad_partition, self.momentum(key, grad_partition.device), settings,
+                     original_muon.ns_compute_dtype(settings.ns_method), self.buffers, variant)
+        if key == next(iter(self.pipelines)):
+            self.stats.optimizer_steps += 1
+
+    def _all_finite(self, pipeline: MuonPipeline, grad_partition: torch.Tensor) -> bool:
+        flag = torch.isfinite(grad_partition).all().to(device=self.device, dtype=torch.int32).view(1)
+        if pipeline.exchange.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pipeline.exchange.group)
+        return bool(flag.item())
+
+    @torch.no_grad()
+    def state_dict(self) -> None:
+        """Put each variant's owner state in its checkpoint form (``OwnerState.to_partition``) into the
+        optimizer state under the variant's ``state_key`` for the stage's ``state_dict()`` (dropped at
+        the next ``update``); collective over each variant partition's group, nothing for plain Muon."""
+        for key, pipeline in self.pipelines.items():
+            if pipeline.owner_state is None:
+                continue
+            part, exchange = self.partitions[key], pipeline.exchange
+            self._state(part)[pipeline.owner_state.variant.state_key] = pipeline.owner_state.to_partition(
+                part.pieces, part.slices, exchange.rank, part.numel, exchange.group, exchange.world_size)
+
+    @torch.no_grad()
+    def load_state_dict(self) -> None:
+        """Take over the Muon state the stage has just loaded (regular or universal checkpoint); on every
+        rank, collective over each variant partition's group.
+
+        Raises:
+            RuntimeError: a momentum of another size; a group whose ``variant`` the checkpoint changed;
+                a variant's state missing, foreign or misfit (``owner_state.load_checkpoint_form``).
+            ValueError: a variant's state not in its checkpoint form.
+        """
+        for key, pipeline in self.pipelines.items():
+            part, owner = self.partitions[key], pipeline.owner_state
+            group = self._group(part)
+            check_same_kind(owner and owner.variant, variant_of(group), part.label)
+            state = self._state(part)
+            if state.get(MOMENTUM_KEY) is not None:
+                self._check_momentum(part, state[MOMENTUM_KEY])
+            load_checkpoint_form(owner, state, part, pipeline.exchange, group.get(VARIANT_KEY, MUON))

@@ -1,0 +1,100 @@
+# Copyright (c) 2026 The zero3muon authors
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""ZeRO-1/2 checkpoints of Muon runs: the layout mark, and checkpoints saved before it taken apart.
+
+ZeRO-1/2 keep Muon's state in the layout of the flat fp32 partition (``binding``), as Adam's
+``exp_avg``, and mark their checkpoints with ``STATE_LAYOUT_KEY``. Checkpoints without the mark
+come from stock DeepSpeed or from older builds of this patch, which without optimizer offload kept
+a Muon group's momentum as the whole momentum of every parameter touching the rank's partition,
+concatenated in order (a matrix straddling a boundary whole on each rank holding a piece; stock
+DeepSpeed in the gradients' dtype), and kept a Muon variant's per-row state (NorMuon) for those
+whole matrices too, or with offload for the matrices the rank owned, their indices under
+``<state_key>_matrices``. ``from_older_layout`` rewrites such a state in place into this build's
+layout before the Muon update takes it over (``MuonUpdate.load_state_dict``).
+"""
+
+import torch
+
+from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY
+
+STATE_LAYOUT_KEY = "muon_state_layout"
+"""Key of a ZeRO-1/2 checkpoint (the stage's ``state_dict``) whose Muon state is in the partition's
+layout; its value is ``PARTITION_LAYOUT``."""
+PARTITION_LAYOUT = "partition"
+
+
+@torch.no_grad()
+def from_older_layout(update, cpu_offload: bool) -> None:
+    """Rewrite the Muon state a ZeRO-1/2 checkpoint without ``STATE_LAYOUT_KEY`` loaded into the
+    optimizer state, partition by partition, into the partition's layout.
+
+    Call on every rank right after the stage loaded such a checkpoint (collective over a variant
+    partition's process group), before ``update.load_state_dict()``.
+
+    Args:
+        update: the stage's ``binding.MuonUpdate``.
+        cpu_offload: the loading stage keeps its partitions under optimizer offload (then the
+            checkpoint's momentum is in the partition's layout already: older builds and stock
+            DeepSpeed kept it so there).
+
+    Raises:
+        RuntimeError: a momentum of another size than that layout has here (saved at another world
+            size or ``offload_optimizer`` setting), or a variant's state kept for matrices other than
+            the ones this rank owns (another owner plan).
+    """
+    for key, pipeline in update.pipelines.items():
+        part = update.partitions[key]
+        state = update.optimizer.state.get(part.flat, {})
+        rank = pipeline.exchange.rank
+        held = [(j, sum(p[:rank]), part.slices[j]) for j, p in enumerate(part.pieces) if p[rank]]
+        momentum = state.get(MOMENTUM_KEY)
+        if momentum is not None:
+            expected = part.numel if cpu_offload else sum(pipeline.specs[j].numel for j, _, _ in held)
+            if momentum.numel() != expected:
+                raise RuntimeError(
+                    f"{part.label}: the checkpoint, saved without {STATE_LAYOUT_KEY!r} (stock DeepSpeed or an older "
+                    f"build of the Muon patch), holds a momentum of {momentum.numel()} elements where this "
+                    f"configuration expects {expected}: it was saved with another data-parallel world size or "
+                    "zero_optimization.offload_optimizer setting. Load it with the configuration that saved it.")
+            if not cpu_offload:
+                state[MOMENTUM_KEY] = _take_apart(part, pipeline, held, momentum)
+        owner = pipeline.owner_state
+        if owner is None or owner.variant.state_key not in state:
+            continue
+        rows = state.pop(owner.variant.state_key)
+        matrices = state.pop(owner.variant.state_key + "_matrices", None)
+        listed = [j for j, _, _ in held] if matrices is None else [int(j) for j in matrices.tolist()]
+        if not _load_rows(owner, rows, listed):
+            raise RuntimeError(f"{part.label}: the loaded '{owner.variant.state_key}' belongs to another owner plan "
+                               "(world size, zero_optimization.reduce_bucket_size or parameters differ); load the "
+                               "checkpoint with the configuration it was saved with.")
+        exchange = pipeline.exchange
+        state[owner.variant.state_key] = owner.to_partition(part.pieces, part.slices, rank, part.numel, exchange.group,
+                                                            exchange.world_size)
+
+
+def _take_apart(part, pipeline, held, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's pieces of the whole matrices' momentum ``whole``, in the partition's layout (fp32)."""
+    out = torch.zeros(part.numel, dtype=torch.float32, device=whole.device)
+    source = 0
+    for j, first, (offset, count) in held:
+        out.narrow(0, offset, count).copy_(whole.reshape(-1).narrow(0, source + first, count))
+        source += pipeline.specs[j].numel
+    return out
+
+
+def _load_rows(owner, rows: torch.Tensor, matrices) -> bool:
+    """Take ``owner``'s matrices' state from per-row state saved for ``matrices`` (their states back to
+    back, in that order); False, changing nothing, where it owns a matrix not among them."""
+    if not set(owner.spans) <= set(matrices):
+        return False
+    rows = rows.reshape(-1).to(device=owner.flat.device, dtype=torch.float32)
+    offset = 0
+    for j in matrices:
+        n = owner.variant.state_numel(owner.specs[j])
+        if j in owner.spans:
+            owner.view(j).copy_(rows.narrow(0, offset, n))
+        offset += n
+    return True
