@@ -247,7 +247,10 @@ def test_gpu_check_dry_run_on_the_cpu(wheelhouse, tmp_path):
     for dtype in ("fp32", "bf16"):
         row = seed[f"patched-0.19.8/{dtype}"]
         assert row["ns_calls_gas1"] == row["ns_calls_gas4"] == 6 and row["ns_calls_micro_gas4"] == 0
-    assert seed["patched-0.19.8/fp32"]["rel_diff_gas1_gas4"] < 1e-5
+    # upstream's "gram" Newton-Schulz computes in fp16 wherever the accelerator allows it (CPU too): a
+    # 1e-7 change of its input moves its output by 0 or ~3e-3 (fp16's resolution), so gas 1 and 4 agree
+    # to that floor, not to fp32's (measured on this CPU: 7.4e-4 after 3 steps)
+    assert seed["patched-0.19.8/fp32"]["rel_diff_gas1_gas4"] < 1e-2
     group = steps["tests"]["result"]["groups"]["fp32_reference"]
     assert group["status"] == "ok" and len(group["tests"]) == 2
     assert {t["outcome"] for t in group["tests"].values()} == {"passed"}
