@@ -35,6 +35,18 @@ SETTINGS = {
 RESTART = {"fp32": 3, "bf16": 3, "offload": 3, "late": 15}
 
 
+def resume_is_bit_identical(name, tmp_path):
+    """The run of ``SETTINGS[name]`` saved at ``RESTART[name]`` and loaded into a fresh engine ends with
+    the same weights and norms as without, bit for bit; the momentum stays fp32."""
+    run = SETTINGS[name]
+    straight = run.train()
+    restarted = run.with_(restart_after=RESTART[name]).train(checkpoint_dir=str(tmp_path))
+    for key in straight.weights:
+        assert np.array_equal(straight.weights[key], restarted.weights[key]), key
+    assert straight.norms == restarted.norms
+    assert restarted.final_momentum_dtypes == ["torch.float32"]
+
+
 class TestZero3MuonCheckpoint(DistributedTest):
     world_size = 2
     reuse_dist_env = True
@@ -42,13 +54,7 @@ class TestZero3MuonCheckpoint(DistributedTest):
     @pytest.mark.parametrize("name",
                              [pytest.param(n, marks=[pytest.mark.core] if n == "fp32" else []) for n in SETTINGS])
     def test_resume_is_bit_identical(self, name, tmp_path):
-        run = SETTINGS[name]
-        straight = run.train()
-        restarted = run.with_(restart_after=RESTART[name]).train(checkpoint_dir=str(tmp_path))
-        for key in straight.weights:
-            assert np.array_equal(straight.weights[key], restarted.weights[key]), key
-        assert straight.norms == restarted.norms
-        assert restarted.final_momentum_dtypes == ["torch.float32"]
+        resume_is_bit_identical(name, tmp_path)
 
     def test_bf16_momentum_from_a_stock_checkpoint_is_upcast_and_trains(self, tmp_path):
         run = SETTINGS["bf16"]
@@ -91,10 +97,4 @@ class TestZero3MuonCheckpointOneRank(DistributedTest):
     def test_resume_is_bit_identical(self, name, tmp_path):
         """save_checkpoint / load_checkpoint mid-run: the same weights and norms as without, bit for
         bit; the momentum stays fp32."""
-        run = SETTINGS[name]
-        straight = run.train()
-        restarted = run.with_(restart_after=RESTART[name]).train(checkpoint_dir=str(tmp_path))
-        for key in straight.weights:
-            assert np.array_equal(straight.weights[key], restarted.weights[key]), key
-        assert straight.norms == restarted.norms
-        assert restarted.final_momentum_dtypes == ["torch.float32"]
+        resume_is_bit_identical(name, tmp_path)
