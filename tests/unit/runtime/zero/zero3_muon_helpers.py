@@ -662,6 +662,7 @@ def train_one_step(engine, step, poison=False):
     x, y = x[rank * mb:(rank + 1) * mb].clone(), y[rank * mb:(rank + 1) * mb]
     if poison:
         x[0, 0] = float("nan")
-    loss = loss_fn(engine(x.to(engine.device)), y.to(engine.device))
+    dtype = next(engine.module.parameters()).dtype  # fp16 / bf16 engines take inputs of their dtype
+    loss = loss_fn(engine(x.to(engine.device, dtype)).float(), y.to(engine.device))
     engine.backward(loss)
     engine.step()
