@@ -204,13 +204,15 @@ def check_zero12_convertible(optim_file: str) -> None:
 
     Raises:
         ValueError: a Muon parameter group (``use_muon``) holds ``momentum_buffer``, or a group a
-            variant's state, and the file has no ``STATE_LAYOUT_KEY``.
+            variant's state, and the file of ``DeepSpeedZeroOptimizer`` has no ``STATE_LAYOUT_KEY``.
     """
-    from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE
+    from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, LOSS_SCALER
     from deepspeed.runtime.zero.muon.zero12_checkpoints import STATE_LAYOUT_KEY
     saved = torch.load(optim_file, map_location="cpu", weights_only=False, mmap=True)
     optim_sd = saved[OPTIMIZER_STATE_DICT]
-    if optim_sd.get(STATE_LAYOUT_KEY) is not None:
+    # BF16_Optimizer's files (no loss scaler) come from its base optimizer stepping the flat fp32
+    # partitions: every state, Muon's momentum too, is in their layout.
+    if optim_sd.get(STATE_LAYOUT_KEY) is not None or LOSS_SCALER not in optim_sd:
         return
     base_state = optim_sd[BASE_OPTIMIZER_STATE]
     groups = base_state.get(PARAM_GROUPS, []) if isinstance(base_state, dict) else []

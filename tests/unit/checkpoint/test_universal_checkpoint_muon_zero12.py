@@ -233,3 +233,44 @@ class TestZero12OlderLayoutRefused(DistributedTest):
                 ds_to_universal(args)
             assert not os.path.exists(os.path.join(args.output_folder, "zero")), "a parameter was written"
         dist.barrier()
+
+
+class TestZero12BF16OptimizerConverts(DistributedTest):
+    world_size = 2
+    reuse_dist_env = True
+
+    def test_converts_and_loads_at_zero3(self, tmp_path):
+        """DeepSpeed's BF16_Optimizer (bf16 with data_types.grad_accum_dtype fp32 at stage 1; 0.19.8,
+        whose release runs its own Muon there) steps its base optimizer on the flat fp32 partitions,
+        so Muon's momentum is in their layout without this build's mark: ``ds_to_universal``
+        converts it, each Muon matrix's ``momentum_buffer.pt`` holds the saved momentum bit for bit,
+        and a ZeRO-3 engine loads it and trains on."""
+        import deepspeed.comm as dist
+        from deepspeed.git_version_info import version as deepspeed_version
+        from deepspeed.utils import safe_get_full_optimizer_state
+        from muon_testing.models import is_muon_param
+        from packaging import version
+        if version.parse(deepspeed_version).base_version == "0.19.7":
+            pytest.skip("0.19.7 refuses Muon with BF16_Optimizer at deepspeed.initialize (test_bf16_optimizer)")
+        run = RUN.with_(stage=1, dtype="bf16", extra=(("data_types", {"grad_accum_dtype": "fp32"}), ))
+        engine = run.build_engine(run.config(2))
+        assert type(engine.optimizer).__name__ == "BF16_Optimizer"
+        train_steps(engine, run, range(SAVE_AFTER))
+        saved = {
+            n: safe_get_full_optimizer_state(p, "momentum_buffer").detach().float().cpu().clone()
+            for n, p in engine.module.named_parameters() if is_muon_param(n, p)
+        }
+        engine.save_checkpoint(str(tmp_path / "ckpt"), tag=ZERO12_TAG)
+        engine.destroy()
+        out = convert_to_universal(str(tmp_path / "ckpt"), ZERO12_TAG, inject_missing_state=True)
+        assert saved
+        for name, momentum in saved.items():
+            converted = torch.load(os.path.join(out, "zero", name, "momentum_buffer.pt"), weights_only=False)
+            assert torch.equal(converted["param"].float().reshape(momentum.shape), momentum), name
+        target = run.with_(stage=3, extra=())
+        config = dict(target.config(dist.get_world_size()), checkpoint={"load_universal": True})
+        engine = target.build_engine(config)
+        engine.load_checkpoint(str(tmp_path / "ckpt"), tag=f"{ZERO12_TAG}_universal")
+        train_steps(engine, target, [SAVE_AFTER])
+        assert all(torch.isfinite(p.detach().float()).all() for p in engine.optimizer.fp32_partitioned_groups_flat)
+        engine.destroy()
