@@ -100,7 +100,7 @@ class Case:
         return engine
 
 
-ADAM_ULPS = 4
+ADAM_ULPS = 8
 """Largest difference, in ulps (``ulps``), allowed between AdamW's state one step after loading at
 W'=1 and the run that never stopped at W=2; everywhere else they are equal bit for bit. DeepSpeed's
 CPU Adam kernels (FusedAdam's and DeepSpeedCPUAdam's, ``cpu_adam.h`` ``Step_AVX`` and
@@ -109,7 +109,9 @@ tile and the rest element by element, rounded differently; a group's partition a
 long as at W=2, so a few elements near the partitions' ends are updated by the other code. Measured
 on 0.19.8 and 0.19.7 (the loaded state itself bit-identical): 1 ulp in 1 to 3 elements of the fp32
 masters and moments of fc1 and norm.bias, 3 ulps in one element of fc1.bias's ``exp_avg`` (a small
-value, 1.4e-4), nowhere else; the bound is that, rounded up. A state not restored (a momentum
+value, 1.4e-4), nowhere else; on another x86 host (AVX-512, another vector tile) 6 ulps in one
+element of fc1.weight's ``exp_avg`` and 1 ulp elsewhere. The bound is the largest, rounded up: the
+kernels' split depends on the host's vector width. A state not restored (a momentum
 restarted at zero, a step count lost) differs by orders of magnitude more."""
 
 CASES = [
