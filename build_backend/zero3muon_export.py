@@ -129,8 +129,8 @@ GROUPS = numbered(
         "Muon under ZeRO-3: momentum and Newton-Schulz once per optimizer step, on one owner rank per matrix",
         _patches(4, 1) + _in(MUON, "momentum.py", "newton_schulz.py", "owner_plan.py", "owner_exchange.py",
                              "pipeline.py", "owner_state.py", "binding.py") +
-        # The core's tests, lean: the seam bit for bit, the plan, the threaded pipeline, one ZeRO-3 run.
-        _in(ZERO_TESTS, "test_muon_update_split.py", "test_muon_pipeline.py", "test_zero3_muon_boundary.py")),
+        # The core's tests, lean: the seam bit for bit, one ZeRO-3 run.
+        _in(ZERO_TESTS, "test_muon_update_split.py", "test_zero3_muon_boundary.py")),
     Group(
         "zero3-configurations",
         "ZeRO-3 Muon in every configuration: gradients right across accumulation windows and loss scales, "
@@ -143,20 +143,24 @@ GROUPS = numbered(
         _in(TESTING, "__init__.py", "compare.py", "counting.py", "models.py", "reference.py"),
         needs=("zero3-muon", )),
     Group("zero12-muon",
-          "ZeRO-1/2 Muon on the same owner core, and the core's plans and exchange tested at every layout",
-          _patches(12) + _in(MUON, "zero12_checkpoints.py") +
+          "ZeRO-1/2 and AutoTP Muon on the same owner core: whole matrices wherever their pieces lie, the core's "
+          "plans and exchange tested at every layout",
+          _patches(12, 19) + _in(MUON, "zero12_checkpoints.py", "tensor_parallel.py") +
           _in(ZERO_TESTS, "test_zero12_*.py", "zero12_muon_helpers.py", "test_muon_owner_plan*.py",
-              "test_muon_pipeline_exchange.py"),
+              "test_muon_pipeline*.py", "test_muon_autotp.py", "test_muon_tensor_parallel.py") +
+          _in(TESTING, "causal_lm.py"),
           needs=("zero3-muon", "zero3-configurations")),
     Group("universal-checkpoints",
           "Checkpoints of Muon runs: every optimizer state in universal checkpoints at every stage, Muon's checked",
           _patches(6, 7, 8, 9, 13) + ("deepspeed/checkpoint/*.py", "tests/unit/checkpoint/*"),
           needs=("zero3-muon", "zero3-configurations", "zero12-muon")),
     Group("muon-config",
-          "Muon's configuration: parameter selection, its two learning rates under schedulers, every key checked",
+          "Muon's configuration: parameter selection with fused projections split, its two learning rates under "
+          "schedulers, every key checked",
           _patches(10, 11, 14, 15, 16) + _in(MUON, "param_selection.py", "lr_groups.py", "config.py") +
-          _in(ZERO_TESTS, "test_muon_param_selection.py", "test_muon_lr_groups.py", "test_muon_config*.py"),
-          needs=("zero3-muon", "zero3-configurations")),
+          _in(ZERO_TESTS, "test_muon_param_selection.py", "test_muon_lr_groups.py", "test_muon_config*.py",
+              "test_muon_fused_projections.py"),
+          needs=("zero3-muon", "zero3-configurations", "zero12-muon")),
     Group("muon-variants",
           "Newton-Schulz in depth and Muon's variants: batched problems, Polar Express, NorMuon's state on the owner",
           _patches(17, 18) + _in(MUON, "polar_express.py", "normuon.py") +

@@ -77,17 +77,17 @@ def reference_muon_update(grad, momentum, beta, ns_method="gram", is_expert_grou
     return kernel(x, steps=5) * max(1, grad.size(-2) / grad.size(-1))**0.5
 
 
-def _muon_settings(model, grouping, hyper, ns_method="gram"):
+def muon_settings(model, grouping, hyper, ns_method="gram", is_muon=is_muon_param):
     """Per parameter name, the Muon or AdamW settings DeepSpeed's Muon engine resolves: the
     config's shared values (``ns_method``: the config's), ``muon_lr`` / ``adam_lr``, then the
-    group's own (engine ``_muon_param_groups``)."""
+    group's own (engine ``_muon_param_groups``); ``is_muon(name, param)``: which half it is in."""
     names = {id(p): n for n, p in model.named_parameters()}
     settings = {}
     for group in param_groups(model, grouping) if grouping else [dict(params=list(model.parameters()))]:
         overrides = {k: v for k, v in group.items() if k != "params"}
         for p in group["params"]:
             name = names[id(p)]
-            if is_muon_param(name, p):
+            if is_muon(name, p):
                 base = dict(lr=hyper["muon_lr"],
                             momentum=hyper["momentum"],
                             weight_decay=hyper["weight_decay"],
@@ -137,7 +137,7 @@ def _train_reference(name: str,
     model = build_model(name).to(dev)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     heads = getattr(model, "MUON_HEADS", {}) if per_head else {}
-    settings = _muon_settings(model, grouping, hyper, ns_method or "gram")
+    settings = muon_settings(model, grouping, hyper, ns_method or "gram")
     muon = [(n, p) for n, p in named if is_muon_param(n, p) and not adamw_only]
     other = [(n, p) for n, p in named if adamw_only or not is_muon_param(n, p)]
     if adamw_only:
@@ -145,13 +145,27 @@ def _train_reference(name: str,
             n: dict(lr=hyper["adam_lr"], betas=hyper["betas"], eps=hyper["eps"], weight_decay=hyper["weight_decay"])
             for n, _ in named
         }
+
+    def loss_of(step):
+        x, y = (t.to(dev) for t in step_batch(name, step, target_scale, samples))
+        return loss_fn(model(x), y)
+
+    norms = train_steps(model, named, settings, muon, other, heads, steps, clip, loss_of)
+    return {n: p.detach().cpu().numpy().copy() for n, p in model.named_parameters()}, norms
+
+
+def train_steps(model, named, settings, muon, other, heads, steps, clip, loss_of, splits=()) -> list:
+    """``steps`` optimizer steps of ``model`` (``loss_of(step)``: the step's loss over all its samples): Muon on
+    ``muon`` (``heads``: name -> ``muon_num_heads``; ``splits``: name -> the update of a fused parameter, a callable
+    taking ``(grad, momentum, beta, ns_method)``), AdamW on
+    ``other`` (``(name, param)`` lists; ``settings`` by name), optional clipping; returns the pre-clip global
+    gradient norm of every step."""
     adamw = torch.optim.AdamW([dict(params=[p], **settings[n]) for n, p in other]) if other else None
     momenta = {n: torch.zeros_like(p) for n, p in muon}
     norms = []
     for step in range(steps):
-        x, y = (t.to(dev) for t in step_batch(name, step, target_scale, samples))
         model.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
+        loss_of(step).backward()
         params = [p for _, p in named]
         for p in params:
             if p.grad is None:
@@ -164,10 +178,13 @@ def _train_reference(name: str,
         with torch.no_grad():
             for n, p in muon:
                 s = settings[n]
-                update = reference_muon_update(p.grad.clone(), momenta[n], s["momentum"], s["ns_method"],
-                                               getattr(p, "is_expert_group", False), heads.get(n))
+                if n in splits:
+                    update = splits[n](p.grad, momenta[n], s["momentum"], s["ns_method"])
+                else:
+                    update = reference_muon_update(p.grad.clone(), momenta[n], s["momentum"], s["ns_method"],
+                                                   getattr(p, "is_expert_group", False), heads.get(n))
                 p.mul_(1 - s["lr"] * s["weight_decay"])
                 p.add_(update.reshape(p.shape), alpha=-s["lr"])
         if adamw is not None:
             adamw.step()
-    return {n: p.detach().cpu().numpy().copy() for n, p in model.named_parameters()}, norms
+    return norms

@@ -33,7 +33,7 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings, is_muon_optimizer
-from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec
+from deepspeed.runtime.zero.muon.newton_schulz import SPLIT_KEY, matrix_spec, split_of
 from deepspeed.runtime.zero.muon.owner_exchange import ExchangeBuffers, ExchangeStats
 from deepspeed.runtime.zero.muon.owner_state import (MUON, VARIANT_KEY, check_same_kind, load_checkpoint_form,
                                                      variant_of)
@@ -42,6 +42,12 @@ from deepspeed.utils import logger
 
 PIPELINE_DEPTH_KEY = "pipeline_depth"
 """Muon group key: buckets in flight ahead of the one being orthogonalized (``pipeline``; default 2)."""
+SPREAD_ATTR = "muon_spread"
+"""Parameter attribute: the layout of a matrix whose pieces lie over more ranks than the stage's process group (an
+AutoTP shard's, ``tensor_parallel``). Its ``spread(partition, indices)`` gives, for the partition's matrices
+``indices`` (all so marked), ``indices``, ``shapes`` (whole), ``pieces`` (per matrix, every rank of
+``process_group``'s elements), ``placements`` and ``assemblies`` (``MuonPipeline``'s), ``num_heads`` (per matrix,
+``muon_num_heads`` of the whole) and ``process_group``; its ``config_key`` is named in refusals."""
 BATCH_NS_KEY = "batch_ns"
 """Muon group key: same-shape Newton-Schulz problems of a bucket in one call (True), one call per
 matrix (False), or where it pays (null, the default; ``newton_schulz.batches``)."""
@@ -106,11 +112,20 @@ class MuonUpdate:
         self.device = torch.device(get_accelerator().current_device_name())
         self.partitions: Dict[int, MuonPartition] = {p.key: p for p in partitions if p.params}
         self.pipelines: Dict[int, MuonPipeline] = {}
+        self.spread_pipelines: Dict[int, MuonPipeline] = {}
         loads = {}  # NS cost owned per rank so far, per process group
         for key, part in self.partitions.items():
-            self.pipelines[key] = self._build_pipeline(part, loads)
+            sharded = self._sharded_matrices(part)
+            local = [j for j in range(len(part.params)) if sharded is None or j not in sharded.indices]
+            if local:
+                self.pipelines[key] = self._build_pipeline(part, local, [part.pieces[j] for j in local],
+                                                           [tuple(part.shapes[j]) for j in local], loads)
+            if sharded is not None:
+                self.spread_pipelines[key] = self._build_pipeline(part, sharded.indices, sharded.pieces,
+                                                                  sharded.shapes, loads, sharded)
         self._check_plans_agree()
-        self.buffers = ExchangeBuffers.covering([p.buffer_demand for p in self.pipelines.values()], self.device)
+        every = list(self.pipelines.values()) + list(self.spread_pipelines.values())
+        self.buffers = ExchangeBuffers.covering([p.buffer_demand for p in every], self.device)
         self._log_plan()
 
     @classmethod
@@ -122,19 +137,52 @@ class MuonUpdate:
     def _group(self, part: MuonPartition) -> dict:
         return self.optimizer.param_groups[part.group_index]
 
-    def _build_pipeline(self, part: MuonPartition, loads) -> MuonPipeline:
+    def _sharded_matrices(self, part: MuonPartition):
+        """The partition's matrices whose pieces lie over more ranks than its group (``SPREAD_ATTR``), described by
+        their layout's ``spread(part, indices)``; None where there are none."""
+        indices = [j for j, p in enumerate(part.params) if getattr(p, SPREAD_ATTR, None) is not None]
+        if not indices:
+            return None
+        layout = getattr(part.params[indices[0]], SPREAD_ATTR)
+        if variant_of(self._group(part)) is not None:
+            raise ValueError(f"{layout.config_key}: {part.label}: the Muon variant "
+                             f"{self._group(part).get(VARIANT_KEY)!r} keeps owner state that matrices spread over "
+                             "more ranks do not support yet; use plain Muon there.")
+        return layout.spread(part, indices)
+
+    def _build_pipeline(self,
+                        part: MuonPartition,
+                        indices: Sequence[int],
+                        pieces: Sequence[Tuple[int, ...]],
+                        shapes: Sequence[Tuple[int, ...]],
+                        loads,
+                        sharded=None) -> MuonPipeline:
+        """The pipeline of the partition's matrices ``indices`` of (whole) ``shapes`` held as ``pieces`` over the
+        partition's group, or as ``sharded`` (a ``SPREAD_ATTR`` layout's ``spread``) says."""
         group = self._group(part)
         ns_method = MuonSettings.of(group).ns_method
-        specs = [matrix_spec(p, shape, ns_method) for p, shape in zip(part.params, part.shapes)]
-        world_size = dist.get_world_size(group=part.process_group)
+        heads = sharded.num_heads if sharded is not None else [
+            getattr(part.params[j], "muon_num_heads", None) for j in indices
+        ]
+        specs = [
+            matrix_spec(part.params[j], shape, ns_method, n, split_of(part.params[j], group))
+            for j, shape, n in zip(indices, shapes, heads)
+        ]
+        if variant_of(group) is not None:
+            uneven = [s.shape for s in specs if s.split and (s.split[0] != -2 or len(set(s.split[1])) > 1)]
+            if uneven:
+                raise ValueError(f"{SPLIT_KEY}: {part.label}: the Muon variant {group.get(VARIANT_KEY)!r} keeps one "
+                                 f"value per row of equal parts; fused parameters of shapes {uneven} split into "
+                                 f"columns or unequal parts. Set \"{SPLIT_KEY}\": false or a plain Muon group.")
+        process_group = part.process_group if sharded is None else sharded.process_group
+        world_size = dist.get_world_size(group=process_group)
         # every rank meets its partitions in the same order: keyed by the group, the same ones pool
-        load = loads.setdefault(id(part.process_group), [0.0] * world_size)
-        held = [[r for r, n in enumerate(p) if n] for p in part.pieces]
+        load = loads.setdefault(id(process_group), [0.0] * world_size)
+        held = [[r for r, n in enumerate(p) if n] for p in pieces]
         holders = None if all(len(h) == world_size for h in held) else held
         pipeline = MuonPipeline.for_process_group(specs,
-                                                  part.pieces,
-                                                  part.slices,
-                                                  part.process_group,
+                                                  pieces, [part.slices[j] for j in indices],
+                                                  process_group,
                                                   self.stats,
                                                   self.device,
                                                   part.flat.device,
@@ -144,6 +192,8 @@ class MuonUpdate:
                                                   variant=variant_of(group),
                                                   initial_load=load,
                                                   holders=holders,
+                                                  placements=sharded and sharded.placements,
+                                                  assemblies=sharded and sharded.assemblies,
                                                   result_itemsize=original_muon.ns_compute_dtype(ns_method).itemsize)
         for r, cost in enumerate(pipeline.plan.load()):
             load[r] += cost
@@ -153,12 +203,13 @@ class MuonUpdate:
         """Per partition one all-reduce MAX of ``[count, digest, -count, -digest]`` (the matrix count and a
         SHA-256 of the shapes, pieces, problems, plan and depth, which fix the order of the collectives;
         fixed length, so ranks with different counts still meet): ranks agree where max and min are theirs."""
-        for key, pipeline in self.pipelines.items():
+        for key, pipeline in self._every_pipeline():
             if pipeline.exchange.world_size == 1:
                 continue
             part = self.partitions[key]
-            description = repr([(s.shape, tuple(p), s.ns_problem) for s, p in zip(pipeline.specs, part.pieces)] +
-                               pipeline.plan.signature() + [pipeline.depth])
+            description = repr([(s.shape, layout.pieces, s.ns_problem) for layout in pipeline.layouts
+                                for s in (pipeline.specs[j]
+                                          for j in layout.matrices)] + pipeline.plan.signature() + [pipeline.depth])
             digest = hashlib.sha256(description.encode()).digest()
             # 56-bit chunks: non-negative and their negations fit in int64.
             mine = [len(pipeline.specs)] + [int.from_bytes(digest[k:k + 7], "little") for k in range(0, 28, 7)]
@@ -172,10 +223,17 @@ class MuonUpdate:
                 raise RuntimeError(f"{part.label}: ranks built different owner plans. Every rank must see the same "
                                    "parameter shapes, Muon flags and zero_optimization.reduce_bucket_size.")
 
+    def _every_pipeline(self):
+        """``(key, pipeline)`` of every pipeline, in the order every rank runs them."""
+        for key in self.partitions:
+            for pipelines in (self.pipelines, self.spread_pipelines):
+                if key in pipelines:
+                    yield key, pipelines[key]
+
     def _log_plan(self):
-        if not self.pipelines or dist.get_rank() != 0:
+        if not self.partitions or dist.get_rank() != 0:
             return
-        pipelines = list(self.pipelines.values())
+        pipelines = [p for _, p in self._every_pipeline()]
         travel = sum(1 for p in self.partitions.values() for piece in p.pieces if sum(map(bool, piece)) > 1)
         momentum = 4 * sum(n for p in pipelines for _, n in p.slices)
         reserved = self.reserved_bytes()
@@ -233,24 +291,26 @@ class MuonUpdate:
         where ``agree_finite`` and some rank's gradient is not finite, the momentum stays and the
         pieces become zero (the matrices take no step but their weight decay);
         ``RuntimeError`` where the group's ``variant`` is not the one the state was built for."""
-        pipeline = self.pipelines.get(key)
-        if pipeline is None:
+        pipelines = [p for k, p in self._every_pipeline() if k == key]
+        if not pipelines:
             return
         part = self.partitions[key]
-        if part.agree_finite and not self._all_finite(pipeline, grad_partition):
+        if part.agree_finite and not self._all_finite(pipelines[-1], grad_partition):
             for start, numel in part.slices:  # no step for the matrices, as at ZeRO-3's skipped step
                 grad_partition.narrow(0, start, numel).zero_()
             return
         group = self._group(part)
         variant = variant_of(group)
-        check_same_kind(pipeline.owner_state and pipeline.owner_state.variant, variant, part.label)
-        if pipeline.owner_state is not None:
-            # A checkpoint form state_dict() left here has served its save.
-            self._state(part).pop(pipeline.owner_state.variant.state_key, None)
         settings = MuonSettings.of(group)
-        pipeline.run(grad_partition, self.momentum(key, grad_partition.device), settings,
-                     original_muon.ns_compute_dtype(settings.ns_method), self.buffers, variant)
-        if key == next(iter(self.pipelines)):
+        momentum = self.momentum(key, grad_partition.device)
+        for pipeline in pipelines:
+            check_same_kind(pipeline.owner_state and pipeline.owner_state.variant, variant, part.label)
+            if pipeline.owner_state is not None:
+                # A checkpoint form state_dict() left here has served its save.
+                self._state(part).pop(pipeline.owner_state.variant.state_key, None)
+            pipeline.run(grad_partition, momentum, settings, original_muon.ns_compute_dtype(settings.ns_method),
+                         self.buffers, variant)
+        if key == next(iter(self.partitions)):
             self.stats.optimizer_steps += 1
 
     def _all_finite(self, pipeline: MuonPipeline, grad_partition: torch.Tensor) -> bool:
@@ -281,7 +341,7 @@ class MuonUpdate:
                 a variant's state missing, foreign or misfit (``owner_state.load_checkpoint_form``).
             ValueError: a variant's state not in its checkpoint form.
         """
-        for key, pipeline in self.pipelines.items():
+        for key, pipeline in self._every_pipeline():
             part, owner = self.partitions[key], pipeline.owner_state
             group = self._group(part)
             check_same_kind(owner and owner.variant, variant_of(group), part.label)

@@ -29,6 +29,7 @@ import difflib
 from typing import Any, Iterable, List, Mapping, Optional, Sequence
 
 from deepspeed.runtime.zero.muon.binding import BATCH_NS_KEY, PIPELINE_DEPTH_KEY
+from deepspeed.runtime.zero.muon.newton_schulz import SPLIT_KEY
 from deepspeed.runtime.zero.muon.momentum import is_muon_group
 from deepspeed.runtime.zero.muon.owner_state import MUON, VARIANT_KEY, registered, variants
 
@@ -86,6 +87,9 @@ UPDATE_KEYS: Mapping[str, str] = {
     BATCH_NS_KEY:
     "same-shape Newton-Schulz problems of a bucket in one call (true), one call per matrix (false), "
     "or where it pays (null, the default)",
+    SPLIT_KEY:
+    "orthogonalize each part of a fused projection DeepSpeed recognizes (gate_up_proj, qkv_proj, c_attn) on its own "
+    "(true or null, the default) or the fused tensor whole (false, as before)",
 }
 """The distributed update's settings, per Muon group (read once, when the ZeRO optimizer is built)."""
 
@@ -165,6 +169,8 @@ def _update_value_problems(settings: Mapping[str, Any], where: str) -> List[str]
         problems.append(f"{where}.{PIPELINE_DEPTH_KEY}: {depth!r}; {UPDATE_KEYS[PIPELINE_DEPTH_KEY]}.")
     if settings.get(BATCH_NS_KEY) is not None and not isinstance(settings[BATCH_NS_KEY], bool):
         problems.append(f"{where}.{BATCH_NS_KEY}: {settings[BATCH_NS_KEY]!r}; {UPDATE_KEYS[BATCH_NS_KEY]}.")
+    if settings.get(SPLIT_KEY) is not None and not isinstance(settings[SPLIT_KEY], bool):
+        problems.append(f"{where}.{SPLIT_KEY}: {settings[SPLIT_KEY]!r}; {UPDATE_KEYS[SPLIT_KEY]}.")
     return problems
 
 

@@ -18,6 +18,37 @@ import torch
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec
 
+SPLIT_ATTR = "muon_split"
+"""Parameter attribute: ``(dim, sizes)``, the matrices a fused parameter holds."""
+SPLIT_KEY = "split_fused_muon"
+"""Muon group key: apply the splits DeepSpeed recognized (True, the default) or orthogonalize those tensors whole."""
+RECOGNIZED_ATTR = "_muon_split_recognized"
+"""Parameter attribute: the split ``tag_fused_projections`` set (a user's own ``muon_split`` lacks it)."""
+
+Split = Tuple[int, Tuple[int, ...]]
+
+
+def split_of(param, group: dict) -> Optional[Split]:
+    """The split the update applies to ``param`` in Muon group ``group``: the user's ``muon_split``, or the
+    recognized one unless the group's ``split_fused_muon`` is false."""
+    split = getattr(param, SPLIT_ATTR, None)
+    if split is None or (getattr(param, RECOGNIZED_ATTR, None) is not None and group.get(SPLIT_KEY) is False):
+        return None
+    return split
+
+
+def part_problems(shape: Sequence[int], split: Split) -> Tuple[Tuple[int, int, int], ...]:
+    """``(batch, rows, cols)`` of the Newton-Schulz problems of each distinct part shape, in order of first
+    appearance (batch: the parts of that shape, times the experts of a 3-D tensor)."""
+    dim, sizes = split
+    batch = shape[0] if len(shape) == 3 else 1
+    rows, cols = shape[-2], shape[-1]
+    problems = {}
+    for size in sizes:
+        part = (size, cols) if dim == -2 else (rows, size)
+        problems[part] = problems.get(part, 0) + batch
+    return tuple((n, r, c) for (r, c), n in problems.items())
+
 
 def newton_schulz_problem(shape: Sequence[int], is_expert_group: bool, num_heads) -> Tuple[int, int, int]:
     """``(batch, rows, cols)`` of the NS problems of a parameter of full ``shape`` with its
@@ -38,15 +69,22 @@ def newton_schulz_problem(shape: Sequence[int], is_expert_group: bool, num_heads
                          f"{tuple(shape)}: {e}") from e
 
 
-def matrix_spec(param, shape: Sequence[int], ns_method: str) -> MatrixSpec:
-    """The ``MatrixSpec`` of ``param`` (its ``is_expert_group`` and ``muon_num_heads`` read) of full
-    ``shape`` (ZeRO-3: ``ds_shape``) under the group's ``ns_method``.
+def matrix_spec(param,
+                shape: Sequence[int],
+                ns_method: str,
+                num_heads: Optional[int] = None,
+                split: Optional[Split] = None) -> MatrixSpec:
+    """The ``MatrixSpec`` of ``param`` (its ``is_expert_group`` read) of full ``shape`` (ZeRO-3: ``ds_shape``;
+    a tensor-parallel matrix's whole) with ``num_heads`` (its ``muon_num_heads`` for that shape) and ``split``
+    (``split_of``; checked at selection, ``param_selection.check_split``) under the group's ``ns_method``.
 
     Raises:
         ValueError: see ``newton_schulz_problem``.
     """
-    shape, experts, heads = tuple(shape), bool(getattr(param, "is_expert_group",
-                                                       False)), getattr(param, "muon_num_heads", None)
+    shape, experts, heads = tuple(shape), bool(getattr(param, "is_expert_group", False)), num_heads
+    if split is not None:
+        parts = part_problems(shape, split)
+        return MatrixSpec(shape, ns_method, experts, None, parts[0], split, parts)
     return MatrixSpec(shape, ns_method, experts, heads, newton_schulz_problem(shape, experts, heads))
 
 
@@ -83,11 +121,15 @@ def orthogonalize_each(load: Callable[[int], torch.Tensor],
     for k, spec in enumerate(specs):
         _, rows, cols = spec.ns_problem
         grouped = batches(rows, cols, device) if batch is None else batch
-        # A 4-D conv filter alone: upstream scales it by its kernel's (kh, kw), not by its problem's.
-        conv = len(spec.shape) == 4 and not spec.is_expert_group
-        groups.setdefault((rows, cols) if grouped and not conv else k, []).append(k)
+        # A 4-D conv filter alone: upstream scales it by its kernel's (kh, kw), not by its problem's; a fused
+        # parameter alone, its parts batched by shape.
+        alone = (len(spec.shape) == 4 and not spec.is_expert_group) or spec.split is not None
+        groups.setdefault((rows, cols) if grouped and not alone else k, []).append(k)
     for members in _bounded_calls(groups.values(), specs, max_call_numel):
-        if len(members) == 1:
+        if len(members) == 1 and specs[members[0]].split is not None:
+            spec = specs[members[0]]
+            yield members, [orthogonalize_parts(load(members[0]), spec.split, ns_steps, ns_method, dtype)]
+        elif len(members) == 1:
             spec = specs[members[0]]
             yield members, [
                 original_muon.muon_orthogonalize(load(members[0]), ns_steps, ns_method, spec.is_expert_group,
@@ -100,6 +142,29 @@ def orthogonalize_each(load: Callable[[int], torch.Tensor],
                                                        dtype).split([specs[k].ns_problem[0] for k in members])
             del stack
             yield members, [result.reshape(specs[k].shape) for k, result in zip(members, results)]
+
+
+def orthogonalize_parts(update: torch.Tensor, split: Split, ns_steps: int, ns_method: str,
+                        dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """Upstream's ``muon_orthogonalize`` on each part of a fused ``update`` (2-D, or 3-D: a batch of experts) along
+    ``split = (dim, sizes)`` (``check_split``'s), each part with its own aspect-ratio scale, the parts of one shape
+    in one batched call; the result in ``dtype`` (None: the kernel's), ``update``'s shape, parts in place."""
+    dim, sizes = split
+    pieces = update.split(list(sizes), dim=dim)
+    shapes = {}
+    for i, piece in enumerate(pieces):
+        shapes.setdefault(tuple(piece.shape), []).append(i)
+    out = None
+    for shape, members in shapes.items():
+        stack = torch.stack([pieces[i] for i in members]).reshape(-1, shape[-2], shape[-1])
+        results = original_muon.muon_orthogonalize(stack, ns_steps, ns_method, True, None, dtype)
+        del stack
+        if out is None:
+            out = torch.empty(update.shape, dtype=results.dtype, device=results.device)
+            targets = out.split(list(sizes), dim=dim)
+        for i, result in zip(members, results.reshape(len(members), *shape)):
+            targets[i].copy_(result)
+    return out
 
 
 def _bounded_calls(groups, specs, max_call_numel: Optional[int]) -> Iterator[List[int]]:

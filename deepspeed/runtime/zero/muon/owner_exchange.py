@@ -13,7 +13,7 @@ elements, the owner-centric lower bound.
 """
 
 from dataclasses import dataclass, field
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -39,6 +39,9 @@ class BucketLayout:
     Args:
         matrices: the bucket's matrix indices (partition order). owners, numels: per matrix.
         pieces: per matrix, the elements every rank holds of it. rank: this rank in the group.
+        placements: per matrix, None (its pieces in rank order are the matrix flattened), or per rank holding a
+            piece (rank order) ``(offset, numel)`` of its elements in the matrix's storage (``tensor_parallel``:
+            the shards back to back; the rest of the piece is padding).
 
     Attributes:
         send_order: bucket positions by (owner, position), the send buffer's order.
@@ -56,6 +59,7 @@ class BucketLayout:
     numels: Tuple[int, ...]
     pieces: Tuple[Tuple[int, ...], ...]
     rank: int
+    placements: Tuple[Optional[Tuple[Tuple[int, int], ...]], ...] = ()
     send_order: Tuple[int, ...] = field(init=False)
     send_splits: Tuple[int, ...] = field(init=False)
     owned: Tuple[int, ...] = field(init=False)
@@ -106,10 +110,20 @@ class BucketLayout:
         """Elements this rank receives forward as owner (and sends back)."""
         return sum(self.recv_splits)
 
+    def _placed(self, position: int):
+        return self.placements[self.owned[position]] if self.placements else None
+
     def owned_matrix(self, recv: torch.Tensor, position: int, shape: Tuple[int, ...]) -> torch.Tensor:
         """Owned matrix ``position`` (index in ``owned``) of ``shape``, rebuilt from the receive buffer
-        ``recv`` (1-D, ``recv_numel``): a view where its pieces lie back to back, else a copy."""
+        ``recv`` (1-D, ``recv_numel``): a view where its pieces lie back to back, else a copy; with
+        ``placements``, its storage (1-D, a copy) instead."""
         spans = self.owned_spans[position]
+        placed = self._placed(position)
+        if placed:
+            storage = recv.new_empty(self.numels[self.owned[position]])
+            for (a, _), (offset, numel) in zip(spans, placed):
+                storage.narrow(0, offset, numel).copy_(recv.narrow(0, a, numel))
+            return storage
         if all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:])):
             flat = recv.narrow(0, spans[0][0], sum(n for _, n in spans))
         else:
@@ -118,11 +132,16 @@ class BucketLayout:
 
     def write_result(self, position: int, result: torch.Tensor, out: torch.Tensor) -> None:
         """Write owned matrix ``position``'s ``result`` (its numel, any shape; cast on copy) into the
-        back send buffer ``out`` (1-D, ``recv_numel``) in the layout ``owned_matrix`` reads, padding zero."""
+        back send buffer ``out`` (1-D, ``recv_numel``) in the layout ``owned_matrix`` reads (with ``placements``:
+        ``result`` is the storage), padding zero."""
         flat, start, numel = result.reshape(-1), 0, self.numels[self.owned[position]]
-        for a, n in self.owned_spans[position]:
+        placed = self._placed(position) or [None] * len(self.owned_spans[position])
+        for (a, n), where in zip(self.owned_spans[position], placed):
             dest = out.narrow(0, a, n)
-            real = max(0, min(n, numel - start))
+            if where is not None:
+                start, real = where
+            else:
+                real = max(0, min(n, numel - start))
             if real:
                 dest.narrow(0, 0, real).copy_(flat.narrow(0, start, real))
             if real < n:

@@ -40,6 +40,8 @@ class MatrixSpec:
         is_expert_group, num_heads: the parameter's ``is_expert_group`` and ``muon_num_heads``.
         ns_problem: ``(batch, rows, cols)`` of the matrices NS runs on (upstream
             ``original_muon.muon_ns_problem``); may be omitted for a 2-D matrix without heads.
+        split, parts: a fused parameter's ``(dim, sizes)`` (``newton_schulz.SPLIT_ATTR``) and the
+            ``(batch, rows, cols)`` of its parts per distinct shape; None and () for one matrix.
 
     Raises:
         ValueError: ``ns_problem`` omitted for a tensor that is not 2-D or has ``num_heads``.
@@ -49,6 +51,8 @@ class MatrixSpec:
     is_expert_group: bool = False
     num_heads: Optional[int] = None
     ns_problem: Optional[Tuple[int, int, int]] = None
+    split: Optional[Tuple[int, Tuple[int, ...]]] = None
+    parts: Tuple[Tuple[int, int, int], ...] = ()
 
     def __post_init__(self):
         if self.ns_problem is None:
@@ -66,14 +70,23 @@ class MatrixSpec:
         return n
 
     @property
+    def problems(self) -> Tuple[Tuple[int, int, int], ...]:
+        """``(batch, rows, cols)`` of each NS call the matrix takes: its parts', else ``ns_problem``."""
+        return self.parts or (self.ns_problem, )
+
+    @property
     def ns_workspace_numel(self) -> int:
         """Elements NS allocates beyond its input (the eager fp32 kernels' peak, measured): per problem
-        ``2mn + 4m^2`` for "gram", ``4mn + 2m^2`` otherwise (``m, n = min, max(rows, cols)``)."""
-        batch, rows, cols = self.ns_problem
-        m, n = min(rows, cols), max(rows, cols)
-        if self.ns_method == "gram":
-            return batch * (2 * m * n + 4 * m * m)
-        return batch * (4 * m * n + 2 * m * m)
+        ``2mn + 4m^2`` for "gram", ``4mn + 2m^2`` otherwise (``m, n = min, max(rows, cols)``); a fused
+        parameter's parts run one shape at a time (the largest counts)."""
+        most = 0
+        for batch, rows, cols in self.problems:
+            m, n = min(rows, cols), max(rows, cols)
+            if self.ns_method == "gram":
+                most = max(most, batch * (2 * m * n + 4 * m * m))
+            else:
+                most = max(most, batch * (4 * m * n + 2 * m * m))
+        return most
 
 
 def newton_schulz_cost(spec: MatrixSpec, ns_steps: int = NS_STEPS_DEFAULT) -> float:
@@ -85,13 +98,15 @@ def newton_schulz_cost(spec: MatrixSpec, ns_steps: int = NS_STEPS_DEFAULT) -> fl
     for ``m < n``) forms ``X X^T`` once, iterates on the ``m x m`` Gram matrix (about ``6 m^3`` per
     step) and applies ``Q X`` twice.
     """
-    batch, rows, cols = spec.ns_problem
-    m, n = min(rows, cols), max(rows, cols)
-    if spec.ns_method == "gram" and m < n:
-        per_matrix = 3 * (2.0 * m * m * n) + ns_steps * 6.0 * m**3
-    else:
-        per_matrix = ns_steps * (4.0 * m * m * n + 2.0 * m**3)
-    return batch * per_matrix
+    cost = 0.0
+    for batch, rows, cols in spec.problems:
+        m, n = min(rows, cols), max(rows, cols)
+        if spec.ns_method == "gram" and m < n:
+            per_matrix = 3 * (2.0 * m * m * n) + ns_steps * 6.0 * m**3
+        else:
+            per_matrix = ns_steps * (4.0 * m * m * n + 2.0 * m**3)
+        cost += batch * per_matrix
+    return cost
 
 
 @dataclass(frozen=True)

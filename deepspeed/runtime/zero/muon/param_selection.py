@@ -41,11 +41,12 @@ configures the optimizer, before ZeRO replaces the parameter groups by flat part
 import dataclasses
 import math
 import types
-from typing import Iterable, Mapping, Optional, Tuple
+from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from deepspeed.runtime.zero.muon.momentum import is_muon_group, is_muon_optimizer
+from deepspeed.runtime.zero.muon.newton_schulz import RECOGNIZED_ATTR, SPLIT_ATTR, SPLIT_KEY, Split
 
 CHOICE_ATTR = "_muon_choice"
 """Parameter attribute recording ``(use_muon, reason)`` as this module set it."""
@@ -178,6 +179,100 @@ def select_muon_parameters(model: torch.nn.Module) -> MuonSelection:
                              "or leave it unset.")
         _tag(param, flag, USER)
     return model_selection(model)
+
+
+def recognized_split(parent, path: Tuple[str, ...], shape: Sequence[int]) -> Optional[Split]:
+    """The split of parameter ``path`` of module ``parent`` (``("gate_up_proj",)``: its own;
+    ``("qkv_proj", "weight")``: a child's weight) of whole ``shape``, for the Hugging Face layouts recognized, else
+    None:
+
+    - ``gate_up_proj`` (a 3-D parameter of an MoE experts module, transformers 5; or the weight of a child so named,
+      Phi-3): gate and up, the two halves of its rows (the forward ``chunk(2, dim=-1)`` s its output);
+    - ``qkv_proj.weight`` of an attention module with ``head_dim`` and a ``config`` with ``num_attention_heads`` and
+      ``num_key_value_heads`` (Phi-3): the query, key and value rows, ``(heads, kv heads, kv heads) x head_dim``;
+    - ``c_attn.weight`` of a module with ``split_size`` (GPT-2's ``Conv1D``, stored ``(in, out)``): its columns in
+      runs of ``split_size`` (query, key, value; key, value under cross-attention).
+    """
+    shape = tuple(shape)
+    if path == ("gate_up_proj", ) and len(shape) == 3 and shape[-2] % 2 == 0:
+        return (-2, (shape[-2] // 2, ) * 2)
+    if len(path) != 2 or path[1] != "weight" or len(shape) != 2:
+        return None
+    if path[0] == "gate_up_proj" and shape[0] % 2 == 0:
+        return (-2, (shape[0] // 2, ) * 2)
+    if path[0] == "qkv_proj":
+        config, head_dim = getattr(parent, "config", None), getattr(parent, "head_dim", None)
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if all(isinstance(n, int) for n in (head_dim, heads, kv_heads)):
+            sizes = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+            if sum(sizes) == shape[0]:
+                return (-2, sizes)
+    if path[0] == "c_attn":
+        width = getattr(parent, "split_size", None)
+        if isinstance(width, int) and width > 0 and shape[1] % width == 0 and shape[1] > width:
+            return (-1, (width, ) * (shape[1] // width))
+    return None
+
+
+def whole_shape(param: torch.Tensor) -> Tuple[int, ...]:
+    """The shape of the matrix a parameter is part of: an AutoTP shard's whole (the map AutoTP records on it),
+    else ``layer_shape``."""
+    meta = getattr(param, "ds_autotp_universal_checkpoint_meta", None) or {}
+    described = meta.get("conversion", {}).get("affine_map")
+    return tuple(described["logical_shape"]) if described else layer_shape(param)
+
+
+def tag_fused_projections(model: torch.nn.Module) -> Dict[str, Split]:
+    """Set ``muon_split`` (and ``RECOGNIZED_ATTR``) on every Muon parameter of ``model`` that ``recognized_split``
+    knows (of its ``whole_shape``) and the user did not tag. Returns the tagged names and their splits."""
+    tagged = {}
+    for module_name, parent in model.named_modules():
+        found = [((leaf, ), p) for leaf, p in parent.named_parameters(recurse=False)]
+        found += [((attribute, "weight"), child.weight) for attribute, child in parent.named_children()
+                  if isinstance(getattr(child, "weight", None), torch.nn.Parameter)]
+        for path, param in found:
+            if not getattr(param, "use_muon", False):
+                continue
+            if getattr(param, SPLIT_ATTR, None) is not None and getattr(param, RECOGNIZED_ATTR, None) is None:
+                continue  # the user's own
+            split = recognized_split(parent, path, whole_shape(param))
+            if split is not None:
+                setattr(param, SPLIT_ATTR, split)
+                setattr(param, RECOGNIZED_ATTR, split)
+                tagged[".".join((module_name, ) + path if module_name else path)] = split
+    return tagged
+
+
+def check_split(split, shape: Sequence[int], where: str, num_heads=None) -> Split:
+    """``split`` as ``(dim, sizes)`` with ``dim`` -2 or -1 of ``shape`` (a 2-D or batched 3-D weight).
+
+    Raises:
+        ValueError: naming ``muon_split`` and ``where``: not ``(dim, sizes)``, a ``dim`` other than the last two, a
+            4-D convolution filter, sizes that are not positive or do not sum to that dimension, ``num_heads`` too.
+    """
+    if num_heads is not None:
+        raise ValueError(f"muon_split and muon_num_heads (per_head_muon) on {where}: orthogonalize it per head or "
+                         "per part, not both.")
+    try:
+        dim, sizes = split
+        dim, sizes = int(dim), tuple(int(s) for s in sizes)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"muon_split of {where}: {split!r}; expected (dim, sizes), e.g. (-2, (1024, 1024)).") from None
+    shape = tuple(shape)
+    if len(shape) not in (2, 3):
+        raise ValueError(f"muon_split of {where}: a tensor of shape {shape}; parts are split from a matrix or a "
+                         "batch of matrices (2-D or 3-D).")
+    if dim >= 0:
+        dim -= len(shape)
+    if dim not in (-2, -1):
+        raise ValueError(f"muon_split of {where}: dim {split[0]} of shape {shape}; parts lie along the rows (-2) "
+                         "or the columns (-1).")
+    if len(sizes) < 2 or min(sizes) < 1 or sum(sizes) != shape[dim]:
+        raise ValueError(f"muon_split of {where}: sizes {sizes} along dim {dim} of shape {shape}; they must be "
+                         f"two or more positive sizes summing to {shape[dim]}.")
+    return dim, sizes
 
 
 def _reason(param) -> str:
@@ -327,10 +422,22 @@ def resolve_optimizer_selection(optimizer,
     if client:
         tag_client_groups(optimizer, model)
     selection = optimizer_selection(optimizer, model)
+    fused = tag_fused_projections(model) if model is not None else {}
+    for name, param in model.named_parameters() if model is not None else ():
+        if getattr(param, "use_muon", False) and getattr(param, SPLIT_ATTR, None) is not None:
+            setattr(
+                param, SPLIT_ATTR,
+                check_split(getattr(param, SPLIT_ATTR), whole_shape(param), name,
+                            getattr(param, "muon_num_heads", None)))
     import deepspeed.comm as dist
     if not dist.is_initialized() or dist.get_rank() == 0:
         if log is None:
             from deepspeed.utils import logger as log
         for line in format_report(selection):
             log.warning(line)
+        if fused:
+            where = ("not at ZeRO stage 0, where upstream's Muon orthogonalizes every tensor whole"
+                     if zero_stage == 0 else f"in Muon groups with {SPLIT_KEY} true, the default")
+            log.warning(f"Muon: {len(fused)} fused projection(s) hold several matrices; each part is orthogonalized "
+                        f"on its own ({where}): {_listed(tuple(f'{n} {s}' for n, s in fused.items()), LISTED_NAMES)}")
     return selection

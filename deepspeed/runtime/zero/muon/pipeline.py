@@ -42,6 +42,8 @@ class MuonPipeline:
             ``binding.MuonPartition``'s. exchange: the group's ``OwnerExchange``.
         device: where Newton-Schulz runs and the buffers live; piece_device: where the pieces live.
         depth: at least 1. batch_ns: for ``orthogonalize_each``. variant: a Muon variant, or None.
+        placements, assemblies: per matrix, None, or where its pieces lie in its shards' storage and the
+            ``tensor_parallel.ShardAssembly`` that makes the whole matrix of it (a tensor-parallel matrix).
 
     Attributes:
         layouts: per bucket with a matrix held by more than one rank, its ``BucketLayout``.
@@ -62,7 +64,9 @@ class MuonPipeline:
                  piece_device,
                  depth: int = DEFAULT_DEPTH,
                  batch_ns=None,
-                 variant=None):
+                 variant=None,
+                 placements=None,
+                 assemblies=None):
         if depth < 1:
             raise ValueError(f"the Muon pipeline depth must be at least 1, got {depth}")
         self.plan = plan
@@ -72,12 +76,17 @@ class MuonPipeline:
         self.piece_device = torch.device(piece_device)
         self.depth = depth
         self.batch_ns = batch_ns
-        whole = [sum(map(bool, p)) == 1 and self.piece_device == torch.device(device) for p in pieces]
+        self.assemblies = list(assemblies or [None] * len(self.specs))
+        whole = [
+            sum(map(bool, p)) == 1 and self.piece_device == torch.device(device) and a is None
+            for p, a in zip(pieces, self.assemblies)
+        ]
 
-        def layout(bucket, local):  # BucketLayout(matrices, owners, numels, pieces, rank)
+        def layout(bucket, local):  # BucketLayout(matrices, owners, numels, pieces, rank, placements)
             b = [j for j in bucket if whole[j] == local and (not local or plan.owners[j] == exchange.rank)]
             return b and BucketLayout(tuple(b), tuple(plan.owners[j] for j in b), tuple(specs[j].numel for j in b),
-                                      tuple(tuple(pieces[j]) for j in b), exchange.rank)
+                                      tuple(tuple(pieces[j]) for j in b), exchange.rank,
+                                      tuple(placements[j] for j in b) if placements else ())
 
         self.layouts = [lay for lay in (layout(b, False) for b in plan.buckets) if lay]
         self.in_place = [lay for lay in (layout(b, True) for b in plan.buckets) if lay]
@@ -100,6 +109,8 @@ class MuonPipeline:
                           depth: int,
                           batch_ns=None,
                           variant=None,
+                          placements=None,
+                          assemblies=None,
                           **plan_args) -> "MuonPipeline":
         """The pipeline of one partition on this rank of ``group``, planned by
         ``owner_plan.plan_for_depth`` (buckets of at most ``max_bucket_numel`` elements within the
@@ -112,7 +123,8 @@ class MuonPipeline:
             plan_args["state_numels"] = [variant.state_numel(spec) for spec in specs]
         plan, depth = plan_for_depth(specs, pieces, world_size, max_bucket_numel, depth, **plan_args)
         exchange = OwnerExchange(group, rank, world_size, dist.all_to_all_single, stats)
-        return cls(plan, specs, pieces, slices, exchange, device, piece_device, depth, batch_ns, variant)
+        return cls(plan, specs, pieces, slices, exchange, device, piece_device, depth, batch_ns, variant, placements,
+                   assemblies)
 
     @property
     def buffer_demand(self) -> Tuple[int, int, int, torch.device]:
@@ -227,9 +239,18 @@ class MuonPipeline:
         recv = buffers.incoming(slot, layout.recv_numel, EXCHANGE_DTYPE)
         back = buffers.incoming(slot, layout.recv_numel, update_dtype)
         shapes = [self.specs[layout.matrices[k]].shape for k in layout.owned]
+        assemblies = [self.assemblies[layout.matrices[k]] for k in layout.owned]
+
+        def load(p):
+            matrix = layout.owned_matrix(recv, p, shapes[p])
+            return matrix if assemblies[p] is None else assemblies[p].to_matrix(matrix)
+
+        def write(p, result):
+            layout.write_result(p, result if assemblies[p] is None else assemblies[p].to_storage(result), back)
+
         self._orthogonalize(layout,
-                            lambda p: layout.owned_matrix(recv, p, shapes[p]),
-                            lambda p, result: layout.write_result(p, result, back),
+                            load,
+                            write,
                             settings,
                             update_dtype,
                             recv.device,

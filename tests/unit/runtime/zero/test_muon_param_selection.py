@@ -260,7 +260,11 @@ class TestMuonSelectionModels(DistributedTest):
         if stage == 3:
             ns = [None, None]
             dist.all_gather_object(ns, counter.count)
-            assert sum(ns) == len(selection.muon), ns
+            # one problem per matrix: a fused projection's parts each (GPT-2's c_attn: query, key, value)
+            problems = sum(
+                len(getattr(p, "muon_split", (None, (p, )))[1]) for n, p in engine.module.named_parameters()
+                if n in selection.muon)
+            assert sum(ns) == problems, (ns, problems)
 
         lines = log.selection_lines()
         if dist.get_rank() == 0:

@@ -1,0 +1,202 @@
+# Copyright (c) 2026 The zero3muon authors
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Muon under AutoTP (``"tensor_parallel": {"autotp_size": 2}``) orthogonalizes each whole matrix, not its shards.
+
+A small Hugging Face Llama trained at ZeRO-1, 2 and 3 with tensor parallelism 2 over data parallelism 1 and 2
+(W=2 and 4), gas 1 and 4, must hold on every rank the shards of the single-process reference's weights (whole-matrix
+Muon, one process, every step's whole batch) to the fp32 floor (``FLOOR``); Newton-Schulz runs once per whole matrix
+summed over all ranks. Orthogonalizing each shard instead is 2e-2 away after 2 steps (MEASURED line; the rows and
+columns AutoTP splits q/k/v/gate/up and o/down along each get Newton-Schulz of their own). Also: clipping by the
+global norm of the whole matrices, a checkpoint resumed bit-identically at the same tensor-parallel size, and the
+refusals that name ``tensor_parallel.autotp_size``.
+"""
+
+import os
+
+import pytest
+import torch
+
+import deepspeed
+from deepspeed import comm as dist
+from unit.common import DistributedTest
+from muon_testing.causal_lm import (causal_lm_loss, expected_shard, micro_batches, tiny_llama,
+                                    train_causal_lm_reference)
+from muon_testing.compare import FLOOR, gathered_weights, relative_difference
+from muon_testing.reference import fp32_newton_schulz
+from unit.runtime.zero.zero3_muon_helpers import convert_to_universal, ds_config
+
+pytest.importorskip("transformers")
+
+TP = 2
+STEPS = 2
+MUON_MATRICES = 14
+"""q, k, v, o, gate, up and down of 2 layers: every one split by AutoTP."""
+
+
+def _config(stage, gas, world_size, clip=0.0, **muon_params):
+    config = ds_config(stage, gas, world_size // TP, clip)
+    del config["train_batch_size"]  # the batch is counted over data-parallel ranks only
+    config["tensor_parallel"] = {"autotp_size": TP}
+    config["optimizer"]["params"].update(muon_params)
+    return config
+
+
+def _engine(config):
+    model = tiny_llama()
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=list(model.parameters()))
+    return engine
+
+
+def _train(engine, steps, first=0):
+    dp_size = dist.get_world_size() // TP
+    dp_rank = dist.get_rank() // TP  # AutoTP's mesh is (data parallel, tensor parallel)
+    gas = engine.gradient_accumulation_steps()
+    with fp32_newton_schulz():
+        for step in range(first, first + steps):
+            for ids in micro_batches(step, dp_rank, dp_size, gas):
+                engine.backward(causal_lm_loss(engine, ids))
+                engine.step()
+
+
+def _difference_from_reference(engine, reference) -> float:
+    whole = dict(reference.named_parameters())
+    tp_rank = dist.get_rank() % TP
+    got = gathered_weights(engine)
+    want = {n: expected_shard(p, whole[n].detach().float(), tp_rank) for n, p in engine.module.named_parameters()}
+    return relative_difference(want, got)
+
+
+def _ns_calls(engine) -> int:
+    calls = torch.tensor([engine.optimizer.muon_update.stats.ns_calls])
+    dist.all_reduce(calls)
+    return int(calls.item())
+
+
+def _whole_heads(engine) -> dict:
+    """Per projection tagged for per-head Muon, its head count in the whole matrix (upstream re-counts
+    ``muon_num_heads`` per shard after AutoTP and keeps the head width)."""
+    whole = {n: p.shape[0] for n, p in tiny_llama().named_parameters()}
+    return {
+        n: whole[n] // p.muon_head_dim
+        for n, p in engine.module.named_parameters() if getattr(p, "muon_head_dim", None)
+    }
+
+
+def _check_whole_matrix_muon(stage, gas, world_size, clip=0.0, **muon_params):
+    engine = _engine(_config(stage, gas, world_size, clip, **muon_params))
+    _train(engine, STEPS)
+    heads = _whole_heads(engine) if muon_params.get("per_head_muon") else None
+    assert heads is None or len(heads) == 6, heads  # q, k and v of both layers
+    difference = _difference_from_reference(engine, train_causal_lm_reference("llama", STEPS, clip, heads=heads))
+    if dist.get_rank() == 0:
+        print(f"MEASURED autotp {TP} x dp {world_size // TP}, stage {stage}, gas {gas}, clip {clip} {muon_params}: "
+              f"{difference:.3e} from whole-matrix Muon")
+    assert difference <= FLOOR, difference
+    assert clip == 0.0 or engine.get_global_grad_norm() > clip, "the clip did not act"
+    # a projection split into whole heads runs per-head Newton-Schulz on each shard, once per shard
+    assert _ns_calls(engine) == (MUON_MATRICES + (TP - 1) * len(heads or ())) * STEPS
+    engine.destroy()
+
+
+class TestMuonAutoTPOneReplica(DistributedTest):
+    """Tensor parallelism 2, data parallelism 1."""
+    world_size = 2
+    reuse_dist_env = False  # AutoTP's process groups are global state of the process
+
+    @pytest.mark.parametrize("gas", [1, 4])
+    @pytest.mark.parametrize("stage", [1, 2, 3])
+    def test_whole_matrix_muon(self, stage, gas):
+        _check_whole_matrix_muon(stage, gas, self.world_size)
+
+    def test_clipping_counts_each_element_once(self):
+        _check_whole_matrix_muon(1, 1, self.world_size, clip=0.05)
+
+    @pytest.mark.parametrize("stage", [1, 3])
+    def test_per_head_muon(self, stage):
+        """Heads the shards split whole stay on their rank; per-head Newton-Schulz of the whole matrix."""
+        if not hasattr(deepspeed, "resolve_per_head_muon_after_sharding"):
+            pytest.skip("this DeepSpeed has no per-head Muon")
+        _check_whole_matrix_muon(stage, 1, self.world_size, per_head_muon=True)
+
+    def test_per_shard_muon_is_far(self):
+        """What stock trains (Newton-Schulz per shard), measured: the bar the floor is set against."""
+        engine = _engine(_config(1, 1, self.world_size))
+        update = engine.optimizer.muon_update
+        update.spread_pipelines.clear()  # every matrix orthogonalized as the shard this rank holds
+        update.pipelines.update(_shard_pipelines(engine))
+        _train(engine, STEPS)
+        difference = _difference_from_reference(engine, train_causal_lm_reference("llama", STEPS))
+        if dist.get_rank() == 0:
+            print(f"MEASURED per-shard Muon at autotp {TP}: {difference:.3e} from whole-matrix Muon")
+        assert difference > 1e3 * FLOOR
+        engine.destroy()
+
+
+def _shard_pipelines(engine):
+    """Each partition's matrices as this rank's shards (what Muon trained before it knew AutoTP's maps)."""
+    update = engine.optimizer.muon_update
+    loads = {}
+    pipelines = {}
+    for key, part in update.partitions.items():
+        indices = list(range(len(part.params)))
+        pipelines[key] = update._build_pipeline(part, indices, part.pieces, [tuple(p.shape) for p in part.params],
+                                                loads)
+    return pipelines
+
+
+class TestMuonAutoTPTwoReplicas(DistributedTest):
+    """Tensor parallelism 2, data parallelism 2."""
+    world_size = 4
+    reuse_dist_env = False  # AutoTP's process groups are global state of the process
+
+    @pytest.mark.parametrize("gas", [1, 4])
+    @pytest.mark.parametrize("stage", [1, 2, 3])
+    def test_whole_matrix_muon(self, stage, gas):
+        _check_whole_matrix_muon(stage, gas, self.world_size)
+
+    def test_clipping_counts_each_element_once(self):
+        _check_whole_matrix_muon(3, 1, self.world_size, clip=0.05)
+
+    @pytest.mark.parametrize("stage", [1, 3])
+    def test_checkpoint_resumes_bit_identical(self, stage, tmpdir):
+        checkpoint_dir = str(tmpdir)
+        engine = _engine(_config(stage, 1, self.world_size))
+        _train(engine, STEPS)
+        engine.save_checkpoint(checkpoint_dir, tag="tp")
+        _train(engine, 1, first=STEPS)
+        straight = gathered_weights(engine)
+        engine.destroy()
+        resumed = _engine(_config(stage, 1, self.world_size))
+        resumed.load_checkpoint(checkpoint_dir, tag="tp")
+        _train(resumed, 1, first=STEPS)
+        again = gathered_weights(resumed)
+        resumed.destroy()
+        for name in straight:
+            assert torch.equal(straight[name], again[name]), name
+
+    @pytest.mark.parametrize("stage", [1, 3])
+    def test_universal_checkpoint_resumes(self, stage, tmpdir):
+        """``ds_to_universal`` of an AutoTP checkpoint, loaded at the same tensor-parallel size: the momentum of
+        every shard comes back (a restart at zero momentum is 1e-2 away)."""
+        checkpoint_dir = str(tmpdir)
+        engine = _engine(_config(stage, 1, self.world_size))
+        _train(engine, STEPS)
+        engine.save_checkpoint(checkpoint_dir, tag="tp")
+        _train(engine, 1, first=STEPS)
+        straight = gathered_weights(engine)
+        engine.destroy()
+        folder = convert_to_universal(checkpoint_dir, "tp", inject_missing_state=stage < 3)
+        resumed = _engine(dict(_config(stage, 1, self.world_size), checkpoint={"load_universal": True}))
+        resumed.load_checkpoint(os.path.dirname(folder), tag=os.path.basename(folder))
+        _train(resumed, 1, first=STEPS)
+        difference = relative_difference(straight, gathered_weights(resumed))
+        resumed.destroy()
+        if dist.get_rank() == 0:
+            print(f"MEASURED autotp universal resume, stage {stage}: {difference:.3e}")
+        assert difference <= FLOOR, difference
+
+    def test_variant_refused(self):
+        with pytest.raises(ValueError, match=r"tensor_parallel\.autotp_size"):
+            _engine(_config(3, 1, self.world_size, variant="normuon"))
