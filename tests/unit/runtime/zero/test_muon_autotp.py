@@ -43,8 +43,11 @@ def _config(stage, gas, world_size, clip=0.0, **muon_params):
     return config
 
 
-def _engine(config):
+def _engine(config, splits=None):
     model = tiny_llama()
+    for name, param in model.named_parameters():
+        if name in (splits or {}):
+            param.muon_split = splits[name]
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=list(model.parameters()))
     return engine
 
@@ -84,12 +87,13 @@ def _whole_heads(engine) -> dict:
     }
 
 
-def _check_whole_matrix_muon(stage, gas, world_size, clip=0.0, **muon_params):
-    engine = _engine(_config(stage, gas, world_size, clip, **muon_params))
+def _check_whole_matrix_muon(stage, gas, world_size, clip=0.0, splits=None, **muon_params):
+    engine = _engine(_config(stage, gas, world_size, clip, **muon_params), splits)
     _train(engine, STEPS)
     heads = _whole_heads(engine) if muon_params.get("per_head_muon") else None
     assert heads is None or len(heads) == 6, heads  # q, k and v of both layers
-    difference = _difference_from_reference(engine, train_causal_lm_reference("llama", STEPS, clip, heads=heads))
+    reference = train_causal_lm_reference("llama", STEPS, clip, heads=heads, splits=splits)
+    difference = _difference_from_reference(engine, reference)
     if dist.get_rank() == 0:
         print(f"MEASURED autotp {TP} x dp {world_size // TP}, stage {stage}, gas {gas}, clip {clip} {muon_params}: "
               f"{difference:.3e} from whole-matrix Muon")
@@ -97,6 +101,8 @@ def _check_whole_matrix_muon(stage, gas, world_size, clip=0.0, **muon_params):
     assert clip == 0.0 or engine.get_global_grad_norm() > clip, "the clip did not act"
     # a projection split into whole heads runs per-head Newton-Schulz on each shard, once per shard
     assert _ns_calls(engine) == (MUON_MATRICES + (TP - 1) * len(heads or ())) * STEPS
+    assert all(getattr(p, "muon_split", None) == split
+               for n, p in engine.module.named_parameters() for m, split in (splits or {}).items() if n == m)
     engine.destroy()
 
 
@@ -112,6 +118,17 @@ class TestMuonAutoTPOneReplica(DistributedTest):
 
     def test_clipping_counts_each_element_once(self):
         _check_whole_matrix_muon(1, 1, self.world_size, clip=0.05)
+
+    @pytest.mark.parametrize("stage", [1, 3])
+    def test_fused_parts_of_the_whole_matrix(self, stage):
+        """A fused projection split by AutoTP: its parts are cut from the whole matrix on the owner (here the
+        user's ``muon_split`` of each MLP up projection into two halves of its rows, and of each down projection,
+        which AutoTP splits by columns, into two halves of its columns)."""
+        splits = {}
+        for layer in range(2):
+            splits[f"model.layers.{layer}.mlp.up_proj.weight"] = (-2, (48, 48))
+            splits[f"model.layers.{layer}.mlp.down_proj.weight"] = (-1, (48, 48))
+        _check_whole_matrix_muon(stage, 1, self.world_size, splits=splits)
 
     @pytest.mark.parametrize("stage", [1, 3])
     def test_per_head_muon(self, stage):
