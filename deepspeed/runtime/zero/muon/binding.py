@@ -23,6 +23,7 @@ fp32 partition); ``MuonUpdate`` serves every stage from that description alone:
 ``MuonWithAuxAdam`` then applies weight decay and ``-lr * update``; the update is not rescaled.
 """
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -43,11 +44,9 @@ from deepspeed.utils import logger
 PIPELINE_DEPTH_KEY = "pipeline_depth"
 """Muon group key: buckets in flight ahead of the one being orthogonalized (``pipeline``; default 2)."""
 SPREAD_ATTR = "muon_spread"
-"""Parameter attribute: the layout of a matrix whose pieces lie over more ranks than the stage's process group (an
-AutoTP shard's, ``tensor_parallel``). Its ``spread(partition, indices)`` gives, for the partition's matrices
-``indices`` (all so marked), ``indices``, ``shapes`` (whole), ``pieces`` (per matrix, every rank of
-``process_group``'s elements), ``placements`` and ``assemblies`` (``MuonPipeline``'s), ``num_heads`` (per matrix,
-``muon_num_heads`` of the whole) and ``process_group``; its ``config_key`` is named in refusals."""
+"""Parameter attribute: the layout of a matrix whose pieces lie over more ranks than the stage's group (AutoTP's,
+``tensor_parallel``). ``spread({key: (partition, {index: layout})})``, once on every rank, gives per key ``indices``,
+``shapes`` (whole), ``pieces`` (over ``process_group``), ``placements``, ``assemblies``, ``num_heads``."""
 BATCH_NS_KEY = "batch_ns"
 """Muon group key: same-shape Newton-Schulz problems of a bucket in one call (True), one call per
 matrix (False), or where it pays (null, the default; ``newton_schulz.batches``)."""
@@ -114,8 +113,9 @@ class MuonUpdate:
         self.pipelines: Dict[int, MuonPipeline] = {}
         self.spread_pipelines: Dict[int, MuonPipeline] = {}
         loads = {}  # NS cost owned per rank so far, per process group
+        spread = self._spread_matrices()
         for key, part in self.partitions.items():
-            sharded = self._sharded_matrices(part)
+            sharded = spread.get(key)
             local = [j for j in range(len(part.params)) if sharded is None or j not in sharded.indices]
             if local:
                 self.pipelines[key] = self._build_pipeline(part, local, [part.pieces[j] for j in local],
@@ -137,18 +137,25 @@ class MuonUpdate:
     def _group(self, part: MuonPartition) -> dict:
         return self.optimizer.param_groups[part.group_index]
 
-    def _sharded_matrices(self, part: MuonPartition):
-        """The partition's matrices whose pieces lie over more ranks than its group (``SPREAD_ATTR``), described by
-        their layout's ``spread(part, indices)``; None where there are none."""
-        indices = [j for j, p in enumerate(part.params) if getattr(p, SPREAD_ATTR, None) is not None]
-        if not indices:
-            return None
-        layout = getattr(part.params[indices[0]], SPREAD_ATTR)
-        if variant_of(self._group(part)) is not None:
-            raise ValueError(f"{layout.config_key}: {part.label}: the Muon variant "
-                             f"{self._group(part).get(VARIANT_KEY)!r} keeps owner state that matrices spread over "
-                             "more ranks do not support yet; use plain Muon there.")
-        return layout.spread(part, indices)
+    def _spread_matrices(self) -> dict:
+        """Per partition key, its matrices whose pieces lie over more ranks than its group (``SPREAD_ATTR``), as
+        their layout's ``spread`` describes them (one call for every partition; nothing where none is marked)."""
+        requests = {}
+        for key, part in self.partitions.items():
+            marked = {j: getattr(p, SPREAD_ATTR) for j, p in enumerate(part.params) if hasattr(p, SPREAD_ATTR)}
+            requests.update({key: (part, marked)} if marked else {})
+        kinds = {type(layout): layout for _, marked in requests.values() for layout in marked.values()}
+        if len(kinds) > 1:
+            raise ValueError(f"Muon matrices spread over more ranks by {len(kinds)} kinds of layout; one at a time.")
+        if not kinds:
+            return {}
+        layout = kinds.popitem()[1]
+        for part, _ in requests.values():
+            if variant_of(self._group(part)) is not None:
+                raise ValueError(
+                    f"{layout.config_key}: {part.label}: the Muon variant {self._group(part)[VARIANT_KEY]!r} "
+                    "keeps owner state that matrices spread over more ranks do not support yet.")
+        return layout.spread(requests)
 
     def _build_pipeline(self,
                         part: MuonPartition,
@@ -168,12 +175,15 @@ class MuonUpdate:
             matrix_spec(part.params[j], shape, ns_method, n, split_of(part.params[j], group))
             for j, shape, n in zip(indices, shapes, heads)
         ]
+        if sharded is not None:  # the owner's copies of a spread matrix: its storage, then the whole matrix
+            specs = [dataclasses.replace(s, extra_numel=2 * s.numel) for s in specs]
         if variant_of(group) is not None:
             uneven = [s.shape for s in specs if s.split and (s.split[0] != -2 or len(set(s.split[1])) > 1)]
             if uneven:
                 raise ValueError(f"{SPLIT_KEY}: {part.label}: the Muon variant {group.get(VARIANT_KEY)!r} keeps one "
                                  f"value per row of equal parts; fused parameters of shapes {uneven} split into "
-                                 f"columns or unequal parts. Set \"{SPLIT_KEY}\": false or a plain Muon group.")
+                                 f"columns or unequal parts. Set \"{SPLIT_KEY}\": false (recognized fused "
+                                 "projections), remove your muon_split, or use a plain Muon group.")
         process_group = part.process_group if sharded is None else sharded.process_group
         world_size = dist.get_world_size(group=process_group)
         # every rank meets its partitions in the same order: keyed by the group, the same ones pool
@@ -234,14 +244,16 @@ class MuonUpdate:
         if not self.partitions or dist.get_rank() != 0:
             return
         pipelines = [p for _, p in self._every_pipeline()]
-        travel = sum(1 for p in self.partitions.values() for piece in p.pieces if sum(map(bool, piece)) > 1)
+        travel = sum(1 for p in pipelines for piece in p.pieces if sum(map(bool, piece)) > 1)
+        spread = sum(len(p.specs) for p in self.spread_pipelines.values())
         momentum = 4 * sum(n for p in pipelines for _, n in p.slices)
         reserved = self.reserved_bytes()
         workspace = 4 * max(p.plan.workspace(p.exchange.rank) for p in pipelines)
         logger.info(
             f"{next(iter(self.partitions.values())).label.split(',')[0]}: owner-centric update at the "
             f"accumulation boundary for {sum(len(p.specs) for p in pipelines)} matrices ({travel} held by "
-            f"more than one rank) in {len(pipelines)} partition(s), {sum(len(p.plan.buckets) for p in pipelines)} "
+            f"more than one rank, {spread} over all ranks: tensor-parallel) in {len(pipelines)} pipeline(s), "
+            f"{sum(len(p.plan.buckets) for p in pipelines)} "
             f"bucket(s), pipeline depth {min(p.depth for p in pipelines)}, {reserved} bytes of exchange "
             f"buffers and {workspace} bytes of owner Newton-Schulz working set on rank 0 "
             f"({'within' if reserved + workspace <= momentum else 'over'} its momentum partition of {momentum} "

@@ -28,7 +28,7 @@ else ``lr``, else 3e-4.
 import difflib
 from typing import Any, Iterable, List, Mapping, Optional, Sequence
 
-from deepspeed.runtime.zero.muon.binding import BATCH_NS_KEY, PIPELINE_DEPTH_KEY
+from deepspeed.runtime.zero.muon.binding import BATCH_NS_KEY, PIPELINE_DEPTH_KEY, SPREAD_ATTR
 from deepspeed.runtime.zero.muon.newton_schulz import SPLIT_KEY
 from deepspeed.runtime.zero.muon.momentum import is_muon_group
 from deepspeed.runtime.zero.muon.owner_state import MUON, VARIANT_KEY, registered, variants
@@ -282,8 +282,8 @@ def check_muon_groups(optimizer_parameters: Mapping[str, Any], model_parameters,
     Raises:
         ValueError: naming each key: an unknown ``variant``, a variant's setting it refuses
             (``key_problems``), a variant's settings where no Muon group uses that variant, and
-            a variant where no owner rank runs the update (``_where_no_owner_runs``: ZeRO stage 0
-            and ZeRO-1's ``BF16_Optimizer``).
+            a variant or a weight AutoTP split (``binding.SPREAD_ATTR``) where no owner rank runs the update
+            (``_where_no_owner_runs``: ZeRO stage 0 and ZeRO-1's ``BF16_Optimizer``).
     """
     problems = [
         p for where, settings in _settings_blocks(optimizer_parameters, model_parameters)
@@ -298,6 +298,11 @@ def check_muon_groups(optimizer_parameters: Mapping[str, Any], model_parameters,
                 problems.append(f"{', '.join(unused)} (optimizer.params or a parameter group): {name}'s settings, "
                                 f"but no Muon group has {VARIANT_KEY} {name!r}, so they would do nothing; add "
                                 f"\"{VARIANT_KEY}\": \"{name}\" or remove them.")
+    spread = [p for g in muon_groups for p in g["params"] if hasattr(p, SPREAD_ATTR)]
+    if not problems and spread and _where_no_owner_runs(engine) is not None:
+        problems.append(f"{getattr(spread[0], SPREAD_ATTR).config_key}: Muon orthogonalizes a weight AutoTP split "
+                        f"({len(spread)} of them) whole only at ZeRO stages 1 to 3, and not with "
+                        f"{_where_no_owner_runs(engine)}, where each shard would be orthogonalized on its own.")
     if not problems:
         for group in muon_groups:
             cls = registered().get(group.get(VARIANT_KEY, MUON))
@@ -312,8 +317,8 @@ def check_muon_groups(optimizer_parameters: Mapping[str, Any], model_parameters,
             for key, default in cls.defaults.items():
                 group.setdefault(key, default)
     if problems:
-        raise ValueError("The Muon optimizer's variant settings are invalid:\n" + "\n".join(f"- {p}"
-                                                                                            for p in problems))
+        raise ValueError("The Muon optimizer's variant and tensor-parallel settings are invalid:\n" +
+                         "\n".join(f"- {p}" for p in problems))
 
 
 def refuse_unsupported_zero3(optimizer) -> None:

@@ -31,22 +31,17 @@ Split = Tuple[int, Tuple[int, ...]]
 def split_of(param, group: dict) -> Optional[Split]:
     """The split the update applies to ``param`` in Muon group ``group``: the user's ``muon_split``, or the
     recognized one unless the group's ``split_fused_muon`` is false."""
-    split = getattr(param, SPLIT_ATTR, None)
-    if split is None or (getattr(param, RECOGNIZED_ATTR, None) is not None and group.get(SPLIT_KEY) is False):
-        return None
-    return split
+    kept_whole = getattr(param, RECOGNIZED_ATTR, None) is not None and group.get(SPLIT_KEY) is False
+    return None if kept_whole else getattr(param, SPLIT_ATTR, None)
 
 
 def part_problems(shape: Sequence[int], split: Split) -> Tuple[Tuple[int, int, int], ...]:
     """``(batch, rows, cols)`` of the Newton-Schulz problems of each distinct part shape, in order of first
     appearance (batch: the parts of that shape, times the experts of a 3-D tensor)."""
-    dim, sizes = split
-    batch = shape[0] if len(shape) == 3 else 1
-    rows, cols = shape[-2], shape[-1]
     problems = {}
-    for size in sizes:
-        part = (size, cols) if dim == -2 else (rows, size)
-        problems[part] = problems.get(part, 0) + batch
+    for size in split[1]:
+        part = (size, shape[-1]) if split[0] == -2 else (shape[-2], size)
+        problems[part] = problems.get(part, 0) + (shape[0] if len(shape) == 3 else 1)
     return tuple((n, r, c) for (r, c), n in problems.items())
 
 
@@ -158,7 +153,6 @@ def orthogonalize_parts(update: torch.Tensor, split: Split, ns_steps: int, ns_me
     for shape, members in shapes.items():
         stack = torch.stack([pieces[i] for i in members]).reshape(-1, shape[-2], shape[-1])
         results = original_muon.muon_orthogonalize(stack, ns_steps, ns_method, True, None, dtype)
-        del stack
         if out is None:
             out = torch.empty(update.shape, dtype=results.dtype, device=results.device)
             targets = out.split(list(sizes), dim=dim)

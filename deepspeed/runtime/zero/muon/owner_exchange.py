@@ -39,9 +39,8 @@ class BucketLayout:
     Args:
         matrices: the bucket's matrix indices (partition order). owners, numels: per matrix.
         pieces: per matrix, the elements every rank holds of it. rank: this rank in the group.
-        placements: per matrix, None (its pieces in rank order are the matrix flattened), or per rank holding a
-            piece (rank order) ``(offset, numel)`` of its elements in the matrix's storage (``tensor_parallel``:
-            the shards back to back; the rest of the piece is padding).
+        placements: per matrix, None (its pieces in rank order are the matrix flattened), or per holder ``(offset,
+            numel)`` of its piece's elements in the matrix's storage (the rest of the piece is padding).
 
     Attributes:
         send_order: bucket positions by (owner, position), the send buffer's order.

@@ -42,6 +42,7 @@ class MatrixSpec:
             ``original_muon.muon_ns_problem``); may be omitted for a 2-D matrix without heads.
         split, parts: a fused parameter's ``(dim, sizes)`` (``newton_schulz.SPLIT_ATTR``) and the
             ``(batch, rows, cols)`` of its parts per distinct shape; None and () for one matrix.
+        extra_numel: elements the owner allocates around NS besides (a spread matrix's storage and whole copy).
 
     Raises:
         ValueError: ``ns_problem`` omitted for a tensor that is not 2-D or has ``num_heads``.
@@ -53,6 +54,7 @@ class MatrixSpec:
     ns_problem: Optional[Tuple[int, int, int]] = None
     split: Optional[Tuple[int, Tuple[int, ...]]] = None
     parts: Tuple[Tuple[int, int, int], ...] = ()
+    extra_numel: int = 0
 
     def __post_init__(self):
         if self.ns_problem is None:
@@ -78,7 +80,8 @@ class MatrixSpec:
     def ns_workspace_numel(self) -> int:
         """Elements NS allocates beyond its input (the eager fp32 kernels' peak, measured): per problem
         ``2mn + 4m^2`` for "gram", ``4mn + 2m^2`` otherwise (``m, n = min, max(rows, cols)``); a fused
-        parameter's parts run one shape at a time (the largest counts)."""
+        parameter's parts run one shape at a time (the largest counts) between a stack of them and the result
+        (twice its elements); plus ``extra_numel``."""
         most = 0
         for batch, rows, cols in self.problems:
             m, n = min(rows, cols), max(rows, cols)
@@ -86,7 +89,7 @@ class MatrixSpec:
                 most = max(most, batch * (2 * m * n + 4 * m * m))
             else:
                 most = max(most, batch * (4 * m * n + 2 * m * m))
-        return most
+        return most + (2 * self.numel if self.split else 0) + self.extra_numel
 
 
 def newton_schulz_cost(spec: MatrixSpec, ns_steps: int = NS_STEPS_DEFAULT) -> float:

@@ -181,26 +181,53 @@ def select_muon_parameters(model: torch.nn.Module) -> MuonSelection:
     return model_selection(model)
 
 
+EXPERTS_GATE_UP_ROWS = frozenset(
+    ("AXK1Experts", "AXK2Experts", "AfmoeExperts", "BailingHybridExperts", "Cohere2MoeExperts",
+     "DeepseekOcr2TextExperts", "DeepseekV2Experts", "DeepseekV32Experts", "DeepseekV3Experts",
+     "DiffusionGemmaTextExperts", "Dots1Experts", "Dots3NoteExperts", "Ernie4_5_MoeExperts",
+     "Ernie4_5_VLMoeMoeExperts", "ExaoneMoeExperts", "FlexOlmoExperts", "FlintExperts", "Gemma4TextExperts",
+     "Glm4MoeExperts", "Glm4MoeLiteExperts", "Glm4vMoeTextExperts", "GlmMoeDsaExperts", "GraniteMoeExperts",
+     "GraniteMoeHybridExperts", "GraniteMoeSWAExperts", "GraniteMoeSharedExperts", "HYV3Experts",
+     "HunYuanMoEV1Experts", "InklingExperts", "JambaExperts", "KimiLinearExperts", "Kolibri1Experts", "LagunaExperts",
+     "LaraMiniExperts", "Lfm2MoeExperts", "LongcatFlashExperts", "MellumExperts", "MiMoV2FlashExperts",
+     "MiniMaxExperts", "MiniMaxM2Experts", "Mistral4Experts", "MistralLarge4TextExperts", "MixtralExperts",
+     "MuseSparkExperts", "OlmoeExperts", "PhimoeExperts", "Qwen2MoeExperts", "Qwen3MoeExperts", "Qwen3NextExperts",
+     "Qwen3OmniMoeTalkerTextExperts", "Qwen3OmniMoeThinkerTextExperts", "Qwen3VLMoeTextExperts", "Qwen3_5MoeExperts",
+     "Qwen4ExpTextExperts", "SolarOpenExperts", "UnlimitedOcrTextExperts", "ZayaExperts"))
+"""transformers 5 experts modules whose ``gate_up_proj`` is ``(experts, 2 I, H)``, gate and up the two halves of its
+rows (their forward ``chunk(2, dim=-1)`` s the fused output): found in transformers 5.24's models by that forward.
+Layouts that interleave gate and up (GPT-OSS, ``[..., ::2]``) or pack them otherwise are not listed."""
+EXPERTS_GATE_UP_COLUMNS = frozenset(("AriaExperts", "Llama4TextExperts"))
+"""Experts modules whose ``gate_up_proj`` is ``(experts, H, 2 I)``, gate and up the two halves of its columns."""
+LINEAR_GATE_UP = frozenset(
+    ("DiaMLP", "Dots3NoteAudioMLP", "EsmFold2SwiGLU", "Glm4MLP", "Glm4vTextMLP", "GlmImageTextMLP", "GlmMLP",
+     "GlmOcrTextMLP", "MiniMaxM3VLDenseMLP", "Phi3MLP", "Phi4MultimodalAudioMLP", "Phi4MultimodalMLP"))
+"""MLP modules whose ``gate_up_proj`` is a ``Linear`` of ``2 I`` outputs chunked into gate and up."""
+QKV_ROWS = frozenset(("Phi3Attention", "Phi4MultimodalAttention"))
+"""Attention modules whose ``qkv_proj`` ``Linear`` holds query, key and value rows (``num_attention_heads`` and
+``num_key_value_heads`` of ``head_dim``)."""
+C_ATTN_COLUMNS = frozenset(("GPT2Attention", "DecisionTransformerGPT2Attention", "ImageGPTAttention"))
+"""Attention modules whose ``c_attn`` ``Conv1D`` holds query, key and value (key and value under cross-attention)
+in runs of ``split_size`` columns."""
+
+
 def recognized_split(parent, path: Tuple[str, ...], shape: Sequence[int]) -> Optional[Split]:
     """The split of parameter ``path`` of module ``parent`` (``("gate_up_proj",)``: its own;
-    ``("qkv_proj", "weight")``: a child's weight) of whole ``shape``, for the Hugging Face layouts recognized, else
-    None:
-
-    - ``gate_up_proj`` (a 3-D parameter of an MoE experts module, transformers 5; or the weight of a child so named,
-      Phi-3): gate and up, the two halves of its rows (the forward ``chunk(2, dim=-1)`` s its output);
-    - ``qkv_proj.weight`` of an attention module with ``head_dim`` and a ``config`` with ``num_attention_heads`` and
-      ``num_key_value_heads`` (Phi-3): the query, key and value rows, ``(heads, kv heads, kv heads) x head_dim``;
-    - ``c_attn.weight`` of a module with ``split_size`` (GPT-2's ``Conv1D``, stored ``(in, out)``): its columns in
-      runs of ``split_size`` (query, key, value; key, value under cross-attention).
-    """
-    shape = tuple(shape)
-    if path == ("gate_up_proj", ) and len(shape) == 3 and shape[-2] % 2 == 0:
-        return (-2, (shape[-2] // 2, ) * 2)
+    ``("qkv_proj", "weight")``: a child's weight) of whole ``shape``, for the Hugging Face layouts recognized by the
+    class of ``parent`` (``EXPERTS_GATE_UP_ROWS``, ``EXPERTS_GATE_UP_COLUMNS``, ``LINEAR_GATE_UP``, ``QKV_ROWS``,
+    ``C_ATTN_COLUMNS``) and checked against ``shape``, else None: a layout not listed is orthogonalized whole."""
+    shape, kind = tuple(shape), type(parent).__name__
+    if path == ("gate_up_proj", ) and len(shape) == 3:
+        if kind in EXPERTS_GATE_UP_ROWS and shape[-2] % 2 == 0:
+            return (-2, (shape[-2] // 2, ) * 2)
+        if kind in EXPERTS_GATE_UP_COLUMNS and shape[-1] % 2 == 0:
+            return (-1, (shape[-1] // 2, ) * 2)
+        return None
     if len(path) != 2 or path[1] != "weight" or len(shape) != 2:
         return None
-    if path[0] == "gate_up_proj" and shape[0] % 2 == 0:
+    if path[0] == "gate_up_proj" and kind in LINEAR_GATE_UP and shape[0] % 2 == 0:
         return (-2, (shape[0] // 2, ) * 2)
-    if path[0] == "qkv_proj":
+    if path[0] == "qkv_proj" and kind in QKV_ROWS:
         config, head_dim = getattr(parent, "config", None), getattr(parent, "head_dim", None)
         heads = getattr(config, "num_attention_heads", None)
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -208,7 +235,7 @@ def recognized_split(parent, path: Tuple[str, ...], shape: Sequence[int]) -> Opt
             sizes = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
             if sum(sizes) == shape[0]:
                 return (-2, sizes)
-    if path[0] == "c_attn":
+    if path[0] == "c_attn" and kind in C_ATTN_COLUMNS:
         width = getattr(parent, "split_size", None)
         if isinstance(width, int) and width > 0 and shape[1] % width == 0 and shape[1] > width:
             return (-1, (width, ) * (shape[1] // width))
@@ -422,22 +449,34 @@ def resolve_optimizer_selection(optimizer,
     if client:
         tag_client_groups(optimizer, model)
     selection = optimizer_selection(optimizer, model)
-    fused = tag_fused_projections(model) if model is not None else {}
+    if model is not None:
+        tag_fused_projections(model)
+    whole = {
+        id(p)
+        for g in optimizer.param_groups if is_muon_group(g) and g.get(SPLIT_KEY) is False for p in g["params"]
+    }
+    fused, kept = {}, []
     for name, param in model.named_parameters() if model is not None else ():
         if getattr(param, "use_muon", False) and getattr(param, SPLIT_ATTR, None) is not None:
             setattr(
                 param, SPLIT_ATTR,
                 check_split(getattr(param, SPLIT_ATTR), whole_shape(param), name,
                             getattr(param, "muon_num_heads", None)))
+            recognized = getattr(param, RECOGNIZED_ATTR, None) is not None
+            if recognized and id(param) in whole:
+                kept.append(name)
+            else:
+                fused[name] = f"{getattr(param, SPLIT_ATTR)}{'' if recognized else ' (yours)'}"
     import deepspeed.comm as dist
     if not dist.is_initialized() or dist.get_rank() == 0:
         if log is None:
             from deepspeed.utils import logger as log
         for line in format_report(selection):
             log.warning(line)
-        if fused:
+        if fused or kept:
             where = ("not at ZeRO stage 0, where upstream's Muon orthogonalizes every tensor whole"
-                     if zero_stage == 0 else f"in Muon groups with {SPLIT_KEY} true, the default")
+                     if zero_stage == 0 else "at ZeRO stages 1 to 3, not under ZeRO-1's BF16_Optimizer")
             log.warning(f"Muon: {len(fused)} fused projection(s) hold several matrices; each part is orthogonalized "
-                        f"on its own ({where}): {_listed(tuple(f'{n} {s}' for n, s in fused.items()), LISTED_NAMES)}")
+                        f"on its own ({where}): {_listed(tuple(f'{n} {s}' for n, s in fused.items()), LISTED_NAMES)}" +
+                        (f"; kept whole ({SPLIT_KEY} false): {_listed(tuple(kept), LISTED_NAMES)}" if kept else ""))
     return selection

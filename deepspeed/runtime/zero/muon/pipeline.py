@@ -71,6 +71,7 @@ class MuonPipeline:
             raise ValueError(f"the Muon pipeline depth must be at least 1, got {depth}")
         self.plan = plan
         self.specs = list(specs)
+        self.pieces = [tuple(p) for p in pieces]
         self.slices = list(slices)
         self.exchange = exchange
         self.piece_device = torch.device(piece_device)

@@ -16,7 +16,7 @@ pieces through the inverse. A weight AutoTP replicated is an ordinary matrix of 
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -58,6 +58,11 @@ def shard_map(param, name: str):
     amap = ParamAffineMap.from_dict(described)
     if len(amap.shard_shapes) < 2:
         return None
+    empty = [t for t, shape in sorted(amap.shard_shapes.items()) if _numel(shape) == 0]
+    if empty:
+        raise ValueError(f"{TP_KEY}: AutoTP gave tensor-parallel rank(s) {empty} an empty shard of {name} (an "
+                         "autotp_size above the model's key-value heads); Muon does not support empty shards: lower "
+                         "autotp_size to at most the key-value heads, or set `use_muon = False` on it.")
     if any(piece.scale != 1.0 for pieces in amap.pieces_by_rank.values() for piece in pieces):
         raise ValueError(f"{TP_KEY}: AutoTP holds {name} scaled on its shards; Muon cannot orthogonalize the whole "
                          "matrix. Set `use_muon = False` on it.")
@@ -166,88 +171,93 @@ class ShardedMatrices:
     process_group: object = None
 
 
-def shard_matrices(maps: Dict[int, object], params: Sequence, dp_pieces: Sequence[Sequence[int]], dp_group, label: str,
-                   names: Sequence[str]) -> ShardedMatrices:
-    """``ShardedMatrices`` from ``maps`` (partition index -> ``ParamAffineMap`` of ``params[index]``) and this
-    rank's ``dp_pieces``
-    (per partition matrix, the elements every rank of the data-parallel ``dp_group`` holds of its shard); one
-    all-gather of a small object over the world, at initialization, on every rank.
+def _local_shape(param) -> Tuple[int, ...]:
+    return tuple(getattr(param, "ds_shape", None) or param.shape)
+
+
+def shard_matrices(requests: Dict[int, tuple]) -> Dict[int, ShardedMatrices]:
+    """``ShardedMatrices`` of every partition's tensor-parallel matrices: ``requests`` maps a partition key to
+    ``(part, {index: TensorParallelLayout})`` (a ``binding.MuonPartition`` and its marked matrices). One all-gather
+    of a small object over the world, at initialization, on every rank, whatever its partitions; every check after
+    it reads what every rank gathered, so the ranks raise together.
 
     Raises:
-        ValueError: naming ``tensor_parallel.autotp_size``, where the tensor and data-parallel ranks are not all
-            ranks (pipeline or sequence parallelism besides), or the ranks' tensor-parallel matrices differ (shape,
-            order, or ``zero_optimization.sub_group_size`` grouping them differently).
+        ValueError: naming ``tensor_parallel.autotp_size``: a marked matrix Muon cannot train whole; tensor and
+            data-parallel ranks that are not all ranks (pipeline or sequence parallelism, MiCS or hpZ besides);
+            ranks whose tensor-parallel matrices differ (``zero_optimization.sub_group_size`` grouping uneven
+            shards differently), whose ranks in the mesh repeat, or whose shard is not the one AutoTP's map says.
     """
     from deepspeed.utils import groups
-    indices = tuple(sorted(maps))
-    tp_size = groups.get_tensor_model_parallel_world_size()
-    tp_rank = groups.get_tensor_model_parallel_rank()
-    dp_size, dp_rank = dist.get_world_size(group=dp_group), dist.get_rank(group=dp_group)
+    tp_size, tp_rank = groups.get_tensor_model_parallel_world_size(), groups.get_tensor_model_parallel_rank()
     world = dist.get_world_size()
-    if tp_size * dp_size != world:
-        raise ValueError(f"{TP_KEY}={tp_size}: Muon reassembles a tensor-parallel matrix over the tensor x "
-                         f"data-parallel ranks, {tp_size} x {dp_size} here, which are not all {world} ranks "
-                         f"({label}: pipeline, sequence or expert parallelism besides). Set `use_muon = False` on "
-                         f"{names[indices[0]]} and the other split weights, or train without tensor parallelism.")
-    mine = (tp_rank, dp_rank, tuple((tuple(maps[j].logical_shape), tuple(dp_pieces[j])) for j in indices))
+    errors = [layout.error for _, layouts in requests.values() for layout in layouts.values() if layout.error]
+    mine = {"tp": tp_rank, "dp": {}, "matrices": {}, "errors": errors[:1]}
+    for key, (part, layouts) in requests.items():
+        dp_size = dist.get_world_size(group=part.process_group)
+        if tp_size * dp_size != world:
+            raise ValueError(f"{TP_KEY}={tp_size}: Muon reassembles a tensor-parallel matrix over the tensor x "
+                             f"data-parallel ranks, {tp_size} x {dp_size} here, which are not all {world} ranks "
+                             f"({part.label}: pipeline or sequence parallelism, MiCS or hpZ besides). Set "
+                             f"`use_muon = False` on the split weights ({next(iter(layouts.values())).name}, ...), "
+                             "or train without tensor parallelism.")
+        mine["dp"][key] = dist.get_rank(group=part.process_group)
+        mine["matrices"][key] = [(layout.name, _local_shape(part.params[j]), tuple(part.pieces[j]))
+                                 for j, layout in sorted(layouts.items())]
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
-    shapes = tuple(s for s, _ in mine[2])
-    for r, (t, d, matrices) in enumerate(everyone):
-        if tuple(s for s, _ in matrices) != shapes:
-            raise ValueError(f"{TP_KEY}: {label}: rank {r} holds other tensor-parallel Muon matrices than rank "
-                             f"{dist.get_rank()} ({len(matrices)} against {len(shapes)}, or other shapes or order). "
-                             "An autotp_size above the model's key-value heads leaves some ranks an empty shard of "
-                             "k_proj and v_proj, which Muon does not support: lower it. Else every rank must see the "
-                             "same model, and zero_optimization.sub_group_size may group uneven shards differently: "
-                             "raise it.")
-    pieces, placements, assemblies = [], [], []
-    for k, j in enumerate(indices):
-        assembly = ShardAssembly.of(maps[j])
-        if len(assembly.shard_shapes) != tp_size:
-            raise ValueError(f"{TP_KEY}={tp_size}: {names[j]} is described over {len(assembly.shard_shapes)} "
-                             "tensor-parallel ranks.")
-        offsets = assembly.shard_offsets
-        row, placed = [], []
-        for r, (t, d, matrices) in enumerate(everyone):
-            shard_pieces = matrices[k][1]
-            n = shard_pieces[d]
-            row.append(n)
-            if n:
-                before = sum(shard_pieces[:d])
-                placed.append((offsets[t] + before, max(0, min(n, _numel(assembly.shard_shapes[t]) - before))))
-        pieces.append(tuple(row))
-        placements.append(tuple(placed))
-        assemblies.append(assembly)
-    return ShardedMatrices(indices, shapes, tuple(pieces), tuple(placements), tuple(assemblies),
-                           tuple(whole_num_heads(params[j], maps[j]) for j in indices))
+    # A rank whose shard of a weight is empty may not hold it in a partition: raise what any rank found, everywhere.
+    for theirs in everyone:
+        if theirs["errors"]:
+            raise ValueError(theirs["errors"][0])
+    names = {key: [m[0] for m in matrices] for key, matrices in mine["matrices"].items()}
+    for r, theirs in enumerate(everyone):
+        if {key: [m[0] for m in matrices] for key, matrices in theirs["matrices"].items()} != names:
+            raise ValueError(f"{TP_KEY}: rank {r} holds other tensor-parallel Muon matrices, or in other ZeRO "
+                             f"partitions, than rank {dist.get_rank()}. Every rank must see the same model; "
+                             "zero_optimization.sub_group_size may group uneven shards differently: raise it.")
+    for key in names:
+        mesh = [(theirs["tp"], theirs["dp"][key]) for theirs in everyone]
+        if len(set(mesh)) != world:
+            raise ValueError(f"{TP_KEY}: the ranks' (tensor, data)-parallel ranks repeat ({mesh}); Muon cannot tell "
+                             "which shard a rank holds.")
+    result = {}
+    for key, (part, layouts) in requests.items():
+        indices = tuple(sorted(layouts))
+        pieces, placements, assemblies = [], [], []
+        for k, j in enumerate(indices):
+            assembly = ShardAssembly.of(layouts[j].amap)
+            offsets = assembly.shard_offsets
+            row, placed = [], []
+            for r, theirs in enumerate(everyone):
+                t, d = theirs["tp"], theirs["dp"][key]
+                name, local_shape, shard_pieces = theirs["matrices"][key][k]
+                if len(assembly.shard_shapes) != tp_size or tuple(local_shape) != assembly.shard_shapes[t]:
+                    raise ValueError(f"{TP_KEY}: rank {r} holds {name} as a shard of shape {tuple(local_shape)}, "
+                                     f"AutoTP's map says {assembly.shard_shapes[t % len(assembly.shard_shapes)]} for "
+                                     f"tensor-parallel rank {t} of {len(assembly.shard_shapes)}.")
+                row.append(shard_pieces[d])
+                if shard_pieces[d]:
+                    # ZeRO-3 pads a shard's last pieces: a piece wholly past its end places nothing.
+                    shard_numel, before = _numel(assembly.shard_shapes[t]), sum(shard_pieces[:d])
+                    placed.append(
+                        (offsets[t] + min(before, shard_numel), max(0, min(shard_pieces[d], shard_numel - before))))
+            pieces.append(tuple(row))
+            placements.append(tuple(placed))
+            assemblies.append(assembly)
+        result[key] = ShardedMatrices(indices, tuple(a.logical_shape for a in assemblies), tuple(pieces),
+                                      tuple(placements), tuple(assemblies),
+                                      tuple(whole_num_heads(part.params[j], layouts[j].amap) for j in indices))
+    return result
 
 
 class TensorParallelLayout:
     """``binding.SPREAD_ATTR`` of a weight AutoTP split: its name and map, or why Muon cannot train it whole
-    (raised if it is a Muon matrix)."""
+    (raised if it is a Muon matrix). ``spread``: ``shard_matrices``."""
     config_key = TP_KEY
+    spread = staticmethod(shard_matrices)
 
     def __init__(self, name: str, amap=None, error: Optional[str] = None):
         self.name, self.amap, self.error = name, amap, error
-
-    @staticmethod
-    def spread(part, indices: Sequence[int]) -> ShardedMatrices:
-        """``shard_matrices`` of the partition's matrices ``indices`` (each marked with a ``TensorParallelLayout``).
-
-        Raises:
-            ValueError: naming ``tensor_parallel.autotp_size``: the first marked matrix Muon cannot train whole;
-                see ``shard_matrices``.
-        """
-        layouts = {j: getattr(part.params[j], SPREAD_ATTR) for j in indices}
-        for layout in layouts.values():
-            if layout.error:
-                raise ValueError(layout.error)
-        names = [layouts[j].name if j in layouts else "" for j in range(len(part.params))]
-        return shard_matrices({
-            j: layout.amap
-            for j, layout in layouts.items()
-        }, part.params, part.pieces, part.process_group, part.label, names)
 
 
 def mark_tensor_parallel_matrices(model) -> int:

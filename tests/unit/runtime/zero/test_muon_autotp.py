@@ -35,10 +35,10 @@ MUON_MATRICES = 14
 """q, k, v, o, gate, up and down of 2 layers: every one split by AutoTP."""
 
 
-def _config(stage, gas, world_size, clip=0.0, **muon_params):
-    config = ds_config(stage, gas, world_size // TP, clip)
+def _config(stage, gas, world_size, clip=0.0, tp=TP, **muon_params):
+    config = ds_config(stage, gas, world_size // tp, clip)
     del config["train_batch_size"]  # the batch is counted over data-parallel ranks only
-    config["tensor_parallel"] = {"autotp_size": TP}
+    config["tensor_parallel"] = {"autotp_size": tp}
     config["optimizer"]["params"].update(muon_params)
     return config
 
@@ -101,8 +101,9 @@ def _check_whole_matrix_muon(stage, gas, world_size, clip=0.0, splits=None, **mu
     assert clip == 0.0 or engine.get_global_grad_norm() > clip, "the clip did not act"
     # a projection split into whole heads runs per-head Newton-Schulz on each shard, once per shard
     assert _ns_calls(engine) == (MUON_MATRICES + (TP - 1) * len(heads or ())) * STEPS
-    assert all(getattr(p, "muon_split", None) == split
-               for n, p in engine.module.named_parameters() for m, split in (splits or {}).items() if n == m)
+    assert all(
+        getattr(p, "muon_split", None) == split for n, p in engine.module.named_parameters()
+        for m, split in (splits or {}).items() if n == m)
     engine.destroy()
 
 
@@ -122,12 +123,12 @@ class TestMuonAutoTPOneReplica(DistributedTest):
     @pytest.mark.parametrize("stage", [1, 3])
     def test_fused_parts_of_the_whole_matrix(self, stage):
         """A fused projection split by AutoTP: its parts are cut from the whole matrix on the owner (here the
-        user's ``muon_split`` of each MLP up projection into two halves of its rows, and of each down projection,
-        which AutoTP splits by columns, into two halves of its columns)."""
+        user's ``muon_split`` of each MLP up projection into 32 and 64 of its rows, and of each down projection,
+        which AutoTP splits by columns, into 32 and 64 of its columns: parts across AutoTP's shards of 48)."""
         splits = {}
         for layer in range(2):
-            splits[f"model.layers.{layer}.mlp.up_proj.weight"] = (-2, (48, 48))
-            splits[f"model.layers.{layer}.mlp.down_proj.weight"] = (-1, (48, 48))
+            splits[f"model.layers.{layer}.mlp.up_proj.weight"] = (-2, (32, 64))
+            splits[f"model.layers.{layer}.mlp.down_proj.weight"] = (-1, (32, 64))
         _check_whole_matrix_muon(stage, 1, self.world_size, splits=splits)
 
     @pytest.mark.parametrize("stage", [1, 3])
@@ -215,5 +216,16 @@ class TestMuonAutoTPTwoReplicas(DistributedTest):
         assert difference <= FLOOR, difference
 
     def test_variant_refused(self):
-        with pytest.raises(ValueError, match=r"tensor_parallel\.autotp_size"):
+        with pytest.raises(ValueError, match=r"tensor_parallel\.autotp_size: .*'normuon'"):
             _engine(_config(3, 1, self.world_size, variant="normuon"))
+
+    @pytest.mark.parametrize("stage", [1, 3])
+    def test_empty_shards_refused(self, stage):
+        """autotp_size 4 over the test model's 2 key-value heads: AutoTP leaves two ranks empty k and v shards."""
+        with pytest.raises(ValueError, match=r"tensor_parallel\.autotp_size: AutoTP gave .* empty shard"):
+            _engine(_config(stage, 1, self.world_size, tp=4))
+
+    def test_stage_0_refused(self):
+        """ZeRO stage 0 runs upstream's Muon on each shard: refused rather than trained per shard."""
+        with pytest.raises(ValueError, match=r"tensor_parallel\.autotp_size: .*stage 0"):
+            _engine(_config(0, 1, self.world_size))

@@ -235,7 +235,7 @@ def test_variant_refused_with_a_guess():
     with pytest.raises(ValueError) as info:
         config.check_muon_groups({"variant": "Muon"}, [{"params": [], "variant": "nor-muon"}], [], engine=None)
     message = str(info.value)
-    assert message.startswith("The Muon optimizer's variant settings are invalid:\n"), message
+    assert message.startswith("The Muon optimizer's variant and tensor-parallel settings are invalid:\n"), message
     assert "- optimizer.params.variant: 'Muon' is not a Muon variant; accepted: 'muon'" in message, message
     assert "Did you mean 'muon'?" in message, message
     assert "- model_parameters[0].variant: 'nor-muon' is not a Muon variant" in message, message

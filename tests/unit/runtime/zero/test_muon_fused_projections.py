@@ -49,6 +49,38 @@ def test_recognized_layouts():
     }
 
 
+class GptOssExperts(torch.nn.Module):
+    """GPT-OSS's layout: ``gate_up_proj`` of ``(experts, H, 2 I)``, gate and up interleaved column by column."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 32, 32))
+
+
+class Qwen3MoeExperts(GptOssExperts):
+    """A module named as a recognized experts class but shaped otherwise: its odd rows cannot halve."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 33, 32))
+
+
+class CodeGenAttention(torch.nn.Module):
+    """CodeGen's ``qkv_proj``: blocks of q, v and k per device, not three runs of rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv_proj = torch.nn.Linear(32, 96, bias=False)
+
+
+@pytest.mark.parametrize("module", [GptOssExperts, Qwen3MoeExperts, CodeGenAttention])
+def test_layouts_not_listed_stay_whole(module):
+    model = torch.nn.Sequential(module())
+    for param in model.parameters():
+        param.use_muon = True
+    assert tag_fused_projections(model) == {}
+
+
 def test_user_split_kept_and_adam_untouched():
     model = MODELS["gpt2"]()
     select_muon_parameters(model)

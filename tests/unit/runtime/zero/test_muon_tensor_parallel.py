@@ -41,6 +41,19 @@ def test_assembly_round_trip(layout):
     assert torch.equal(assembly.to_storage(whole), storage)
 
 
+def test_piece_of_padding_only_places_nothing():
+    """A shard of 2 elements ZeRO-3-partitioned over 3 ranks as pieces of 1: the last piece is padding only, and
+    its placement lies at the shard's end (a shard further on starts there)."""
+    storage = torch.arange(4, dtype=torch.float32)
+    placements = ((0, 1), (1, 1), (2, 0), (2, 1), (3, 1), (4, 0))
+    recv = torch.tensor([0.0, 1.0, -1.0, 2.0, 3.0, -1.0])
+    layout = BucketLayout((0, ), (0, ), (4, ), ((1, ) * 6, ), 0, (placements, ))
+    assert torch.equal(layout.owned_matrix(recv, 0, (4, )), storage)
+    back = torch.full((6, ), 7.0)
+    layout.write_result(0, storage, back)
+    assert torch.equal(back, torch.tensor([0.0, 1.0, 0.0, 2.0, 3.0, 0.0]))
+
+
 def test_pieces_placed_in_storage_past_padding():
     """Two shards of 6 elements, each ZeRO-3-partitioned over 2 ranks as pieces of 4 (2 of padding): world rank
     order (shard 0: ranks 0, 1; shard 1: ranks 2, 3), owner rank 1."""
@@ -85,8 +98,9 @@ def test_split_gives_its_map():
     _Param(_meta(unsupported_reason="a layout with no map")),
     _Param(tensor_parallel=True),
     _Param(_meta(replicated_map((4, 4), 2, scale=0.5))),
+    _Param(_meta(MAPS["an empty shard"])),
 ],
-                         ids=["undescribed", "no metadata", "scaled"])
+                         ids=["undescribed", "no metadata", "scaled", "empty shard"])
 def test_refused_naming_the_key(param):
     with pytest.raises(ValueError, match=r"tensor_parallel\.autotp_size: .*w\b"):
         shard_map(param, "w")
@@ -98,3 +112,5 @@ def test_whole_heads_stay_on_their_shard():
     assert not splits_whole_heads(_Param(muon_head_dim=5, muon_num_heads=1), MAPS["uneven columns (LinearAllreduce)"])
     assert not splits_whole_heads(_Param(muon_head_dim=2, muon_num_heads=None), rows)  # upstream dropped the tag
     assert not splits_whole_heads(_Param(muon_num_heads=2), rows)  # a release that does not re-count per shard
+    # shards of whole rows off the head boundaries (3 + 7 rows, heads of 5): not whole heads
+    assert not splits_whole_heads(_Param(muon_head_dim=5, muon_num_heads=1), contiguous_split_map((10, 6), [3, 7], 0))
