@@ -107,10 +107,10 @@ def _check_whole_matrix_muon(stage, gas, world_size, clip=0.0, splits=None, **mu
     engine.destroy()
 
 
-class TestMuonAutoTPOneReplica(DistributedTest):
-    """Tensor parallelism 2, data parallelism 1."""
-    world_size = 2
+class WholeMatrixMuon(DistributedTest):
+    """Every stage and gas 1 and 4, and a clip, at ``world_size`` ranks of tensor parallelism 2."""
     reuse_dist_env = False  # AutoTP's process groups are global state of the process
+    clip_stage = 1
 
     @pytest.mark.parametrize("gas", [1, 4])
     @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -118,7 +118,12 @@ class TestMuonAutoTPOneReplica(DistributedTest):
         _check_whole_matrix_muon(stage, gas, self.world_size)
 
     def test_clipping_counts_each_element_once(self):
-        _check_whole_matrix_muon(1, 1, self.world_size, clip=0.05)
+        _check_whole_matrix_muon(self.clip_stage, 1, self.world_size, clip=0.05)
+
+
+class TestMuonAutoTPOneReplica(WholeMatrixMuon):
+    """Tensor parallelism 2, data parallelism 1."""
+    world_size = 2
 
     @pytest.mark.parametrize("stage", [1, 3])
     def test_fused_parts_of_the_whole_matrix(self, stage):
@@ -164,18 +169,10 @@ def _shard_pipelines(engine):
     return pipelines
 
 
-class TestMuonAutoTPTwoReplicas(DistributedTest):
+class TestMuonAutoTPTwoReplicas(WholeMatrixMuon):
     """Tensor parallelism 2, data parallelism 2."""
     world_size = 4
-    reuse_dist_env = False  # AutoTP's process groups are global state of the process
-
-    @pytest.mark.parametrize("gas", [1, 4])
-    @pytest.mark.parametrize("stage", [1, 2, 3])
-    def test_whole_matrix_muon(self, stage, gas):
-        _check_whole_matrix_muon(stage, gas, self.world_size)
-
-    def test_clipping_counts_each_element_once(self):
-        _check_whole_matrix_muon(3, 1, self.world_size, clip=0.05)
+    clip_stage = 3
 
     @pytest.mark.parametrize("stage", [1, 3])
     def test_checkpoint_resumes_bit_identical(self, stage, tmpdir):
