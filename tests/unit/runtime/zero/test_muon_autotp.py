@@ -169,6 +169,27 @@ def _shard_pipelines(engine):
     return pipelines
 
 
+def _saved_then_trained_on(stage, world_size, checkpoint_dir) -> dict:
+    """Weights after ``STEPS`` steps, a checkpoint (tag "tp") and one more step."""
+    engine = _engine(_config(stage, 1, world_size))
+    _train(engine, STEPS)
+    engine.save_checkpoint(checkpoint_dir, tag="tp")
+    _train(engine, 1, first=STEPS)
+    weights = gathered_weights(engine)
+    engine.destroy()
+    return weights
+
+
+def _resumed(config, load_dir, tag) -> dict:
+    """Weights after loading ``load_dir/tag`` into a fresh engine of ``config`` and one more step."""
+    engine = _engine(config)
+    engine.load_checkpoint(load_dir, tag=tag)
+    _train(engine, 1, first=STEPS)
+    weights = gathered_weights(engine)
+    engine.destroy()
+    return weights
+
+
 class TestMuonAutoTPTwoReplicas(WholeMatrixMuon):
     """Tensor parallelism 2, data parallelism 2."""
     world_size = 4
@@ -176,38 +197,19 @@ class TestMuonAutoTPTwoReplicas(WholeMatrixMuon):
 
     @pytest.mark.parametrize("stage", [1, 3])
     def test_checkpoint_resumes_bit_identical(self, stage, tmpdir):
-        checkpoint_dir = str(tmpdir)
-        engine = _engine(_config(stage, 1, self.world_size))
-        _train(engine, STEPS)
-        engine.save_checkpoint(checkpoint_dir, tag="tp")
-        _train(engine, 1, first=STEPS)
-        straight = gathered_weights(engine)
-        engine.destroy()
-        resumed = _engine(_config(stage, 1, self.world_size))
-        resumed.load_checkpoint(checkpoint_dir, tag="tp")
-        _train(resumed, 1, first=STEPS)
-        again = gathered_weights(resumed)
-        resumed.destroy()
+        straight = _saved_then_trained_on(stage, self.world_size, str(tmpdir))
+        again = _resumed(_config(stage, 1, self.world_size), str(tmpdir), "tp")
         for name in straight:
             assert torch.equal(straight[name], again[name]), name
 
     @pytest.mark.parametrize("stage", [1, 3])
     def test_universal_checkpoint_resumes(self, stage, tmpdir):
-        """``ds_to_universal`` of an AutoTP checkpoint, loaded at the same tensor-parallel size: the momentum of
-        every shard comes back (a restart at zero momentum is 1e-2 away)."""
-        checkpoint_dir = str(tmpdir)
-        engine = _engine(_config(stage, 1, self.world_size))
-        _train(engine, STEPS)
-        engine.save_checkpoint(checkpoint_dir, tag="tp")
-        _train(engine, 1, first=STEPS)
-        straight = gathered_weights(engine)
-        engine.destroy()
-        folder = convert_to_universal(checkpoint_dir, "tp", inject_missing_state=stage < 3)
-        resumed = _engine(dict(_config(stage, 1, self.world_size), checkpoint={"load_universal": True}))
-        resumed.load_checkpoint(os.path.dirname(folder), tag=os.path.basename(folder))
-        _train(resumed, 1, first=STEPS)
-        difference = relative_difference(straight, gathered_weights(resumed))
-        resumed.destroy()
+        """``ds_to_universal`` of an AutoTP checkpoint, loaded at the same tensor-parallel size: every shard's
+        weights and optimizer state, the Muon momentum included, come back."""
+        straight = _saved_then_trained_on(stage, self.world_size, str(tmpdir))
+        folder = convert_to_universal(str(tmpdir), "tp", inject_missing_state=stage < 3)
+        config = dict(_config(stage, 1, self.world_size), checkpoint={"load_universal": True})
+        difference = relative_difference(straight, _resumed(config, os.path.dirname(folder), os.path.basename(folder)))
         if dist.get_rank() == 0:
             print(f"MEASURED autotp universal resume, stage {stage}: {difference:.3e}")
         assert difference <= FLOOR, difference
