@@ -148,7 +148,7 @@ GROUPS = numbered(
           _patches(12, 19) + _in(MUON, "zero12_checkpoints.py", "tensor_parallel.py") +
           _in(ZERO_TESTS, "test_zero12_*.py", "zero12_muon_helpers.py", "test_muon_owner_plan*.py",
               "test_muon_pipeline*.py", "test_muon_autotp.py", "test_muon_tensor_parallel.py") +
-          _in(TESTING, "causal_lm.py"),
+          _in(TESTING, "causal_lm.py", "attention.py"),
           needs=("zero3-muon", "zero3-configurations")),
     Group("universal-checkpoints",
           "Checkpoints of Muon runs: every optimizer state in universal checkpoints at every stage, Muon's checked",
@@ -162,10 +162,11 @@ GROUPS = numbered(
               "test_muon_fused_projections.py"),
           needs=("zero3-muon", "zero3-configurations", "zero12-muon")),
     Group("muon-variants",
-          "Newton-Schulz in depth and Muon's variants: batched problems, Polar Express, NorMuon's state on the owner",
-          _patches(17, 18) + _in(MUON, "polar_express.py", "normuon.py") +
+          "Newton-Schulz in depth and Muon's variants: batched problems, Polar Express, NorMuon's state on the owner, "
+          "MuonClip's QK-clip",
+          _patches(17, 18, 20) + _in(MUON, "polar_express.py", "normuon.py", "qk_clip.py") +
           _in(ZERO_TESTS, "test_*polar_express*.py", "test_*normuon*.py", "test_muon_owner_state.py",
-              "test_muon_newton_schulz.py"),
+              "test_muon_newton_schulz.py", "test_muon_qk_clip.py"),
           needs=("zero3-muon", "zero3-configurations", "zero12-muon", "universal-checkpoints", "muon-config")),
     Group("allgather-wait-backport",
           "ZeRO-3: wait on every handle of a coalesced parameter all-gather (backport)",

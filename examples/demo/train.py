@@ -187,6 +187,7 @@ def main(argv=None):
 
     losses = torch.zeros(args.steps, dtype=torch.float64)
     grad_norms = []  # get_global_grad_norm() after each optimizer step: the raw, pre-clip norm
+    max_logits, heads_clipped = [], []  # with qk_clip_threshold: each step's largest logit, heads it clipped
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
@@ -203,6 +204,10 @@ def main(argv=None):
             losses[step] += loss.item() / args.gas
         norm = engine.get_global_grad_norm()
         grad_norms.append(float(norm) if norm is not None else None)
+        clip = getattr(engine, "qk_clip", None)
+        if clip is not None and clip.last_max is not None:
+            max_logits.append(float(clip.last_max.max()))
+            heads_clipped.append(int((clip.last_max > clip.threshold).sum()))
         if bar is not None:
             bar.set_postfix(rank0_loss=f"{losses[step]:.4f}", refresh=False)
             bar.update()
@@ -240,6 +245,8 @@ def main(argv=None):
             "optimizer_steps": engine.global_steps,
             "losses": losses.tolist(),
             "grad_norms": grad_norms,
+            "max_logits": max_logits,
+            "heads_clipped": heads_clipped,
             "gradient_clipping": engine.gradient_clipping(),
             "ns_calls_total": int(ns_total.item()),  # summed over ranks, all steps
             "ns_calls_by_kernel": dict(counter.by_kernel),  # rank 0's

@@ -74,11 +74,13 @@ def train_model_reference(model,
                           hyper=HYPER,
                           heads=None,
                           splits=None,
-                          muon_names=None):
+                          muon_names=None,
+                          after_step=None):
     """The single-process reference (``reference``) for any ``model``, trained in place: Muon on ``muon_names``
     (default: those ``is_muon_param`` picks) with the config's settings, ``heads``: name -> ``muon_num_heads``,
     ``splits``: name -> ``(dim, sizes)`` of a fused parameter; ``loss_of(step)``: the loss of step ``step``'s samples;
-    Newton-Schulz in fp32. Returns the pre-clip global gradient norm of every step."""
+    ``after_step(step)``: called after each step; Newton-Schulz in fp32. Returns the pre-clip global gradient norm
+    of every step."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if muon_names is None:
         muon_names = {n for n, p in named if is_muon_param(n, p)}
@@ -90,7 +92,7 @@ def train_model_reference(model,
             n: functools.partial(reference_muon_update_parts, split=split)
             for n, split in (splits or {}).items()
         }
-        return train_steps(model, named, settings, muon, other, heads or {}, steps, clip, loss_of, updates)
+        return train_steps(model, named, settings, muon, other, heads or {}, steps, clip, loss_of, updates, after_step)
 
 
 def expected_shard(param, whole: torch.Tensor, tp_rank: int) -> torch.Tensor:

@@ -154,12 +154,12 @@ def _train_reference(name: str,
     return {n: p.detach().cpu().numpy().copy() for n, p in model.named_parameters()}, norms
 
 
-def train_steps(model, named, settings, muon, other, heads, steps, clip, loss_of, splits=()) -> list:
+def train_steps(model, named, settings, muon, other, heads, steps, clip, loss_of, splits=(), after_step=None) -> list:
     """``steps`` optimizer steps of ``model`` (``loss_of(step)``: the step's loss over all its samples): Muon on
     ``muon`` (``heads``: name -> ``muon_num_heads``; ``splits``: name -> the update of a fused parameter, a callable
     taking ``(grad, momentum, beta, ns_method)``), AdamW on
-    ``other`` (``(name, param)`` lists; ``settings`` by name), optional clipping; returns the pre-clip global
-    gradient norm of every step."""
+    ``other`` (``(name, param)`` lists; ``settings`` by name), optional clipping, ``after_step(step)`` after each
+    step's updates; returns the pre-clip global gradient norm of every step."""
     adamw = torch.optim.AdamW([dict(params=[p], **settings[n]) for n, p in other]) if other else None
     momenta = {n: torch.zeros_like(p) for n, p in muon}
     norms = []
@@ -187,4 +187,6 @@ def train_steps(model, named, settings, muon, other, heads, steps, clip, loss_of
                 p.add_(update.reshape(p.shape), alpha=-s["lr"])
         if adamw is not None:
             adamw.step()
+        if after_step is not None:
+            after_step(step)
     return norms

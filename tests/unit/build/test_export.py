@@ -124,7 +124,7 @@ def test_six_pull_requests_each_file_once(case):
 
     assert [numbers(k) for k in by_key] == [["0001", "0004"], ["0002", "0003"], ["0012", "0019"],
                                             ["0006", "0007", "0008", "0009", "0013"],
-                                            ["0010", "0011", "0014", "0015", "0016"], ["0017", "0018"]]
+                                            ["0010", "0011", "0014", "0015", "0016"], ["0017", "0018", "0020"]]
     assert [Path(p).name[:4] for b in result.backports for p in b.sources
             if p.startswith("patches/")] == (["0005"] if case.base == "0.19.7" else [])
     seed = by_key["zero3-muon"].sources
@@ -143,10 +143,10 @@ def test_six_pull_requests_each_file_once(case):
         f"{ZERO_TESTS}/test_zero3_muon_configs.py"
     } <= set(configurations)
     # the tests' package goes with the first pull request whose tests import it, as tests/muon_testing/ (the
-    # causal language models with the tensor-parallel tests of zero12-muon)
-    package = sorted(p for p in sources if p.startswith("testing/") and not p.endswith("causal_lm.py"))
+    # causal language models and their attention reference with the tensor-parallel tests of zero12-muon)
+    package = sorted(p for p in sources if p.startswith("testing/") and not p.endswith(("causal_lm.py", "attention.py")))
     assert package and set(package) <= set(configurations)
-    assert "testing/muon_testing/causal_lm.py" in by_key["zero12-muon"].sources
+    assert {"testing/muon_testing/causal_lm.py", "testing/muon_testing/attention.py"} <= set(by_key["zero12-muon"].sources)
     assert {ze.exported_path(p) for p in package} <= set(by_key["zero3-configurations"].paths)
     assert all(ze.exported_path(p).startswith("tests/muon_testing/") for p in package)
 

@@ -100,12 +100,24 @@ def muon_group_keys() -> tuple:
     return (*UPDATE_KEYS, VARIANT_KEY, *sorted({k for v in registered().values() for k in v.defaults}))
 
 
+QK_CLIP_KEY = "qk_clip_threshold"
+"""MuonClip's threshold (``qk_clip``, which checks its value), where this DeepSpeed has QK-clip."""
+
+
+def has_qk_clip() -> bool:
+    """Whether the installed DeepSpeed has MuonClip's QK-clip (``muon.qk_clip``)."""
+    import importlib.util
+    return importlib.util.find_spec("deepspeed.runtime.zero.muon.qk_clip") is not None
+
+
 def config_keys() -> Mapping[str, str]:
     """``CONFIG_KEYS``, plus ``per_head_muon`` (Muon matrices) where this DeepSpeed has per-head Muon,
-    and ``muon_group_keys`` (Muon matrices)."""
+    ``qk_clip_threshold`` (the attention layers) where it has QK-clip, and ``muon_group_keys`` (Muon matrices)."""
     keys = dict(CONFIG_KEYS)
     if has_per_head_muon():
         keys["per_head_muon"] = MUON_MATRICES
+    if has_qk_clip():
+        keys[QK_CLIP_KEY] = "the attention layers (QK-clip after each step)"
     keys.update({k: MUON_MATRICES for k in muon_group_keys() if k not in keys})
     return keys
 
@@ -116,11 +128,15 @@ def group_keys() -> Mapping[str, str]:
 
 
 GROUP_HINTS: Mapping[str, str] = {
-    "use_muon": "which half a tensor goes to is its own flag: set param.use_muon on the tensors instead",
+    "use_muon":
+    "which half a tensor goes to is its own flag: set param.use_muon on the tensors instead",
     "muon_lr":
     "a group's lr applies to both of its halves; for different rates put the tensors in groups of their own",
     "adam_lr":
     "a group's lr applies to both of its halves; for different rates put the tensors in groups of their own",
+    QK_CLIP_KEY:
+    "QK-clip acts on attention heads, whose query and key weights may lie in different groups: set it "
+    "in optimizer.params",
 }
 """Why a key that is accepted in ``optimizer.params`` (or elsewhere) does nothing in a group."""
 

@@ -25,6 +25,7 @@ from deepspeed.runtime.zero.muon.newton_schulz import batches, newton_schulz_pro
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec
 from muon_testing.counting import NSCounter
 from muon_testing.reference import reference_muon_update
+from unit.runtime.zero.test_muon_update_split import CASE_IDS, CASES, _inputs, _same  # the seam's cases
 
 HAS_PER_HEAD = hasattr(original_muon, "_per_head_orthogonalize")
 
@@ -39,47 +40,6 @@ def orthogonalize_all(matrices, specs, ns_steps, ns_method, dtype, batch=None, m
         for k, result in zip(members, results):
             updates[k] = result
     return updates
-
-
-CASES = [
-    # (shape, keyword arguments of muon_update / muon_orthogonalize)
-    ((33, 21), {}),
-    ((17, 33), {}),
-    ((24, 24), {}),
-    ((17, 33), dict(ns_method="standard")),
-    ((33, 17), dict(ns_method="standard")),
-    ((8, 3, 3, 3), {}),  # conv weight: flattened to 8x27, scaled by its last two dims
-    ((8, 3, 3, 3), dict(ns_method="standard")),
-    ((4, 12, 20), dict(is_expert_group=True)),
-    ((4, 20, 12), dict(is_expert_group=True, ns_method="standard")),
-    ((2, 3, 12, 20), dict(is_expert_group=True)),
-    ((3, 12, 20), {}),  # a 3-D tensor that is not an expert group is batched too
-]
-if HAS_PER_HEAD:
-    CASES += [((24, 10), dict(num_heads=4)), ((24, 40), dict(num_heads=3, ns_method="standard"))]
-# gradient dtype (momentum the same, as upstream requires), and a non-finite value to plant
-DTYPE_BAD = [(torch.float32, None), (torch.float32, float("nan")), (torch.bfloat16, None), (torch.float16, None),
-             (torch.float16, float("-inf"))]
-DTYPE_BAD_IDS = [f"{str(d).split('.')[1]}-{b}" for d, b in DTYPE_BAD]
-CASE_IDS = [f"{'x'.join(map(str, s))}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for s, kw in CASES]
-
-
-def _same(a, b):
-    """Bit-identical, nan included (``torch.equal`` treats nan as unequal to itself)."""
-    return a.dtype == b.dtype and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
-
-
-def _conv(shape, kwargs):
-    return len(shape) == 4 and not kwargs.get("is_expert_group", False)
-
-
-def _inputs(shape, dtype=torch.float32, seed=7, bad=None):
-    gen = torch.Generator().manual_seed(seed)
-    grad = torch.randn(shape, generator=gen).to(dtype)
-    momentum = torch.randn(shape, generator=gen).to(dtype)
-    if bad is not None:
-        grad.view(-1)[-1] = bad  # in the last partition: the other ranks' partitions look finite
-    return grad, momentum
 
 
 def _partitions(tensor, world_size):
