@@ -135,8 +135,8 @@ GROUP_HINTS: Mapping[str, str] = {
     "adam_lr":
     "a group's lr applies to both of its halves; for different rates put the tensors in groups of their own",
     QK_CLIP_KEY:
-    "QK-clip acts on attention heads, whose query and key weights may lie in different groups: set it "
-    "in optimizer.params",
+    "a key of the whole optimizer (QK-clip acts on attention heads, whose query and key weights may lie in "
+    "different groups; set it in optimizer.params)",
 }
 """Why a key that is accepted in ``optimizer.params`` (or elsewhere) does nothing in a group."""
 

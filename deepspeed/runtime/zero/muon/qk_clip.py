@@ -11,6 +11,7 @@ user guide gives their sources). Logits recorded through transformers' attention
 the inner optimizer step (``QKClip.apply``); no state. Design: docs/design.md.
 """
 
+import copy
 import importlib
 import math
 import weakref
@@ -79,9 +80,13 @@ _RECORDING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # module 
 
 def record_max_logits(module: torch.nn.Module, maxima: torch.Tensor) -> None:
     """Fold ``module``'s per-head maximum logits of a micro-step (``(num_heads,)``) into the step's, if clipped."""
-    clip, index = _RECORDING.get(module, (None, 0))
+    clip, index = _RECORDING.get(module, (lambda: None, 0))
+    clip = clip()
     if clip is not None and module.training:
         part = clip.maxima[clip.offsets[index]:clip.offsets[index + 1]]
+        if maxima.shape != part.shape:
+            raise ValueError(f"{_WHERE}: {type(module).__name__} reported maxima of shape {tuple(maxima.shape)}, "
+                             f"not one per head ({part.numel()}).")
         torch.maximum(part, maxima.detach().to(part.device, torch.float32), out=part)
 
 
@@ -102,9 +107,12 @@ def max_logits(query: torch.Tensor, key: torch.Tensor, attention_mask: Optional[
         for lo in range(0, q_len, chunk):
             hi = min(q_len, lo + chunk)
             q = query.detach()[:, :, lo:hi].reshape(batch, kv_heads, group * (hi - lo), head_dim)
+            if q.dtype == torch.float16:  # its logits overflow where fp32's and bf16's do not
+                q, key_t = q.float(), key_t.float()
             logits = torch.matmul(q, key_t).reshape(batch, heads, hi - lo, k_len) * scaling
             if attention_mask is not None:
-                mask = attention_mask[..., lo:hi, :k_len]
+                mask = attention_mask[...,
+                                      lo:hi, :k_len] if attention_mask.shape[-2] > 1 else attention_mask[..., :k_len]
                 if mask.dtype == torch.bool:
                     logits = logits.masked_fill(~mask, float("-inf"))
                 else:
@@ -123,7 +131,11 @@ def _recording(attention, sdpa: bool):
         return attention
 
     def recorded(module, query, key, value, attention_mask, *args, **kwargs):
-        if module in _RECORDING and module.training:
+        if module in _RECORDING and module.training and not hasattr(module, MARK_ATTR):
+            changed = [k for k in ("position_bias", "softcap") if kwargs.get(k) is not None]
+            if args or changed:
+                raise ValueError(f"{_WHERE}: {type(module).__name__} passes {changed or 'positional arguments'} to "
+                                 "its attention, which QK-clip's recorded logits do not include.")
             scaling = kwargs.get("scaling")
             if scaling is None:
                 scaling = query.shape[-1]**-0.5
@@ -158,13 +170,17 @@ def describe_attention(module: torch.nn.Module) -> Optional[AttentionHeads]:
         return None
     q, k, qkv, c_attn = (getattr(module, name, None) for name in ("q_proj", "k_proj", "qkv_proj", "c_attn"))
     q, k, qkv = (m if isinstance(m, torch.nn.Linear) else None for m in (q, k, qkv))
-    if q is not None and k is not None and not (q.out_features % head_dim or k.out_features % head_dim):
-        heads, kv_heads = q.out_features // head_dim, k.out_features // head_dim
-        norm = getattr(getattr(module, "q_norm", None), "weight", None)
-        if norm is not None and getattr(norm, "ds_numel", norm.numel()) == head_dim:
-            return AttentionHeads(heads, (HeadSpan(norm, 0, 0, head_dim, LAYER_MIN), ))
-        if heads % kv_heads == 0 and getattr(module, "k_norm", None) is None:
+    if q is not None and k is not None:
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if not isinstance(heads, int) or heads % kv_heads or (q.out_features, k.out_features) != (heads * head_dim,
+                                                                                                  kv_heads * head_dim):
+            return None  # e.g. a gated query (Qwen3-Next) or heads the config does not give
+        norm = getattr(module, "q_norm", None)
+        if norm is None and getattr(module, "k_norm", None) is None:
             return AttentionHeads(heads, qk_spans(q.weight, k.weight, heads, kv_heads, head_dim, q.bias, k.bias))
+        if norm is not None and _scales_with_weight(norm, head_dim):
+            return AttentionHeads(heads, (HeadSpan(norm.weight, 0, 0, head_dim, LAYER_MIN), ))
     elif qkv is not None and config is not None:
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -177,6 +193,23 @@ def describe_attention(module: torch.nn.Module) -> Optional[AttentionHeads]:
         spans = qk_spans(c_attn.weight, c_attn.weight, heads, heads, head_dim, c_attn.bias, c_attn.bias, 1, (0, width))
         return AttentionHeads(heads, spans)
     return None
+
+
+def _scales_with_weight(norm, size: int) -> bool:
+    """Whether ``norm`` (one parameter, ``weight`` of ``size``) returns its normalized input times ``weight``
+    (RMSNorm), so that scaling the weight scales its output; not ``x * (1 + weight)`` (Gemma), not with a bias.
+    Probed on a copy of the module, its forward called without hooks (ZeRO-3's would gather)."""
+    weight = dict(norm.named_parameters()).get("weight")
+    if [n for n, _ in norm.named_parameters()] != ["weight"] or getattr(weight, "ds_numel", weight.numel()) != size:
+        return False
+    probe, gen = copy.copy(norm), torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, size, generator=gen), torch.rand(size, generator=gen) + 0.5
+    outputs = []
+    for scale in (1.0, 2.0):
+        probe._parameters = {"weight": torch.nn.Parameter(w * scale, requires_grad=False)}
+        with torch.no_grad():
+            outputs.append(type(norm).forward(probe, x).float())
+    return torch.allclose(outputs[1], 2 * outputs[0], rtol=1e-5, atol=0)
 
 
 def _looks_like_attention(module) -> bool:
@@ -192,25 +225,46 @@ def find_attention(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module, A
         ValueError: naming the key and each module named like attention in no known layout or on an attention
             implementation other than eager and sdpa; or no attention layer at all.
     """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     found, problems = [], []
     for name, module in model.named_modules():
         heads, what = getattr(module, MARK_ATTR, None), f"{name} ({type(module).__name__})"
         if heads is None:
             if not _looks_like_attention(module):
                 continue
-            heads = describe_attention(module)
-            implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+            heads, config = describe_attention(module), getattr(module, "config", None)
+            implementation = getattr(config, "_attn_implementation", None)
             if heads is None:
                 problems.append(f"{what}: its query and key projections are not in a layout QK-clip knows "
-                                "(q_proj/k_proj, qkv_proj, GPT-2's c_attn; self-attention); describe it with "
+                                "(q_proj/k_proj with heads from the config and an RMSNorm q_norm if any, qkv_proj, "
+                                "GPT-2's c_attn; self-attention); freeze it, or describe it with "
                                 "deepspeed.runtime.zero.muon.qk_clip.mark_attention and report its logits with "
                                 "record_max_logits.")
                 continue
-            if implementation not in RECORDED_IMPLEMENTATIONS:
-                problems.append(f"{what} runs attention implementation {implementation!r}, whose logits QK-clip "
-                                "does not record; load the model with attn_implementation 'eager' or 'sdpa'.")
+            bypass = {
+                "attention implementation " + repr(implementation):
+                implementation not in RECORDED_IMPLEMENTATIONS,
+                "eager attention without eager_attention_forward":
+                implementation == "eager"
+                and not hasattr(importlib.import_module(type(module).__module__), "eager_attention_forward"),
+                "reorder_and_upcast_attn":
+                implementation == "eager" and getattr(module, "reorder_and_upcast_attn", 0),
+                "attn_logit_softcapping":
+                getattr(config, "attn_logit_softcapping", None) is not None,
+                "a local sdpa override (Ulysses)":
+                "sdpa" in getattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", {}),
+            }
+            if any(bypass.values()):
+                problems.append(
+                    f"{what} runs {', '.join(k for k, v in bypass.items() if v)}, whose logits QK-clip "
+                    "does not record; load the model with attn_implementation 'eager' or 'sdpa' (a model of your own: "
+                    "mark_attention).")
                 continue
-        found.append((name, module, heads))
+        trainable = {p.requires_grad for span in heads.spans for p in (span.param, )}
+        if trainable == {True}:
+            found.append((name, module, heads))
+        elif trainable != {False}:  # a frozen layer is left as it is
+            problems.append(f"{what}: some of the weights QK-clip scales are frozen and some are not.")
     if not found and not problems:
         problems.append("the model has no attention layer QK-clip knows; describe yours with mark_attention.")
     if problems:
@@ -258,7 +312,7 @@ class QKClip:
         self.heads_clipped = self.steps = 0
         self._lines: Dict[Tuple[int, torch.device], torch.Tensor] = {}
         for index, module in enumerate(self.modules):
-            _RECORDING[module] = (self, index)
+            _RECORDING[module] = (weakref.ref(self), index)
         install_recorders([m for m in self.modules if getattr(m, MARK_ATTR, None) is None])
 
     @classmethod
@@ -273,7 +327,8 @@ class QKClip:
             return None
         from deepspeed.runtime.zero.muon.config import _where_no_owner_runs
         where = _where_no_owner_runs(engine)
-        if where is not None or not hasattr(engine.optimizer, "_qk_clip_pieces"):
+        if where is not None or type(
+                engine.optimizer).__name__ not in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3"):
             raise ValueError(f"{_WHERE}: QK-clip runs at ZeRO stages 1 to 3 (it scales the fp32 partitions in the "
                              f"ZeRO step), not with {where or type(engine.optimizer).__name__}.")
         if engine.autotp_size() > 1:
@@ -289,18 +344,25 @@ class QKClip:
         return clip
 
     def _reduce(self) -> torch.Tensor:
-        """Every head's fp32 ``gamma`` from one MAX all-reduce of the maxima; RuntimeError on every rank naming
-        the layers no rank recorded in the step."""
+        """Every head's fp32 ``gamma`` from one MAX all-reduce of the maxima (one copy to the host). A head no rank
+        recorded (its layer in eval mode or skipped), or whose logit overflowed, is not clipped; rank 0 warns."""
         dist.all_reduce(self.maxima, op=dist.ReduceOp.MAX, group=self.process_group)
-        missing = [self.names[i] for i in range(len(self.layers)) if torch.isneginf(self.maxima[self.offsets[i]])]
-        if missing:
-            raise RuntimeError(
-                f"{_WHERE}: no logit of {', '.join(missing)} was recorded in this step: their attention "
-                "calls neither eager_attention_forward nor sdpa, so they cannot be clipped.")
+        tops = self.maxima.tolist()
+        unseen = [
+            n for i, n in enumerate(self.names)
+            if not all(map(math.isfinite, tops[self.offsets[i]:self.offsets[i + 1]]))
+        ]
+        if unseen and dist.get_rank() == 0:
+            logger.warning(
+                f"QK-clip: not clipped in this step, no finite logit recorded: {', '.join(unseen)} (in eval "
+                "mode, skipped, or attention outside eager_attention_forward and sdpa)")
         tau = torch.tensor(self.threshold, dtype=torch.float32, device=self.maxima.device)
-        over = self.maxima > tau
-        self.last_max = self.maxima.clone()
-        self.heads_clipped += int(over.sum())
+        over = torch.isfinite(self.maxima) & (self.maxima > tau)
+        self.last_max, self.heads_clipped = self.maxima.clone(), self.heads_clipped + int(over.sum())
+        self._clipped = [
+            any(math.isfinite(t) and t > self.threshold for t in tops[self.offsets[i]:self.offsets[i + 1]])
+            for i in range(len(self.names))
+        ]
         return torch.where(over, tau / self.maxima, torch.ones_like(self.maxima))
 
     @torch.no_grad()
@@ -319,11 +381,12 @@ class QKClip:
         cache_key = (id(param), device)
         if cache_key not in self._lines:
             shape = tuple(getattr(param, "ds_shape", param.shape))
-            line = None
+            line = dim = None
             for span, index in self.spans[id(param)]:
-                gamma = self.gamma[self.offsets[index]:self.offsets[index + 1]]
-                if bool((gamma == 1).all()):
+                if not self._clipped[index]:
                     continue
+                assert dim in (None, span.dim), "a parameter's heads run along one dimension"
+                gamma = self.gamma[self.offsets[index]:self.offsets[index + 1]]
                 part = span.scale_line(gamma, shape[span.dim]).to(device)
                 line = part if line is None else line * part
                 dim = span.dim
@@ -356,7 +419,7 @@ class QKClip:
         self.steps, self.gamma = self.steps + (self.gamma is not None), None
         if self.steps and self.steps_per_print and self.steps % self.steps_per_print == 0:
             if dist.get_rank() == 0:
-                logger.info(f"QK-clip: {self.heads_clipped} heads clipped over the last {self.steps} steps "
+                logger.info(f"QK-clip: {self.heads_clipped} head-steps clipped over the last {self.steps} steps "
                             f"({self.offsets[-1]} heads; {THRESHOLD_KEY} {self.threshold:g}; largest logit of "
                             f"the last step {float(self.last_max.max()):.4g})")
             self.heads_clipped = self.steps = 0

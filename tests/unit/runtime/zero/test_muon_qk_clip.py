@@ -20,13 +20,12 @@ from deepspeed.runtime.zero.muon.param_selection import select_muon_parameters, 
 from deepspeed.utils import logger
 from unit.common import DistributedTest
 from muon_testing.attention import reference_max_logits, reference_qk_clip
-from muon_testing.causal_lm import (MODELS, causal_lm_loss, micro_batches, tiny_llama, token_batch,
-                                    train_model_reference)
+from muon_testing.causal_lm import MODELS, causal_lm_loss, micro_batches, token_batch, train_model_reference
 from muon_testing.compare import FLOOR, gathered_weights, relative_difference
 from muon_testing.reference import fp32_newton_schulz
 from unit.runtime.zero.zero3_muon_helpers import ds_config
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 STEPS = 2
 W = 2  # ranks of the tests but the world sizes test_equals_reference names
@@ -45,7 +44,8 @@ def test_recorded_logits_equal_reference(name, attention):
     assert relative_difference(want, got) <= FLOOR, relative_difference(want, got)
 
 
-def test_max_logits_masks_agree():
+def test_max_logits_masks_agree(monkeypatch):
+    monkeypatch.setattr(qk_clip, "_QUERY_CHUNK_ELEMENTS", 40)  # two queries a chunk
     torch.manual_seed(0)
     query, key = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
     causal = torch.ones(5, 5, dtype=torch.bool).tril()
@@ -57,6 +57,10 @@ def test_max_logits_masks_agree():
     logits = (query @ key.repeat_interleave(2, dim=1).transpose(2, 3) * 0.5).masked_fill(~causal, float("-inf"))
     assert torch.equal(by_bool, by_float) and torch.equal(by_bool, by_flag) and not torch.equal(everywhere, by_bool)
     assert torch.allclose(by_bool, logits.amax(dim=(0, 2, 3)), rtol=1e-6, atol=0)
+    assert torch.equal(qk_clip.max_logits(query, key, torch.ones(2, 1, 1, 5, dtype=torch.bool), 0.5, False),
+                       everywhere)
+    big = qk_clip.max_logits((query * 300).half(), (key * 300).half(), None, 0.5, False)  # fp16 logits overflow
+    assert torch.allclose(big, everywhere * 9e4, rtol=1e-2, atol=0)
 
 
 def test_layouts_and_rules():
@@ -81,7 +85,7 @@ def test_scale_of_a_piece_across_rows():
     span = qk_clip.HeadSpan(weight, 0, 2, 2, qk_clip.FULL)
     clip = qk_clip.QKClip.__new__(qk_clip.QKClip)
     clip.spans, clip.offsets, clip._lines = {id(weight): [(span, 0)]}, [0, 2], {}
-    clip.gamma = torch.tensor([0.5, 0.25])
+    clip.gamma, clip._clipped = torch.tensor([0.5, 0.25]), [True]
     scale = clip._piece_scale(qk_clip.ParamPiece(weight, 7, 0, 17), torch.device("cpu"))
     want = torch.tensor([1, 1, .5, .5, .25, .25]).repeat_interleave(5)[7:24]  # rows 2, 3: head 0; 4, 5: head 1
     assert torch.equal(scale, want)
@@ -107,6 +111,18 @@ def test_unknown_layout_and_implementation_refused():
         qk_clip.find_attention(model)
     with pytest.raises(ValueError, match="no attention layer"):
         qk_clip.find_attention(torch.nn.Linear(2, 2))
+    gemma = transformers.Gemma3TextConfig(vocab_size=96,
+                                          hidden_size=32,
+                                          intermediate_size=32,
+                                          num_hidden_layers=1,
+                                          num_attention_heads=2,
+                                          num_key_value_heads=1,
+                                          head_dim=16)
+    with pytest.raises(ValueError, match=r"Gemma3Attention\): its query and key projections are not in a layout"):
+        qk_clip.find_attention(transformers.Gemma3ForCausalLM(gemma))  # its q_norm: x * (1 + w), not x * w
+    model = MODELS["llama"]()
+    model.model.layers[0].self_attn.requires_grad_(False)  # a frozen layer is left alone
+    assert [name for name, _, _ in qk_clip.find_attention(model)] == ["model.layers.1.self_attn"]
 
 
 def test_marked_layer_records_its_own():
@@ -120,12 +136,22 @@ def test_marked_layer_records_its_own():
     assert torch.equal(clip.maxima, torch.tensor([3.0, 0.75]))
 
 
+def test_a_dropped_clip_frees_its_model():
+    import gc
+    import weakref
+    model = MODELS["llama"]()
+    clip, layer = qk_clip.QKClip(1.0, qk_clip.find_attention(model), {}, None, torch.device("cpu")), weakref.ref(model)
+    del model, clip
+    gc.collect()
+    assert layer() is None
+
+
 @pytest.mark.parametrize("value", [0, -1.0, float("inf"), True, "100"])
 def test_bad_threshold_refused(value):
     with pytest.raises(ValueError, match=r"optimizer.params.qk_clip_threshold: .*finite number > 0"):
         qk_clip.check_threshold(value)
     assert qk_clip.check_threshold(None) is None and qk_clip.check_threshold(100) == 100.0
-    with pytest.raises(ValueError, match=r"model_parameters\[0\].qk_clip_threshold: QK-clip acts on attention heads"):
+    with pytest.raises(ValueError, match=r"model_parameters\[0\].qk_clip_threshold: a key of the whole optimizer"):
         check_muon_keys({}, [{"params": [], "qk_clip_threshold": 50.0}])
     check_muon_keys({"qk_clip_threshold": 50.0}, None)
 
@@ -224,26 +250,29 @@ class TestQKClip(DistributedTest):
             engine.destroy()
         assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
 
-    @pytest.mark.parametrize("stage,bf16", [(1, False), (3, False), (2, True), (3, True)])
-    def test_logit_capped_at_threshold(self, stage, bf16):
-        """With the update held at zero, one step leaves each head's largest logit on that batch at min(S, tau).
-        One layer: a clipped layer changes the next layer's inputs. bf16: the clip reaches the weights the model
-        runs with; tau at half the smallest logit clips every head, each lands on tau up to the weights' bf16
-        rounding (2^-8 relative each, so 1e-2 on a logit)."""
-        before = reference_max_logits(tiny_llama(layers=1), token_batch(0))["model.layers.0.self_attn"]
+    @pytest.mark.parametrize("name,stage,bf16", [("llama", 1, False), ("llama", 3, False), ("llama", 2, True),
+                                                 ("llama", 3, True), ("gpt2", 3, False), ("qwen3_moe", 2, False)])
+    def test_logit_capped_at_threshold(self, name, stage, bf16):
+        """With the update held at zero, one step leaves the first layer's largest logit of each head on that batch
+        at min(S, tau) (Llama's grouped query, GPT-2's c_attn), or every head's times the smallest tau / S
+        (Qwen3-MoE's q_norm). The first layer only: a clipped layer changes the next one's inputs. bf16: the clip
+        reaches the weights the model runs with; tau at half the smallest logit clips every head, each lands on tau
+        up to the weights' bf16 rounding (2^-8 relative each, so 1e-2 on a logit)."""
+        before = next(iter(reference_max_logits(MODELS[name](), token_batch(0)).values()))
         tau = float(before.min()) / 2 if bf16 else float(before.median())
         config = _config(stage, 1, W, tau, muon_lr=0.0, adam_lr=0.0, weight_decay=0.0)
         if bf16:
             config["bf16"] = {"enabled": True}
-        engine = _engine("llama", config, tiny_llama(layers=1))
+        engine = _engine(name, config)
         _train(engine, 1, W, steps=1)
-        model = tiny_llama(layers=1)
-        assert engine.module.model.layers[0].self_attn.q_proj.weight.dtype == (torch.bfloat16 if bf16 else torch.float)
-        model.load_state_dict(gathered_weights(engine))
+        model = MODELS[name]()
+        assert next(engine.module.parameters()).dtype == (torch.bfloat16 if bf16 else torch.float)
+        model.load_state_dict(gathered_weights(engine), strict=False)  # GPT-2's head is its embedding
         engine.destroy()
-        after = reference_max_logits(model, token_batch(0))["model.layers.0.self_attn"]
+        after = next(iter(reference_max_logits(model, token_batch(0)).values()))
         assert (before > tau).any() and (bf16 or (before < tau).any())
-        want = torch.minimum(before, torch.tensor(tau))
+        gamma = torch.where(before > tau, tau / before, torch.ones_like(before))
+        want = before * (gamma.min() if name == "qwen3_moe" else gamma)
         assert torch.allclose(after, want, rtol=1e-2 if bf16 else FLOOR, atol=0), (after, want)
 
     def test_progress_log_counts_heads_clipped(self):
@@ -262,7 +291,7 @@ class TestQKClip(DistributedTest):
         _, history = _reference("llama", tau)
         clipped = sum(int((m > tau).sum()) for step in history for m in step.values())
         if dist.get_rank() == 0:
-            assert any(f"QK-clip: {clipped} heads clipped over the last {STEPS} steps (8 heads" in line
+            assert any(f"QK-clip: {clipped} head-steps clipped over the last {STEPS} steps (8 heads" in line
                        for line in lines), lines
 
     @pytest.mark.parametrize("stage", [1, 3])
