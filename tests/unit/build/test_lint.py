@@ -274,8 +274,8 @@ def test_each_pull_requests_files(lint_bin, tmp_path, monkeypatch):
         ["deepspeed/checkpoint/ds_to_universal.py", "deepspeed/runtime/bf16_optimizer.py", engine, stage3, stage12])
     assert sorted(by_stem["5-muon-config"].patched) == ["deepspeed/__init__.py", engine, stage3]
     variants = by_stem["6-muon-variants"]
-    assert sorted(variants.patched) == [f"{muon}/__init__.py", f"{muon}/original_muon.py"]
-    assert {f"{muon}/polar_express.py", f"{muon}/normuon.py",
+    assert sorted(variants.patched) == sorted([engine, f"{muon}/__init__.py", f"{muon}/original_muon.py", stage3, stage12])
+    assert {f"{muon}/polar_express.py", f"{muon}/normuon.py", f"{muon}/qk_clip.py",
             f"{zero_tests}/test_zero3_normuon.py"} <= set(variants.ours)
     for t in found:
         assert all(p.endswith(".py") and (REPO_ROOT / p).is_file() for p in t.ours), t.stem
