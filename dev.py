@@ -24,10 +24,11 @@ creates needs Python >= 3.10).
                                              stock DeepSpeed of each base, DeepSpeed's other requirements),
                                              manifest.json, SHA256SUMS; fails over 64 MiB (needs no venv)
   python3 dev.py gpu-check --wheels DIR --out OUT [--device cuda|cpu] [--budget-s S]
-                                             on the node (stdlib, its python3, no network): installs each
-                                             build with pip --target under OUT, then the seed table, the
-                                             W=1 tests and patched-vs-stock measurements on the device;
-                                             OUT/results.json, summary.txt, gpu-check.log (bench/gpu_check.py)
+                                             on the node (stdlib, its python3, no network): installs the
+                                             builds it uses with pip --target in a scratch folder, then the
+                                             exchange at W=2..8, patched-vs-stock measurements, the W=1
+                                             tests and the seed table on the device, each step capped;
+                                             OUT/results.json, summary.txt, gpu-check.log, flat (bench/gpu_check.py)
 
 --base defaults to $DS_ZERO3MUON_BASE, else [tool.zero3muon] default-base in pyproject.toml.
 Setup is idempotent: requirements are reinstalled only when requirements/*.txt change, and
@@ -593,10 +594,10 @@ def main(argv=None):
                                  ("wheelhouse", cmd_wheelhouse, "the wheels an offline GPU node with torch needs "
                                   "(patched and stock DeepSpeed of every base, DeepSpeed's requirements but torch), "
                                   "manifest.json and SHA256SUMS; fails over 64 MiB"),
-                                 ("gpu-check", cmd_gpu_check, "on an offline GPU node: install each build of a "
-                                  "wheelhouse into a --target under OUT, then the seed table, the W=1 tests and "
-                                  "the measurements on the device, within --budget-s (arguments: python3 "
-                                  "bench/gpu_check.py --help)")):
+                                 ("gpu-check", cmd_gpu_check, "on an offline GPU node: install the builds of a "
+                                  "wheelhouse it uses into a scratch --target, then the exchange, the measurements, "
+                                  "the W=1 tests and the seed table on the device, within --budget-s; OUT gets "
+                                  "three flat files (arguments: python3 bench/gpu_check.py --help)")):
         # gpu-check's options are bench/gpu_check.py's own, so its --help is that script's
         p = sub.add_parser(name, help=helptext, description=helptext, allow_abbrev=False,
                            add_help=name != "gpu-check")

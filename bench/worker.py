@@ -31,7 +31,9 @@ Adam instead of DeepSpeed's JIT-built FusedAdam),
 ``optimizer`` (``muon`` default, ``adamw``), ``pipeline_depth`` and ``batch_ns`` (the Muon
 optimizer's config keys of those names, set in its ``params`` where given and not ``None``; the
 driver passes them to patched builds only), ``memory_step`` (default True), ``lifetime_memory`` (default False: see
-``alloc_live_bytes``), ``save_weights``.
+``alloc_live_bytes``), ``save_weights``, ``ns_dtype`` (``"fp32"``: upstream's ``original_muon.ns_compute_dtype``
+replaced for the workload by one that returns fp32, so that Newton-Schulz runs in fp32 where upstream picks fp16 or
+bf16; DeepSpeed itself is not changed; see ``ns_dtype_rule``).
 
 Writes one JSON line per finished workload to ``--out`` (rank 0) and prints ``START name`` /
 ``DONE name`` so the driver can tell which workload a crash or hang hit. A row holds the config's
@@ -39,6 +41,8 @@ keys (without ``save_weights``; ``optimizer`` always present) and, with "per ste
 optimizer step (all its micro-steps), times in seconds, sizes in bytes:
 
 - ``world_size``; ``muon_elements``, ``muon_matrices``: the model's Muon parameters.
+- ``ns_dtypes``: the dtypes Newton-Schulz computed in during the workload (what
+  ``original_muon.ns_compute_dtype`` returned to its callers, over all ranks; empty where no NS ran).
 - ``ns_calls_per_step`` / ``ns_calls_micro_per_step``: matrices Newton-Schulz orthogonalized
   (``NSCounter.count``: a batched kernel call on ``[b, m, n]`` counts b), summed over ranks,
   mean over measured steps; all micro-steps / non-boundary ones only.
@@ -612,6 +616,32 @@ def profiled_peaks(prof, marks):
     return peaks
 
 
+@contextlib.contextmanager
+def ns_dtype_rule(force=None):
+    """Records the dtypes upstream's rule ``original_muon.ns_compute_dtype`` returns while the block runs (upstream's
+    kernels and the patch look it up there at call time, so this is the dtype Newton-Schulz computed in); with
+    ``force="fp32"`` the rule returns float32 instead. Yields the set of dtype names; restores the rule after."""
+    from deepspeed.runtime.zero.muon import original_muon
+    forced = {None: None, "fp32": torch.float32}
+    if force not in forced:
+        raise ValueError(f"ns_dtype {force!r}: expected 'fp32' or absent")
+    rule, seen = getattr(original_muon, "ns_compute_dtype", None), set()
+    if rule is None:  # a build without the rule: nothing to record or force
+        yield seen
+        return
+
+    def recorded(*args, **kwargs):
+        dtype = forced[force] or rule(*args, **kwargs)
+        seen.add(str(dtype).replace("torch.", ""))
+        return dtype
+
+    original_muon.ns_compute_dtype = recorded
+    try:
+        yield seen
+    finally:
+        original_muon.ns_compute_dtype = rule
+
+
 def run_workload(cfg, ns, comm, peak):
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     lifetime = alloc_live = live_kept = None
@@ -781,6 +811,7 @@ def summarize(cfg, per_rank):
     row["world_size"] = world_size
     row["muon_elements"] = per_rank[0]["muon_elements"]
     row["muon_matrices"] = per_rank[0]["muon_matrices"]
+    row["ns_dtypes"] = sorted({d for r in per_rank for d in r.get("ns_dtypes", ())})
     row["ns_calls_per_step"] = sum(r["steps"][s]["ns_boundary"] + r["steps"][s]["ns_micro"] for r in per_rank
                                    for s in range(n_steps)) / n_steps
     row["ns_calls_micro_per_step"] = sum(r["steps"][s]["ns_micro"] for r in per_rank for s in range(n_steps)) / n_steps
@@ -853,7 +884,9 @@ def main():
     for cfg in json.loads(Path(args.configs).read_text()):
         if rank == 0:
             print(f"START {cfg['name']}", flush=True)
-        result = run_workload(cfg, ns, comm, peak)
+        with ns_dtype_rule(cfg.get("ns_dtype")) as ns_dtypes:
+            result = run_workload(cfg, ns, comm, peak)
+        result["ns_dtypes"] = sorted(ns_dtypes)
         weights = result.pop("weights", None)
         # str keys for the object collective; the tuples come back in summarize
         for s in result["steps"]:

@@ -102,7 +102,8 @@ class MuonUpdate:
     Raises:
         ValueError: at initialization, on every rank: a Muon parameter that is not a matrix,
             ``muon_num_heads`` that does not fit it, an unknown ``variant``.
-        RuntimeError: at initialization, where the ranks of a group built different owner plans.
+        RuntimeError: at initialization, where the ranks of a group built different owner plans, or its warm-up
+            all-to-all (``OwnerExchange.warm_up``, one per process group of more than one rank) came back wrong.
     """
 
     def __init__(self, optimizer, partitions: Sequence[MuonPartition]):
@@ -124,6 +125,9 @@ class MuonUpdate:
                 self.spread_pipelines[key] = self._build_pipeline(part, sharded.indices, sharded.pieces,
                                                                   sharded.shapes, loads, sharded)
         self._check_plans_agree()
+        warm = {id(p.exchange.group): p.exchange for _, p in self._every_pipeline() if p.exchange.world_size > 1}
+        for exchange in warm.values():  # every rank of a group meets its pipelines in the same order
+            exchange.warm_up()
         every = list(self.pipelines.values()) + list(self.spread_pipelines.values())
         self.buffers = ExchangeBuffers.covering([p.buffer_demand for p in every], self.device)
         self._log_plan()

@@ -17,6 +17,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from deepspeed.accelerator import get_accelerator
+
 
 @dataclass
 class ExchangeStats:
@@ -159,9 +161,31 @@ class OwnerExchange:
         self._all_to_all_single = all_to_all_single
         self.stats = stats
 
+    def warm_up(self) -> None:
+        """One synchronous all-to-all of one int32 per peer, checked, not counted: at initialization, so that the
+        backend connects every pair of ranks before the first step's asynchronous all-to-alls (NCCL opens its
+        point-to-point connections at a pair's first exchange).
+
+        Raises:
+            RuntimeError: an element came back from another rank than the one that sent it."""
+        w, r = self.world_size, self.rank
+        device = torch.device(get_accelerator().current_device_name())
+        sent = torch.arange(r * w, (r + 1) * w, dtype=torch.int32, device=device)
+        received = torch.empty_like(sent)
+        self._all_to_all_single(received,
+                                sent,
+                                output_split_sizes=[1] * w,
+                                input_split_sizes=[1] * w,
+                                group=self.group,
+                                async_op=False)
+        expected = torch.arange(r, w * w, w, dtype=torch.int32, device=device)
+        if not torch.equal(received, expected):
+            raise RuntimeError(f"Muon exchange warm-up on rank {r} of {w}: received {received.tolist()}, expected "
+                               f"{expected.tolist()}: the process group's all-to-all does not deliver by rank.")
+
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
                    input_splits: Sequence[int], async_op: bool):
-        """One all-to-all; returns its handle, or ``None`` when it is complete (one rank: a copy)."""
+        """One all-to-all; returns an ``InFlight`` to wait on, or ``None`` when it is complete (one rank: a copy)."""
         itemsize = input.element_size()
         sent = sum(input_splits) - input_splits[self.rank]
         received = sum(output_splits) - output_splits[self.rank]
@@ -173,12 +197,26 @@ class OwnerExchange:
             output.copy_(input)
             return None
         self.stats.exchanges += 1
-        return self._all_to_all_single(output,
-                                       input,
-                                       output_split_sizes=list(output_splits),
-                                       input_split_sizes=list(input_splits),
-                                       group=self.group,
-                                       async_op=async_op)
+        handle = self._all_to_all_single(output,
+                                         input,
+                                         output_split_sizes=list(output_splits),
+                                         input_split_sizes=list(input_splits),
+                                         group=self.group,
+                                         async_op=async_op)
+        return InFlight(handle, (output, input)) if handle is not None else None
+
+
+class InFlight:
+    """An asynchronous all-to-all's work handle and its tensors, held until ``wait``: a backend may read the input
+    and write the output until then, and a handle dropped unwaited can tear them (nanochat #843)."""
+
+    def __init__(self, handle, tensors: Tuple[torch.Tensor, ...]):
+        self.handle, self.tensors = handle, tensors
+
+    def wait(self) -> None:
+        """Waits for the all-to-all (on an accelerator: the current stream waits for it), then lets go of it."""
+        self.handle.wait()
+        self.handle = self.tensors = None
 
 
 class ExchangeBuffers:
@@ -187,9 +225,10 @@ class ExchangeBuffers:
 
     Each of ``slots`` holds one bucket in flight: an outgoing buffer (this rank's pieces) and an
     incoming one (the owner's matrices), raw bytes viewed as each step's dtype, sized to
-    ``outgoing_numel`` / ``incoming_numel`` fp32 elements, on ``device``. Where the pieces live on
-    ``staging_device`` (optimizer offload), the momentum step writes into a pinned staging buffer
-    per slot first.
+    ``outgoing_numel`` / ``incoming_numel`` fp32 elements, on ``device``. Pieces on ``staging_device``
+    (optimizer offload) cross to the device through a pinned host buffer per slot, once per bucket each
+    way: the momentum step writes into it and one non-blocking copy sends it; the update comes back in
+    one non-blocking copy on a copy stream, which waits for the exchange alone, and an event.
     """
 
     def __init__(self, slots: int, outgoing_numel: int, incoming_numel: int, device, staging_device=None):
@@ -198,13 +237,15 @@ class ExchangeBuffers:
         self.device = torch.device(device)
         self._outgoing = [torch.empty(outgoing_numel * nbytes, dtype=torch.uint8, device=device) for _ in range(slots)]
         self._incoming = [torch.empty(incoming_numel * nbytes, dtype=torch.uint8, device=device) for _ in range(slots)]
-        self._staging = None
-        if staging_device is not None and torch.device(staging_device) != self.device:
-            from deepspeed.accelerator import get_accelerator
+        self._staging = self.staging_device = self._copy_stream = None
+        if staging_device is not None:
+            self.staging_device = torch.device(staging_device)
             self._staging = [
-                get_accelerator().pin_memory(torch.empty(outgoing_numel, dtype=torch.float32, device=staging_device))
+                get_accelerator().pin_memory(
+                    torch.empty(outgoing_numel * nbytes, dtype=torch.uint8, device=staging_device))
                 for _ in range(slots)
             ]
+            self._copy_stream = get_accelerator().Stream() if self.device.type != "cpu" else None
 
     @classmethod
     def covering(cls, demands: Sequence[Tuple[int, int, int, torch.device]], device) -> "ExchangeBuffers":
@@ -228,12 +269,29 @@ class ExchangeBuffers:
         """The first ``numel`` elements of slot ``slot``'s incoming buffer as ``dtype`` (1-D)."""
         return self._view(self._incoming[slot], numel, dtype)
 
-    def staging(self, slot: int, numel: int, piece_device):
-        """The slot's fp32 host staging buffer (``numel`` elements) for pieces on ``piece_device``,
-        or ``None`` where the pieces live on the buffers' device."""
-        if self._staging is None or torch.device(piece_device) == self.device:
+    def staging(self, slot: int, numel: int, piece_device, dtype: torch.dtype = torch.float32):
+        """The first ``numel`` elements of the slot's pinned host buffer as ``dtype`` (1-D) for pieces on
+        ``piece_device``, or ``None`` where they do not go through it (pieces on the buffers' device)."""
+        if self._staging is None or torch.device(piece_device) != self.staging_device:
             return None
-        return self._staging[slot][:numel]
+        return self._view(self._staging[slot], numel, dtype)
+
+    def to_host(self, source: torch.Tensor, host: torch.Tensor, pending) -> torch.Tensor:
+        """``host`` (a ``staging`` view) holding ``source`` (the slot's returned update on the device) once the
+        exchange ``pending`` (an ``InFlight`` or None) completed: one non-blocking copy on the copy stream, waited for
+        by its event, so the copy waits for the exchange and not for Newton-Schulz queued on the current stream."""
+        if self._copy_stream is None:
+            if pending is not None:
+                pending.wait()
+            return host.copy_(source)
+        with get_accelerator().stream(self._copy_stream):
+            if pending is not None:
+                pending.wait()
+            host.copy_(source, non_blocking=True)
+            copied = get_accelerator().Event()
+            copied.record(self._copy_stream)
+        copied.synchronize()
+        return host
 
     def reserved_bytes(self) -> int:
         """Bytes the buffers hold on the device (staging excluded: host memory)."""

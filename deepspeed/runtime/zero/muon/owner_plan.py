@@ -20,7 +20,10 @@ Graham 1969, "Bounds on multiprocessing timing anomalies"), since every rank wai
 slowest owner of a bucket; then the heaviest bin goes to the rank with the least work so far, so
 the totals stay balanced too. A matrix only some ranks hold goes to the least loaded of them.
 ``plan_within_budget`` picks the largest bucket size whose exchange buffers and owner working set
-fit each rank's momentum partition: Muon then keeps no more memory than Adam's second moment.
+fit each rank's momentum partition: Muon then keeps no more memory than Adam's second moment. Where
+even every matrix alone exceeds it (the largest matrix's owner holds it whole plus its NS working
+set), the bucket size is chosen against that unavoidable floor instead, rank by rank, so buckets
+keep several owners busy at once without raising any rank's peak above the floor.
 """
 
 from dataclasses import dataclass
@@ -246,6 +249,28 @@ def reserved_numel(plan: OwnerPlan, pieces: Sequence[Sequence[int]], slots: int)
     return [busy * (a + b) for a, b in zip(most_out, most_in)]
 
 
+def rank_numels(plan: OwnerPlan,
+                pieces: Sequence[Sequence[int]],
+                slots: int,
+                result_itemsize: int = 4,
+                state_numels: Optional[Sequence[int]] = None) -> Tuple[List[int], List[int]]:
+    """``(need, budget)`` per rank, in elements (fp32: 4 bytes each). ``need[r]``: what Muon adds on
+    rank ``r`` at the peak of its step, ``reserved_numel`` plus, as owner, its NS working set
+    (``OwnerPlan.workspace``), its largest bucket's results where they are narrower than fp32
+    (``result_itemsize`` bytes; held until the bucket's calls are done: ``ceil(n * itemsize / 4)``)
+    and a variant's state of its matrices (``state_numels`` per matrix; None for plain Muon).
+    ``budget[r]``: the elements it holds, ``sum(p[r] for p in pieces)`` (its momentum partition)."""
+    _, most_in = _largest_buffers(plan, pieces)
+    held = [-(-n * result_itemsize // 4) if result_itemsize < 4 else 0 for n in most_in]
+    state = [0] * plan.world_size
+    for owner, n in zip(plan.owners, state_numels or ()):
+        state[owner] += n
+    reserved = reserved_numel(plan, pieces, slots)
+    need = [reserved[r] + plan.workspace(r) + held[r] + state[r] for r in range(plan.world_size)]
+    budget = [sum(p[r] for p in pieces) for r in range(plan.world_size)]
+    return need, budget
+
+
 def within_budget(plan: OwnerPlan,
                   pieces: Sequence[Sequence[int]],
                   slots: int,
@@ -253,16 +278,9 @@ def within_budget(plan: OwnerPlan,
                   state_numels: Optional[Sequence[int]] = None) -> bool:
     """Whether every rank's reserved buffers and owner allocations fit the elements it holds (its
     momentum partition): Muon then keeps, and needs at the peak of its step, no more than Adam's
-    second moment. An owner allocates its NS working set, its largest bucket's results where they
-    are narrower than fp32 (``result_itemsize`` bytes; held until the bucket's calls are done) and
-    a variant's state of its matrices (``state_numels`` per matrix; None for plain Muon)."""
-    _, most_in = _largest_buffers(plan, pieces)
-    held = [-(-n * result_itemsize // 4) if result_itemsize < 4 else 0 for n in most_in]
-    state = [0] * plan.world_size
-    for owner, n in zip(plan.owners, state_numels or ()):
-        state[owner] += n
-    budget = [sum(p[r] for p in pieces) - plan.workspace(r) - held[r] - state[r] for r in range(plan.world_size)]
-    return all(n <= b for n, b in zip(reserved_numel(plan, pieces, slots), budget))
+    second moment. ``need <= budget`` rank by rank (``rank_numels``: the terms)."""
+    need, budget = rank_numels(plan, pieces, slots, result_itemsize, state_numels)
+    return all(n <= b for n, b in zip(need, budget))
 
 
 def plan_within_budget(specs: Sequence[MatrixSpec],
@@ -275,9 +293,16 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
                        holders: Optional[Sequence[Sequence[int]]] = None,
                        result_itemsize: int = 4,
                        state_numels: Optional[Sequence[int]] = None) -> OwnerPlan:
-    """``plan_owners`` with the largest bucket size (at most ``max_bucket_numel``) whose buffers fit
-    ``within_budget``: whole, else the first k matrices' totals by bisection (a fitting size; the
-    largest where buffers grow monotonically with it, as almost always), else every matrix alone.
+    """``plan_owners`` with the largest bucket size (at most ``max_bucket_numel``) whose ranks' needs
+    fit their limits: whole, else the first k matrices' totals by bisection (a fitting size; the
+    largest where needs grow monotonically with it, as almost always), else every matrix alone.
+
+    The limit of rank ``r`` is ``max(budget[r], alone[r])`` (``rank_numels`` at ``slots``; ``alone``: the need of
+    the every-matrix-alone plan, the least the pipeline can reserve): the budget where that plan fits it. Where it
+    does not (at ZeRO-3 the largest matrix's owner holds it whole plus its NS working set: Llama-3 8B's 14336x4096
+    at W=32 needs 1.8M + 58.7M + 184.5M elements against a 218M partition), buckets still hold several matrices,
+    so several owners compute at once, wherever no rank needs more than that floor (8B at W=32: 122 buckets, not
+    224). The floor's matrix stays alone: another matrix in its bucket adds pieces to every outgoing buffer.
 
     Raises:
         ValueError: see ``plan_owners``.
@@ -286,8 +311,8 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
     def plan(bucket_numel):
         return plan_owners(specs, world_size, bucket_numel, ns_steps, initial_load, holders)
 
-    def fits(candidate):
-        return within_budget(candidate, pieces, slots, result_itemsize, state_numels)
+    def needs(candidate):
+        return rank_numels(candidate, pieces, slots, result_itemsize, state_numels)
 
     candidates, total = [], 0
     for spec in specs:
@@ -295,11 +320,20 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
         if total > max_bucket_numel:
             break
         candidates.append(total)
-    if max_bucket_numel > total:
-        whole = plan(max_bucket_numel)
-        if fits(whole):
+    whole = plan(max_bucket_numel) if max_bucket_numel > total else None
+    if whole is not None:
+        need, budget = needs(whole)
+        if all(n <= b for n, b in zip(need, budget)):
             return whole
     best = plan(1)  # every matrix alone: the least the pipeline can reserve
+    alone, budget = needs(best)
+    limit = [max(b, a) for b, a in zip(budget, alone)]
+
+    def fits(candidate):
+        return all(n <= m for n, m in zip(needs(candidate)[0], limit))
+
+    if whole is not None and fits(whole):
+        return whole
     lo, hi = 0, len(candidates) - 1
     while lo <= hi:
         mid = (lo + hi) // 2
@@ -318,8 +352,12 @@ def slots_for_depth(depth: int) -> int:
 
 def plan_for_depth(specs: Sequence[MatrixSpec], pieces: Sequence[Sequence[int]], world_size: int,
                    max_bucket_numel: int, depth: int, **plan_args) -> Tuple[OwnerPlan, int]:
-    """``(plan, depth)``: ``plan_within_budget`` at ``depth``'s slots, lowering the depth (down to 1,
-    where the buffers may still exceed the budget) while even one matrix per bucket does not fit.
+    """``(plan, depth)``: ``plan_within_budget`` at ``depth``'s slots, lowering the depth while its
+    plan does not fit ``within_budget``; at depth 1 its plan whatever it needs.
+
+    Where even every matrix alone exceeds the budget the depth falls to 1 on purpose: a floor at depth ``d``
+    reserves ``2d - 1`` buckets' buffers, depth 1's is the least peak any plan has (``bench/model.py``'s
+    ``zero3_owner_floor_numel``), and its buckets are the floor-relative ones (``plan_within_budget``).
     ``plan_args``: ``ns_steps``, ``initial_load``, ``holders``, ``result_itemsize``, ``state_numels``."""
     for d in range(depth, 0, -1):
         plan = plan_within_budget(specs, pieces, world_size, max_bucket_numel, slots_for_depth(d), **plan_args)

@@ -263,8 +263,12 @@ class MuonPipeline:
     def _finalize(self, b: int, slot: int, handle, grad_flat: torch.Tensor, update_dtype: torch.dtype,
                   buffers: ExchangeBuffers) -> int:
         layout = self.layouts[b]
-        _wait(handle)
         update = buffers.outgoing(slot, layout.send_numel, update_dtype)
+        host = buffers.staging(slot, layout.send_numel, self.piece_device, update_dtype)
+        if host is None:
+            _wait(handle)
+        else:  # offloaded pieces: the bucket in one copy, not one per piece
+            update = buffers.to_host(update, host, handle)
         for k, offset, numel in layout.send_pieces:
             start, _ = self.slices[layout.matrices[k]]
             grad_flat.narrow(0, start, numel).copy_(update.narrow(0, offset, numel))

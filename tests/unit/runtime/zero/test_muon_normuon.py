@@ -3,7 +3,7 @@
 
 # DeepSpeed Team
 """NorMuon (``normuon``) on the owner-state extension point of the distributed core, W ranks
-simulated by threads (``test_muon_pipeline``'s harness), against the paper's algorithm.
+simulated by threads (``muon_testing.threaded_exchange``), against the paper's algorithm.
 
 - NorMuon through the pipeline, ZeRO-3 and ZeRO-1/2 layouts, W = 1 to 4, several bucket sizes:
   every rank's pieces are its pieces of whole-matrix NorMuon (written here from arXiv:2510.05491,
@@ -21,8 +21,9 @@ from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, plan_owners, within_budget
 from deepspeed.runtime.zero.muon.normuon import NorMuon
 from deepspeed.runtime.zero.muon.owner_state import variant_of
+from muon_testing.threaded_exchange import LAYOUTS, run_pipelines as _run, scatter as _scatter, settings
 
-from unit.runtime.zero.test_muon_pipeline import LAYOUTS, SETTINGS, _run, _scatter
+SETTINGS = settings()
 
 VARIANT = NorMuon(beta2=0.9, eps=1e-8)
 RULE_FLOOR = 5e-7

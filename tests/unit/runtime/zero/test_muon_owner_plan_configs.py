@@ -11,7 +11,8 @@ import math
 
 import pytest
 
-from deepspeed.runtime.zero.muon.owner_plan import newton_schulz_cost, plan_owners, plan_within_budget, reserved_numel
+from deepspeed.runtime.zero.muon.owner_plan import (newton_schulz_cost, plan_owners, plan_within_budget, rank_numels,
+                                                    reserved_numel)
 from unit.runtime.zero.test_muon_owner_plan import _spec, llama_like, random_shapes
 
 
@@ -76,11 +77,18 @@ def test_buffers_within_the_momentum_budget(shapes, world_size, slots):
         assert not fits(plan_owners(specs, world_size, sum(s.numel for s in specs[:first + 1]))), "not the largest"
 
 
-def test_budget_with_one_large_matrix_falls_back_to_one_matrix_per_bucket():
+def test_budget_with_one_large_matrix_chooses_against_the_floor():
+    """Nothing fits the budget (the 512x512's owner holds it whole plus its working set), so the
+    bucket size is chosen against the every-matrix-alone plan's needs: one bucket of all four fills
+    one slot of three, so it needs less on every rank than four buckets of one (which used to be the
+    plan), and no rank more than that fallback."""
     specs = [_spec((512, 512))] + [_spec((8, 8))] * 3
     pieces = _zero3_pieces(specs, 2)
     plan = plan_within_budget(specs, pieces, 2, 10**9, 3)
-    assert plan.buckets == ((0, ), (1, ), (2, ), (3, ))
+    assert plan.buckets == ((0, 1, 2, 3), )
+    need, budget = rank_numels(plan, pieces, 3)
+    alone, _ = rank_numels(plan_owners(specs, 2, 1), pieces, 3)
+    assert all(n <= a and a > b for n, a, b in zip(need, alone, budget))
 
 
 def test_holders_restrict_owners():

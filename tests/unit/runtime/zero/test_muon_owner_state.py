@@ -3,7 +3,7 @@
 
 # DeepSpeed Team
 """The owner-state extension point (``owner_state``) of the distributed core, with a variant
-defined here (``RowSum``), W ranks simulated by threads (``test_muon_pipeline``'s harness).
+defined here (``RowSum``), W ranks simulated by threads (``muon_testing.threaded_exchange``).
 
 - A registered variant runs through the pipeline, ZeRO-3 and ZeRO-1/2 layouts, W = 1 to 4, several
   bucket sizes: every rank's pieces are its pieces of the rule applied to whole matrices, and each
@@ -24,8 +24,9 @@ from deepspeed.runtime.zero.muon import original_muon, owner_state
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, plan_owners, within_budget
 from deepspeed.runtime.zero.muon.owner_state import (check_same_kind, expand_rows, register_variant, rows_in_piece,
                                                      variant_of)
+from muon_testing.threaded_exchange import LAYOUTS, run_pipelines as _run, scatter as _scatter, settings
 
-from unit.runtime.zero.test_muon_pipeline import LAYOUTS, SETTINGS, _run, _scatter
+SETTINGS = settings()
 
 
 @dataclass(frozen=True)
