@@ -55,7 +55,7 @@ Output: ``OUT`` holds exactly ``OUT_FILES`` (results.json, summary.txt, gpu-chec
 folder against the return limits (``check_out_dir``: count, depth, names, sizes; the log is cut in
 the middle to stay under its cap) and records what it found in results.json. Everything else (the
 installs, JIT-built ops, the benchmark's configs, rows and weights, the tests' junit files) goes to
-the scratch directory (``--scratch``, default ``$TMPDIR/zero3muon-gpu-check-<uid>``). At start the
+the scratch directory (``--scratch``, default ``$TMPDIR/zero3muon-gpu-check-<uid>-<checkout hash>``). At start the
 driver takes a lock of its own on the extensions directory (a second run on the same directory is
 refused) and deletes the ``lock`` files that a build killed at the budget left there (torch's
 cpp_extension waits on such a file forever).
@@ -73,6 +73,7 @@ and needs torch.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -229,8 +230,10 @@ class Check:
                 raise OutError(f"--out {self.out} holds what this check did not write ({'; '.join(problems[:5])}): "
                                "give an empty or new folder (the node brings back at most "
                                f"{OUT_LIMITS['files']} plain files, {OUT_LIMITS['depth']} folders down)")
+        # one default per user and checkout: two checkouts' dry runs on one machine neither collide nor reinstall
+        checkout = hashlib.sha256(str(ROOT).encode()).hexdigest()[:8]
         scratch = Path(args.scratch).resolve() if args.scratch else (Path(tempfile.gettempdir()) /
-                                                                     f"zero3muon-gpu-check-{os.getuid()}")
+                                                                     f"zero3muon-gpu-check-{os.getuid()}-{checkout}")
         self.site = Path(args.site).resolve() if args.site else scratch / "site"
         self.extensions = Path(args.extensions_dir).resolve() if args.extensions_dir else scratch / "torch_extensions"
         self.work = scratch / f"work-{os.getpid()}"
@@ -269,8 +272,14 @@ class Check:
         return min(self.deadline, self.step_deadline) - time.monotonic()
 
     def save(self):
+        """results.json and summary.txt as they stand: a run killed at the device's timeout still returns both."""
         self.results["elapsed_s"] = round(time.monotonic() - self.started, 1)
         (self.out / "results.json").write_text(json.dumps(self.results, indent=1) + "\n")
+        try:
+            text = summary_text(self.results)
+        except Exception as e:  # a partial record the table cannot show yet: results.json has it
+            text = f"summary not available yet ({type(e).__name__}: {e}); see results.json\n"
+        (self.out / "summary.txt").write_text(text)
 
     def step(self, name, func, min_seconds=5.0):
         """Run ``func()`` (returns the step's result, a JSON-able dict) within the step's budget (``STEP_BUDGETS``)
@@ -406,8 +415,16 @@ def _stop(proc, grace_s=20.0):
             return out or ""
         except subprocess.TimeoutExpired:
             continue
-    out, _ = proc.communicate()
-    return out or ""
+    # A rank in a session of its own (torchrun's workers) may outlive SIGKILL of the group and keep the pipe open:
+    # stop reading rather than wait past the budget.
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
+    try:
+        proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        pass
+    return "(output lost: a process of the group kept its pipe open after SIGKILL)\n"
 
 
 # ----------------------------------------------------------------------------- (a) install

@@ -626,7 +626,8 @@ def ns_dtype_rule(force=None):
     if force not in forced:
         raise ValueError(f"ns_dtype {force!r}: expected 'fp32' or absent")
     rule, seen = getattr(original_muon, "ns_compute_dtype", None), set()
-    if rule is None:  # a build without the rule: nothing to record or force
+    if rule is None:  # a build without the rule (0.19.7: fp16 wherever the accelerator has it): nothing recorded
+        seen.add("unrecorded" if force is None else "unrecorded, not forced: this build has no ns_compute_dtype")
         yield seen
         return
 

@@ -45,6 +45,7 @@ class FakeAllToAll:
         self.cond = threading.Condition()
         self.posted = {}  # collective number -> {rank: (output, input, output_splits, input_splits)}
         self.done = set()
+        self.routed = {}  # collective number -> the accelerator event recorded after its copies
         self.count = [0] * world_size
         self.async_ops = [[] for _ in range(world_size)]
         self.errors = []
@@ -82,6 +83,11 @@ class FakeAllToAll:
                 start = sum(input_splits[:d])
                 output[offset:offset + output_splits[s]].copy_(input[start:start + input_splits[d]])
                 offset += output_splits[s]
+        from deepspeed.accelerator import get_accelerator
+        accelerator = get_accelerator()  # as NCCL's work: an event its waiters' streams wait on
+        if accelerator.Event is not None and any(accelerator.on_accelerator(out) for out, *_ in ranks.values()):
+            self.routed[n] = accelerator.Event()
+            self.routed[n].record()
         self.done.add(n)
 
 
@@ -96,6 +102,9 @@ class _Handle:
         with self.fake.cond:
             if not self.fake.cond.wait_for(lambda: self.n in self.fake.done, timeout=TIMEOUT):
                 raise TimeoutError(f"collective {self.n} never completed: the ranks issued different collectives")
+        if self.n in self.fake.routed:  # the caller's current stream waits for the copies, as NCCL's Work.wait()
+            from deepspeed.accelerator import get_accelerator
+            get_accelerator().current_stream().wait_event(self.fake.routed[self.n])
         if not torch.equal(self.input, self.snapshot):
             self.fake.errors.append(f"collective {self.n}: its input was written before the collective was waited for")
 
@@ -250,7 +259,7 @@ def mismatches(run: Run, device="cpu"):
     return out
 
 
-def device_check(device, world_sizes=range(2, 9), depths=(1, 2), bucket_numels=(1, 100, 10**9),
+def device_check(device, world_sizes=range(2, 9), depths=(1, 2), bucket_numels=(1, 300, 10**9),
                  offloads=(False, True)):
     """The exchange's device code at every ``world_sizes`` x layout x depth x bucket size x offload on ``device``, each
     run against upstream's update on the same device, Newton-Schulz unbatched (``batch_ns=False``: upstream's calls).
@@ -263,17 +272,13 @@ def device_check(device, world_sizes=range(2, 9), depths=(1, 2), bucket_numels=(
     import time
     from deepspeed.runtime.zero.muon import original_muon
     rows = []
+    ns_dtype = original_muon.ns_compute_dtype(settings().ns_method)  # the back exchange's, as ``MuonUpdate`` runs it
+    options = dict(device=device, batch_ns=False, update_dtype=ns_dtype)
     runs = [(layout, w, depth, bucket, offload) for layout in LAYOUTS for w in world_sizes for depth in depths
             for bucket in bucket_numels for offload in offloads]
     for layout, world_size, depth, bucket_numel, offload in runs:
         start = time.perf_counter()
-        run = run_pipelines(LAYOUTS[layout],
-                            world_size,
-                            bucket_numel,
-                            depth,
-                            device=device,
-                            offload=offload,
-                            batch_ns=False)
+        run = run_pipelines(LAYOUTS[layout], world_size, bucket_numel, depth, offload=offload, **options)
         worst = mismatches(run, device)
         rows.append(
             dict(layout=layout,
@@ -281,7 +286,7 @@ def device_check(device, world_sizes=range(2, 9), depths=(1, 2), bucket_numels=(
                  depth=depth,
                  bucket_numel=bucket_numel,
                  offload=offload,
-                 ns_dtype=str(original_muon.ns_compute_dtype(settings().ns_method)).replace("torch.", ""),
+                 ns_dtype=str(ns_dtype).replace("torch.", ""),
                  exchanges=sum(s.exchanges for s in run.stats),
                  bit_equal=not worst,
                  max_relative_difference=max((w for *_, w in worst), default=0.0),

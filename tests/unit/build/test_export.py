@@ -131,7 +131,7 @@ def test_six_pull_requests_each_file_once(case):
     assert [Path(p).stem for p in seed if p.startswith("deepspeed/")
             ] == ["binding", "momentum", "newton_schulz", "owner_exchange", "owner_plan", "owner_state", "pipeline"]
     # the first pull request's tests are lean and import no helper module: the seam, one end-to-end
-    # ZeRO-3 run (the plan's and the threaded pipeline's own tests go with zero12-muon)
+    # ZeRO-3 run (the plan's own tests go with zero3-configurations, the threaded pipeline's with zero12-muon)
     assert [Path(p).name for p in seed if p.startswith("tests/")] == [
         "test_muon_update_split.py", "test_zero3_muon_boundary.py"
     ]
@@ -143,10 +143,12 @@ def test_six_pull_requests_each_file_once(case):
         f"{ZERO_TESTS}/test_zero3_muon_configs.py"
     } <= set(configurations)
     # the tests' package goes with the first pull request whose tests import it, as tests/muon_testing/ (the
-    # causal language models and their attention reference with the tensor-parallel tests of zero12-muon)
-    package = sorted(p for p in sources if p.startswith("testing/") and not p.endswith(("causal_lm.py", "attention.py")))
+    # causal language models and their attention reference with the tensor-parallel tests of zero12-muon, the
+    # threaded ranks with the pipeline's tests there)
+    later = ("causal_lm.py", "attention.py", "threaded_exchange.py")
+    package = sorted(p for p in sources if p.startswith("testing/") and not p.endswith(later))
     assert package and set(package) <= set(configurations)
-    assert {"testing/muon_testing/causal_lm.py", "testing/muon_testing/attention.py"} <= set(by_key["zero12-muon"].sources)
+    assert {f"testing/muon_testing/{name}" for name in later} <= set(by_key["zero12-muon"].sources)
     assert {ze.exported_path(p) for p in package} <= set(by_key["zero3-configurations"].paths)
     assert all(ze.exported_path(p).startswith("tests/muon_testing/") for p in package)
 

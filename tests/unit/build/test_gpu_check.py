@@ -50,7 +50,14 @@ only_on_the_default_base = pytest.mark.skipif(_installed_base() not in (None, "0
                                               reason="the wheelhouse and gpu-check dry run use the 0.19.8 base; "
                                               "they run in the 0.19.8 pass of the suite")
 
-PY312 = os.environ.get("ZERO3MUON_PY312", "/root/.pyenv/versions/3.12.1/bin/python3.12")
+def _python312():
+    """``ZERO3MUON_PY312``, else pyenv's newest 3.12 (``PYENV_ROOT``, default ~/.pyenv), else ``python3.12`` on PATH."""
+    pyenv = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
+    found = sorted(pyenv.glob("versions/3.12*/bin/python3.12"))
+    return os.environ.get("ZERO3MUON_PY312") or (str(found[-1]) if found else shutil.which("python3.12") or "python3.12")
+
+
+PY312 = _python312()
 CACHE = REPO_ROOT / "out" / "test-gpu-check-cache"
 
 

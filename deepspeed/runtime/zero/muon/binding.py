@@ -127,7 +127,7 @@ class MuonUpdate:
         self._check_plans_agree()
         warm = {id(p.exchange.group): p.exchange for _, p in self._every_pipeline() if p.exchange.world_size > 1}
         for exchange in warm.values():  # every rank of a group meets its pipelines in the same order
-            exchange.warm_up()
+            exchange.warm_up(self.device)
         every = list(self.pipelines.values()) + list(self.spread_pipelines.values())
         self.buffers = ExchangeBuffers.covering([p.buffer_demand for p in every], self.device)
         self._log_plan()

@@ -161,7 +161,7 @@ class OwnerExchange:
         self._all_to_all_single = all_to_all_single
         self.stats = stats
 
-    def warm_up(self) -> None:
+    def warm_up(self, device) -> None:
         """One synchronous all-to-all of one int32 per peer, checked, not counted: at initialization, so that the
         backend connects every pair of ranks before the first step's asynchronous all-to-alls (NCCL opens its
         point-to-point connections at a pair's first exchange).
@@ -169,7 +169,6 @@ class OwnerExchange:
         Raises:
             RuntimeError: an element came back from another rank than the one that sent it."""
         w, r = self.world_size, self.rank
-        device = torch.device(get_accelerator().current_device_name())
         sent = torch.arange(r * w, (r + 1) * w, dtype=torch.int32, device=device)
         received = torch.empty_like(sent)
         self._all_to_all_single(received,
@@ -208,14 +207,16 @@ class OwnerExchange:
 
 class InFlight:
     """An asynchronous all-to-all's work handle and its tensors, held until ``wait``: a backend may read the input
-    and write the output until then, and a handle dropped unwaited can tear them (nanochat #843)."""
+    and write the output until then. Defensive: NCCL's work keeps its tensors too, and the pipeline's are views of
+    buffers reserved for the whole run; a caller that drops its views still cannot free them early."""
 
     def __init__(self, handle, tensors: Tuple[torch.Tensor, ...]):
         self.handle, self.tensors = handle, tensors
 
     def wait(self) -> None:
-        """Waits for the all-to-all (on an accelerator: the current stream waits for it), then lets go of it."""
-        self.handle.wait()
+        """Waits for the all-to-all (on an accelerator: the current stream waits for it), then lets go of it; once."""
+        if self.handle is not None:
+            self.handle.wait()
         self.handle = self.tensors = None
 
 
@@ -245,7 +246,8 @@ class ExchangeBuffers:
                     torch.empty(outgoing_numel * nbytes, dtype=torch.uint8, device=staging_device))
                 for _ in range(slots)
             ]
-            self._copy_stream = get_accelerator().Stream() if self.device.type != "cpu" else None
+            streams = self.device.type != "cpu" and get_accelerator().Stream is not None
+            self._copy_stream = get_accelerator().Stream() if streams else None
 
     @classmethod
     def covering(cls, demands: Sequence[Tuple[int, int, int, torch.device]], device) -> "ExchangeBuffers":
@@ -284,6 +286,8 @@ class ExchangeBuffers:
             if pending is not None:
                 pending.wait()
             return host.copy_(source)
+        if pending is None:  # a local copy on the current stream (one rank): the copy waits for that stream
+            self._copy_stream.wait_stream(get_accelerator().current_stream())
         with get_accelerator().stream(self._copy_stream):
             if pending is not None:
                 pending.wait()

@@ -22,8 +22,9 @@ the totals stay balanced too. A matrix only some ranks hold goes to the least lo
 ``plan_within_budget`` picks the largest bucket size whose exchange buffers and owner working set
 fit each rank's momentum partition: Muon then keeps no more memory than Adam's second moment. Where
 even every matrix alone exceeds it (the largest matrix's owner holds it whole plus its NS working
-set), the bucket size is chosen against that unavoidable floor instead, rank by rank, so buckets
-keep several owners busy at once without raising any rank's peak above the floor.
+set), the bucket size is chosen against that floor instead: a rank may need up to the larger of
+its partition and what it needs with every matrix alone, so buckets keep several owners busy at
+once and the job's peak stays that of every matrix alone.
 """
 
 from dataclasses import dataclass

@@ -188,18 +188,21 @@ def test_one_owned_matrix_is_a_view_of_the_receive_buffer():
     assert torch.equal(second, torch.cat([recv[5:10], recv[15:20]]))
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["", "offload"])
 @pytest.mark.parametrize("bucket_numel", [100, 10**9], ids=["buckets", "one-bucket"])
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_results_narrower_than_the_exchange_are_written_after_the_buckets_calls(layout, world_size, bucket_numel):
+def test_results_narrower_than_the_exchange_are_written_after_the_buckets_calls(layout, world_size, bucket_numel,
+                                                                                offload):
     """A bf16 back exchange views the receive buffer's bytes at other offsets, so the owner writes
     its results once the bucket's Newton-Schulz calls are done: every rank still gets upstream's
-    update, rounded to bf16 once."""
+    update, rounded to bf16 once; under offload through the staging buffer's bytes viewed as bf16."""
     specs, pieces, slices, _, grads, momenta, results, *_ = _run(LAYOUTS[layout],
                                                                  world_size,
                                                                  bucket_numel,
                                                                  2,
-                                                                 update_dtype=torch.bfloat16)
+                                                                 update_dtype=torch.bfloat16,
+                                                                 offload=offload)
     updates, reference_momenta = _reference(specs, grads)
     numel = momenta[0].numel()
     for r in range(world_size):
