@@ -1,6 +1,6 @@
 """Tests of ``python3 dev.py intree``'s copy of DeepSpeed's tests/ (``deepspeed_tests``) and of its
 membership of the exported tests; no venv, no pytest run inside DeepSpeed's tree (that is the
-command itself, see README "For DeepSpeed maintainers")."""
+command itself, see docs/maintainers.md)."""
 
 import importlib.util
 import subprocess

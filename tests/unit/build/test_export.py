@@ -5,7 +5,7 @@
   pull requests hold the files their purpose says, every file once; each diff applies ALONE to a
   fresh unpack of the release and gives exactly its files; the combined diff gives the tree
   ``pip install .`` builds plus the tests; the declared needs are the imports' (the export checks
-  them) and the README shows the graph; descriptions name every file; ``dev.py export`` prints
+  them) and docs/maintainers.md shows the graph; descriptions name every file; ``dev.py export`` prints
   each pull request's changed lines and removes an earlier export's stale files. Set
   DS_ZERO3MUON_EXPORT_REPO to a checkout to run this part on it instead (e.g. a merge candidate).
 - On a small fake release and project with groups of its own (tmp_path): the rules that must stop
@@ -160,7 +160,7 @@ def test_needs_are_the_imports_and_the_readme_shows_them(case):
             assert sorted(ze.needed_groups(g, owners, REPO)) == sorted(g.needs), g.key
     graph = ze.graph_line()
     assert graph.startswith("1 zero3-muon; 2 zero3-configurations needs 1;")  # the seed fix merges alone
-    assert graph in " ".join((REPO / "README.md").read_text().split())
+    assert graph in " ".join((REPO / "docs" / "maintainers.md").read_text().split())
     # the ZeRO-1/2 binding's patch imports the seed's binding.py
     zero12 = ze.needed_groups(ze.GROUPS[2], owners, REPO)["zero3-muon"]
     assert any(p.startswith("patches/") and dep.endswith("/binding.py") for p, dep in zero12)
