@@ -36,6 +36,7 @@ from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings, is_muon_optimizer
 from deepspeed.runtime.zero.muon.newton_schulz import SPLIT_KEY, matrix_spec, split_of
 from deepspeed.runtime.zero.muon.owner_exchange import ExchangeBuffers, ExchangeStats
+from deepspeed.runtime.zero.muon.owner_plan import DEFAULT_MAX_STEP_MEMORY, CapBelowFloor, plan_figures
 from deepspeed.runtime.zero.muon.owner_state import (MUON, VARIANT_KEY, check_same_kind, load_checkpoint_form,
                                                      variant_of)
 from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline
@@ -47,6 +48,10 @@ SPREAD_ATTR = "muon_spread"
 """Parameter attribute: the layout of a matrix whose pieces lie over more ranks than the stage's group (AutoTP's,
 ``tensor_parallel``). ``spread({key: (partition, {index: layout})})``, once on every rank, gives per key ``indices``,
 ``shapes`` (whole), ``pieces`` (over ``process_group``), ``placements``, ``assemblies``, ``num_heads``."""
+MAX_STEP_MEMORY_KEY = "max_step_memory"
+"""Muon group key: bytes Muon's step may add on a rank's accelerator (exchange buffers, owner matrices, Newton-Schulz
+working set, a variant's state), default ``owner_plan.DEFAULT_MAX_STEP_MEMORY``; or ``"momentum_partition"``
+(``owner_plan.STRICT``): within the rank's momentum partition, buckets bounded by ``reduce_bucket_size``."""
 BATCH_NS_KEY = "batch_ns"
 """Muon group key: same-shape Newton-Schulz problems of a bucket in one call (True), one call per
 matrix (False), or where it pays (null, the default; ``newton_schulz.batches``)."""
@@ -97,11 +102,15 @@ class MuonUpdate:
     Attributes:
         stats: ``ExchangeStats``, cumulative on this rank.
         pipelines: per partition key its ``MuonPipeline`` (owner plan, layouts, owner state).
-        buffers: the ``ExchangeBuffers`` the pipelines use in turn.
+        buffers: the ``ExchangeBuffers`` of the partition being updated, None between updates: the device memory
+            goes back to the allocator for the next forward and backward (pinned host staging, for optimizer
+            offload, is kept: host memory, and slow to pin).
+        figures: the plans' ``owner_plan.PlanFigures`` (every rank's).
 
     Raises:
         ValueError: at initialization, on every rank: a Muon parameter that is not a matrix,
-            ``muon_num_heads`` that does not fit it, an unknown ``variant``.
+            ``muon_num_heads`` that does not fit it, an unknown ``variant``, a ``max_step_memory`` below what
+            every matrix alone needs (the message gives that figure).
         RuntimeError: at initialization, where the ranks of a group built different owner plans, or its warm-up
             all-to-all (``OwnerExchange.warm_up``, one per process group of more than one rank) came back wrong.
     """
@@ -128,8 +137,12 @@ class MuonUpdate:
         warm = {id(p.exchange.group): p.exchange for _, p in self._every_pipeline() if p.exchange.world_size > 1}
         for exchange in warm.values():  # every rank of a group meets its pipelines in the same order
             exchange.warm_up(self.device)
-        every = list(self.pipelines.values()) + list(self.spread_pipelines.values())
-        self.buffers = ExchangeBuffers.covering([p.buffer_demand for p in every], self.device)
+        self.buffers = None
+        self._staging = ExchangeBuffers.covering([p.buffer_demand for _, p in self._every_pipeline()],
+                                                 self.device,
+                                                 device_buffers=False)
+        self.figures = plan_figures([(p.plan, p.depth, p.pieces, p.result_itemsize, p.state_numels)
+                                     for _, p in self._every_pipeline()], self._world_size())
         self._log_plan()
 
     @classmethod
@@ -190,25 +203,39 @@ class MuonUpdate:
                                  "projections), remove your muon_split, or use a plain Muon group.")
         process_group = part.process_group if sharded is None else sharded.process_group
         world_size = dist.get_world_size(group=process_group)
+        max_step_memory = group.get(MAX_STEP_MEMORY_KEY)
+        max_step_memory = DEFAULT_MAX_STEP_MEMORY if max_step_memory is None else max_step_memory
         # every rank meets its partitions in the same order: keyed by the group, the same ones pool
         load = loads.setdefault(id(process_group), [0.0] * world_size)
         held = [[r for r, n in enumerate(p) if n] for p in pieces]
         holders = None if all(len(h) == world_size for h in held) else held
-        pipeline = MuonPipeline.for_process_group(specs,
-                                                  pieces, [part.slices[j] for j in indices],
-                                                  process_group,
-                                                  self.stats,
-                                                  self.device,
-                                                  part.flat.device,
-                                                  part.bucket_numel,
-                                                  group.get(PIPELINE_DEPTH_KEY, DEFAULT_DEPTH),
-                                                  group.get(BATCH_NS_KEY),
-                                                  variant=variant_of(group),
-                                                  initial_load=load,
-                                                  holders=holders,
-                                                  placements=sharded and sharded.placements,
-                                                  assemblies=sharded and sharded.assemblies,
-                                                  result_itemsize=original_muon.ns_compute_dtype(ns_method).itemsize)
+        try:
+            pipeline = MuonPipeline.for_process_group(
+                specs,
+                pieces, [part.slices[j] for j in indices],
+                process_group,
+                self.stats,
+                self.device,
+                part.flat.device,
+                part.bucket_numel,
+                group.get(PIPELINE_DEPTH_KEY, DEFAULT_DEPTH),
+                group.get(BATCH_NS_KEY),
+                variant=variant_of(group),
+                placements=sharded and sharded.placements,
+                assemblies=sharded and sharded.assemblies,
+                max_step_memory=max_step_memory,
+                initial_load=load,
+                holders=holders,
+                result_itemsize=original_muon.ns_compute_dtype(ns_method).itemsize)
+        except CapBelowFloor as e:
+            needed = 4 * e.needed_numel
+            raise ValueError(
+                f"optimizer.params.{MAX_STEP_MEMORY_KEY}: {max_step_memory} bytes is below what Muon's step needs "
+                f"on a rank for {part.label}: at least {needed} bytes ({needed / 2**30:.2f} GiB), the largest "
+                f"matrix whole on its owner rank with its Newton-Schulz working set and one bucket's exchange buffers "
+                f"(every matrix alone, pipeline depth 1). Set {MAX_STEP_MEMORY_KEY} to at least {needed}, or to "
+                "\"momentum_partition\" (within each rank's momentum partition where possible, else that least "
+                "need).") from None
         for r, cost in enumerate(pipeline.plan.load()):
             load[r] += cost
         return pipeline
@@ -244,28 +271,27 @@ class MuonUpdate:
                 if key in pipelines:
                     yield key, pipelines[key]
 
+    def _world_size(self) -> int:
+        return max((p.exchange.world_size for _, p in self._every_pipeline()), default=1)
+
     def _log_plan(self):
         if not self.partitions or dist.get_rank() != 0:
             return
         pipelines = [p for _, p in self._every_pipeline()]
         travel = sum(1 for p in pipelines for piece in p.pieces if sum(map(bool, piece)) > 1)
         spread = sum(len(p.specs) for p in self.spread_pipelines.values())
-        momentum = 4 * sum(n for p in pipelines for _, n in p.slices)
-        reserved = self.reserved_bytes()
-        workspace = 4 * max(p.plan.workspace(p.exchange.rank) for p in pipelines)
-        logger.info(
-            f"{next(iter(self.partitions.values())).label.split(',')[0]}: owner-centric update at the "
-            f"accumulation boundary for {sum(len(p.specs) for p in pipelines)} matrices ({travel} held by "
-            f"more than one rank, {spread} over all ranks: tensor-parallel) in {len(pipelines)} pipeline(s), "
-            f"{sum(len(p.plan.buckets) for p in pipelines)} "
-            f"bucket(s), pipeline depth {min(p.depth for p in pipelines)}, {reserved} bytes of exchange "
-            f"buffers and {workspace} bytes of owner Newton-Schulz working set on rank 0 "
-            f"({'within' if reserved + workspace <= momentum else 'over'} its momentum partition of {momentum} "
-            f"bytes); owner NS cost max/mean {max(p.plan.imbalance() for p in pipelines):.3f}")
+        f = self.figures
+        logger.info(f"{next(iter(self.partitions.values())).label.split(',')[0]}: owner-centric update at the "
+                    f"accumulation boundary for {sum(len(p.specs) for p in pipelines)} matrices ({travel} held by "
+                    f"more than one rank, {spread} over all ranks: tensor-parallel) in {len(pipelines)} "
+                    f"pipeline(s) over {f.world_size} ranks: {f.buckets} bucket(s), pipeline depth {f.depth}, "
+                    f"peak of Muon's step {f.peak_bytes} bytes per rank at most, kept between steps "
+                    f"{f.kept_bytes} bytes per rank at most, NS parallel efficiency {f.ns_efficiency:.2f}; owner NS "
+                    f"cost max/mean {max(p.plan.imbalance() for p in pipelines):.3f}")
 
     def reserved_bytes(self) -> int:
-        """Bytes of exchange buffer this rank keeps between steps."""
-        return self.buffers.reserved_bytes()
+        """Bytes of exchange buffer this rank holds on its device now: 0 between steps (``buffers``)."""
+        return 0 if self.buffers is None else self.buffers.reserved_bytes()
 
     def _state(self, part: MuonPartition) -> dict:
         return self.optimizer.state.setdefault(part.flat, {})
@@ -319,13 +345,17 @@ class MuonUpdate:
         variant = variant_of(group)
         settings = MuonSettings.of(group)
         momentum = self.momentum(key, grad_partition.device)
-        for pipeline in pipelines:
-            check_same_kind(pipeline.owner_state and pipeline.owner_state.variant, variant, part.label)
-            if pipeline.owner_state is not None:
-                # A checkpoint form state_dict() left here has served its save.
-                self._state(part).pop(pipeline.owner_state.variant.state_key, None)
-            pipeline.run(grad_partition, momentum, settings, original_muon.ns_compute_dtype(settings.ns_method),
-                         self.buffers, variant)
+        self.buffers = ExchangeBuffers.covering([p.buffer_demand for p in pipelines], self.device, self._staging)
+        try:
+            for pipeline in pipelines:
+                check_same_kind(pipeline.owner_state and pipeline.owner_state.variant, variant, part.label)
+                if pipeline.owner_state is not None:
+                    # A checkpoint form state_dict() left here has served its save.
+                    self._state(part).pop(pipeline.owner_state.variant.state_key, None)
+                pipeline.run(grad_partition, momentum, settings, original_muon.ns_compute_dtype(settings.ns_method),
+                             self.buffers, variant)
+        finally:
+            self.buffers = None
         if key == next(iter(self.partitions)):
             self.stats.optimizer_steps += 1
 

@@ -28,9 +28,10 @@ else ``lr``, else 3e-4.
 import difflib
 from typing import Any, Iterable, List, Mapping, Optional, Sequence
 
-from deepspeed.runtime.zero.muon.binding import BATCH_NS_KEY, PIPELINE_DEPTH_KEY, SPREAD_ATTR
+from deepspeed.runtime.zero.muon.binding import BATCH_NS_KEY, MAX_STEP_MEMORY_KEY, PIPELINE_DEPTH_KEY, SPREAD_ATTR
 from deepspeed.runtime.zero.muon.newton_schulz import SPLIT_KEY
 from deepspeed.runtime.zero.muon.momentum import is_muon_group
+from deepspeed.runtime.zero.muon.owner_plan import DEFAULT_MAX_STEP_MEMORY, STRICT
 from deepspeed.runtime.zero.muon.owner_state import MUON, VARIANT_KEY, registered, variants
 
 MUON_MATRICES = "Muon matrices"
@@ -87,6 +88,10 @@ UPDATE_KEYS: Mapping[str, str] = {
     BATCH_NS_KEY:
     "same-shape Newton-Schulz problems of a bucket in one call (true), one call per matrix (false), "
     "or where it pays (null, the default)",
+    MAX_STEP_MEMORY_KEY:
+    f"bytes Muon's step may add on a rank's accelerator: exchange buffers, owner matrices, Newton-Schulz working "
+    f"set (a positive integer; null or unset: {DEFAULT_MAX_STEP_MEMORY} = {DEFAULT_MAX_STEP_MEMORY / 2**30:g} GiB), or "
+    f"\"{STRICT}\" to stay within each rank's momentum partition where any plan can",
     SPLIT_KEY:
     "orthogonalize each part of a fused projection DeepSpeed recognizes (gate_up_proj, qkv_proj, c_attn) on its own "
     "(true or null, the default) or the fused tensor whole (false, as before)",
@@ -177,6 +182,16 @@ def _bad_ns_method(where: str, value) -> str:
             f"Accepted: {_accepted(ns_methods())}.{did_you_mean(value, ns_methods())}")
 
 
+def _is_step_memory(value) -> bool:
+    """A ``max_step_memory``: ``STRICT``, a positive whole number of bytes (JSON's ``8e9`` included), or null (the
+    default)."""
+    if value is None or value == STRICT:
+        return True
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return value > 0 and float(value).is_integer()
+
+
 def _update_value_problems(settings: Mapping[str, Any], where: str) -> List[str]:
     """What is wrong with ``pipeline_depth`` / ``batch_ns`` in a config block or group (``where``)."""
     problems = []
@@ -185,6 +200,10 @@ def _update_value_problems(settings: Mapping[str, Any], where: str) -> List[str]
         problems.append(f"{where}.{PIPELINE_DEPTH_KEY}: {depth!r}; {UPDATE_KEYS[PIPELINE_DEPTH_KEY]}.")
     if settings.get(BATCH_NS_KEY) is not None and not isinstance(settings[BATCH_NS_KEY], bool):
         problems.append(f"{where}.{BATCH_NS_KEY}: {settings[BATCH_NS_KEY]!r}; {UPDATE_KEYS[BATCH_NS_KEY]}.")
+    if MAX_STEP_MEMORY_KEY in settings and not _is_step_memory(settings[MAX_STEP_MEMORY_KEY]):
+        value = settings[MAX_STEP_MEMORY_KEY]
+        problems.append(f"{where}.{MAX_STEP_MEMORY_KEY}: {value!r} is invalid; {UPDATE_KEYS[MAX_STEP_MEMORY_KEY]}."
+                        f"{did_you_mean(value, (STRICT, ))}")
     if settings.get(SPLIT_KEY) is not None and not isinstance(settings[SPLIT_KEY], bool):
         problems.append(f"{where}.{SPLIT_KEY}: {settings[SPLIT_KEY]!r}; {UPDATE_KEYS[SPLIT_KEY]}.")
     return problems

@@ -221,25 +221,40 @@ class InFlight:
 
 
 class ExchangeBuffers:
-    """The exchange buffers of a stage's Muon pipelines, reserved once (an out-of-memory error comes
-    at construction, not at the first step) and shared: the pipelines run one after the other.
+    """The exchange buffers of one partition's Muon pipelines for one step (an out-of-memory error comes at the
+    step's start, not mid-exchange), shared: the pipelines run one after the other.
 
     Each of ``slots`` holds one bucket in flight: an outgoing buffer (this rank's pieces) and an
     incoming one (the owner's matrices), raw bytes viewed as each step's dtype, sized to
     ``outgoing_numel`` / ``incoming_numel`` fp32 elements, on ``device``. Pieces on ``staging_device``
     (optimizer offload) cross to the device through a pinned host buffer per slot, once per bucket each
     way: the momentum step writes into it and one non-blocking copy sends it; the update comes back in
-    one non-blocking copy on a copy stream, which waits for the exchange alone, and an event.
+    one non-blocking copy on a copy stream, which waits for the exchange alone, and an event. ``host``: an
+    ``ExchangeBuffers`` whose pinned staging (and copy stream) to use instead of pinning new memory; it must cover
+    these slots and sizes. ``device_buffers=False``: only the staging (kept by ``MuonUpdate`` across steps).
     """
 
-    def __init__(self, slots: int, outgoing_numel: int, incoming_numel: int, device, staging_device=None):
+    def __init__(self,
+                 slots: int,
+                 outgoing_numel: int,
+                 incoming_numel: int,
+                 device,
+                 staging_device=None,
+                 host: Optional["ExchangeBuffers"] = None,
+                 device_buffers: bool = True):
         nbytes = torch.float32.itemsize
         self.slots = slots
         self.device = torch.device(device)
-        self._outgoing = [torch.empty(outgoing_numel * nbytes, dtype=torch.uint8, device=device) for _ in range(slots)]
-        self._incoming = [torch.empty(incoming_numel * nbytes, dtype=torch.uint8, device=device) for _ in range(slots)]
+        count = slots if device_buffers else 0
+        self._outgoing = [torch.empty(outgoing_numel * nbytes, dtype=torch.uint8, device=device) for _ in range(count)]
+        self._incoming = [torch.empty(incoming_numel * nbytes, dtype=torch.uint8, device=device) for _ in range(count)]
         self._staging = self.staging_device = self._copy_stream = None
-        if staging_device is not None:
+        if staging_device is not None and host is not None and host._staging is not None:
+            if len(host._staging) < slots or host._staging[0].numel() < outgoing_numel * nbytes:
+                raise ValueError("the host staging does not cover these exchange buffers")
+            self.staging_device, self._staging, self._copy_stream = host.staging_device, host._staging, \
+                host._copy_stream
+        elif staging_device is not None:
             self.staging_device = torch.device(staging_device)
             self._staging = [
                 get_accelerator().pin_memory(
@@ -250,14 +265,19 @@ class ExchangeBuffers:
             self._copy_stream = get_accelerator().Stream() if streams else None
 
     @classmethod
-    def covering(cls, demands: Sequence[Tuple[int, int, int, torch.device]], device) -> "ExchangeBuffers":
+    def covering(cls,
+                 demands: Sequence[Tuple[int, int, int, torch.device]],
+                 device,
+                 host: Optional["ExchangeBuffers"] = None,
+                 device_buffers: bool = True) -> "ExchangeBuffers":
         """One set on ``device`` covering every pipeline's ``(slots, outgoing_numel, incoming_numel,
-        piece_device)`` (``MuonPipeline.buffer_demand``), with host staging where pieces live off it."""
+        piece_device)`` (``MuonPipeline.buffer_demand``), with host staging where pieces live off it (``host``'s, if
+        given). ``device_buffers``: as for the constructor."""
         slots = max((d[0] for d in demands), default=0)
         outgoing = max((d[1] for d in demands), default=0)
         incoming = max((d[2] for d in demands), default=0)
         staging = next((d[3] for d in demands if torch.device(d[3]) != torch.device(device)), None)
-        return cls(slots, outgoing, incoming, device, staging)
+        return cls(slots, outgoing, incoming, device, staging, host, device_buffers)
 
     @staticmethod
     def _view(buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:

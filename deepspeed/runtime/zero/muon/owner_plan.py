@@ -27,6 +27,8 @@ its partition and what it needs with every matrix alone, so buckets keep several
 once and the job's peak stays that of every matrix alone.
 """
 
+import heapq
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -82,10 +84,16 @@ class MatrixSpec:
 
     @property
     def ns_workspace_numel(self) -> int:
-        """Elements NS allocates beyond its input (the eager fp32 kernels' peak, measured): per problem
-        ``2mn + 4m^2`` for "gram", ``4mn + 2m^2`` otherwise (``m, n = min, max(rows, cols)``); a fused
-        parameter's parts run one shape at a time (the largest counts) between a stack of them and the result
-        (twice its elements); plus ``extra_numel``."""
+        """fp32 elements NS allocates beyond its input where it computes in fp32 (``ns_workspace(4)``)."""
+        return self.ns_workspace(4)
+
+    def ns_workspace(self, itemsize: int = 4) -> int:
+        """What NS allocates beyond its input, in fp32 elements (4 bytes), where the kernel computes in a dtype of
+        ``itemsize`` bytes (``original_muon.ns_compute_dtype``: fp16 "gram" and bf16 "standard" on a GPU, fp32 on
+        a CPU without them). The kernel's tensors, measured on the eager fp32 kernels: per problem ``2mn + 4m^2``
+        elements for "gram", ``4mn + 2m^2`` otherwise (``m, n = min, max(rows, cols)``), of ``itemsize`` bytes
+        each; a fused parameter's parts run one shape at a time (the largest counts) between an fp32 stack of them
+        and the result (twice its elements); plus ``extra_numel``."""
         most = 0
         for batch, rows, cols in self.problems:
             m, n = min(rows, cols), max(rows, cols)
@@ -93,7 +101,8 @@ class MatrixSpec:
                 most = max(most, batch * (2 * m * n + 4 * m * m))
             else:
                 most = max(most, batch * (4 * m * n + 2 * m * m))
-        return most + (2 * self.numel if self.split else 0) + self.extra_numel
+        kernel = -(-most * itemsize // 4)
+        return kernel + (2 * self.numel if self.split else 0) + self.extra_numel
 
 
 def newton_schulz_cost(spec: MatrixSpec, ns_steps: int = NS_STEPS_DEFAULT) -> float:
@@ -159,6 +168,41 @@ class OwnerPlan:
         return list(self.owners) + bucket_of
 
 
+class Uniform(Sequence):
+    """ZeRO-3's pieces of one matrix: ``value`` elements on each of ``n`` ranks (``ceil(ds_numel / W)``, zero-padded),
+    without a list of ``n`` entries; the planner's per-rank sums over such pieces take O(1) instead of O(W)."""
+
+    def __init__(self, value: int, n: int):
+        self.value, self.n = int(value), int(n)
+
+    @classmethod
+    def of(cls, pieces: Sequence[int]):
+        """``pieces`` as a ``Uniform`` where every rank holds the same number of elements, else as given."""
+        if isinstance(pieces, Uniform) or not pieces:
+            return pieces
+        first = pieces[0]
+        return cls(first, len(pieces)) if all(p == first for p in pieces) else pieces
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, r):
+        if isinstance(r, slice):
+            return [self.value] * len(range(*r.indices(self.n)))
+        if not -self.n <= r < self.n:
+            raise IndexError(r)
+        return self.value
+
+    def __iter__(self):
+        return iter([self.value] * self.n)
+
+    def __eq__(self, other):
+        return list(self) == list(other)
+
+    def __repr__(self):
+        return f"Uniform({self.value}, {self.n})"
+
+
 def make_buckets(numels: Sequence[int], bucket_numel: int) -> Tuple[Tuple[int, ...], ...]:
     """Consecutive runs of matrices of at most ``bucket_numel`` elements (a larger matrix alone).
 
@@ -179,17 +223,37 @@ def make_buckets(numels: Sequence[int], bucket_numel: int) -> Tuple[Tuple[int, .
     return tuple(buckets)
 
 
+def make_cost_buckets(costs: Sequence[float], world_size: int, factor: float) -> Tuple[Tuple[int, ...], ...]:
+    """Consecutive runs of matrices, each closed once its NS cost reaches ``factor x W x`` its largest matrix's
+    cost: at ``factor`` 1 a bucket of equal matrices holds W of them, one NS problem per owner, so every owner
+    computes at once; 0 puts every matrix alone, ``math.inf`` all in one bucket."""
+    buckets, current, total, largest = [], [], 0.0, 0.0
+    for j, cost in enumerate(costs):
+        current.append(j)
+        total, largest = total + cost, max(largest, cost)
+        if total >= factor * world_size * largest:
+            buckets.append(tuple(current))
+            current, total, largest = [], 0.0, 0.0
+    if current:
+        buckets.append(tuple(current))
+    return tuple(buckets)
+
+
 def plan_owners(specs: Sequence[MatrixSpec],
                 world_size: int,
                 bucket_numel: int,
                 ns_steps: int = NS_STEPS_DEFAULT,
                 initial_load: Optional[Sequence[float]] = None,
-                holders: Optional[Sequence[Sequence[int]]] = None) -> OwnerPlan:
+                holders: Optional[Sequence[Sequence[int]]] = None,
+                buckets: Optional[Sequence[Sequence[int]]] = None,
+                ns_itemsize: int = 4) -> OwnerPlan:
     """Assign an owner rank to every matrix (module docstring); deterministic in its inputs.
 
     ``initial_load``: NS cost each rank owns in earlier partitions of the group (zeros if omitted);
-    ``holders``: per matrix the ranks holding a piece, its owner one of them (None: every rank).
-    Per bucket ``max(bin) <= sum(bucket) / W + max(cost in bucket)`` (LPT).
+    ``holders``: per matrix the ranks holding a piece, its owner one of them (None: every rank);
+    ``buckets``: the buckets to use (default ``make_buckets`` at ``bucket_numel``); ``ns_itemsize``: bytes of the
+    dtype NS computes in (``MatrixSpec.ns_workspace``). Per bucket ``max(bin) <= sum(bucket) / W + max(cost in
+    bucket)`` (LPT). Bins and ranks come from heaps, O(n log W): the least ``(load, index)`` bin or rank each time.
 
     Raises:
         ValueError: ``world_size < 1``, an ``initial_load`` of the wrong length, a matrix without holders.
@@ -199,8 +263,10 @@ def plan_owners(specs: Sequence[MatrixSpec],
     if initial_load is not None and len(initial_load) != world_size:
         raise ValueError(f"initial_load has {len(initial_load)} entries for {world_size} ranks.")
     costs = tuple(newton_schulz_cost(spec, ns_steps) for spec in specs)
-    workspaces = tuple(spec.ns_workspace_numel for spec in specs)
-    buckets = make_buckets([spec.numel for spec in specs], bucket_numel) if specs else ()
+    workspaces = tuple(spec.ns_workspace(ns_itemsize) for spec in specs)
+    if buckets is None:
+        buckets = make_buckets([spec.numel for spec in specs], bucket_numel) if specs else ()
+    buckets = tuple(tuple(b) for b in buckets)
     owners = [0] * len(specs)
     total_load = list(initial_load) if initial_load is not None else [0.0] * world_size
     if holders is not None:
@@ -211,39 +277,58 @@ def plan_owners(specs: Sequence[MatrixSpec],
                 owners[j] = min(holders[j], key=lambda r: (total_load[r], r))
                 total_load[owners[j]] += costs[j]
         return OwnerPlan(world_size, tuple(owners), buckets, costs, workspaces)
+    ranks = [(load, r) for r, load in enumerate(total_load)]
+    heapq.heapify(ranks)
     for bucket in buckets:
-        bin_of, bin_load = {}, [0.0] * world_size  # LPT into W bins: balances this bucket
+        # LPT into W bins: balances this bucket. Bins not used yet (load 0) come in index order.
+        used, next_empty, bin_of, bin_load = [], 0, {}, {}
         for j in sorted(bucket, key=lambda j: (-costs[j], j)):
-            b = min(range(world_size), key=lambda b: (bin_load[b], b))
+            if next_empty < world_size and (not used or (0.0, next_empty) < used[0]):
+                b = next_empty
+                next_empty += 1
+            else:
+                _, b = heapq.heappop(used)
             bin_of[j] = b
-            bin_load[b] += costs[j]
+            bin_load[b] = bin_load.get(b, 0.0) + costs[j]
+            heapq.heappush(used, (bin_load[b], b))
         # heaviest bin to the rank with the least work so far: balances the whole plan
-        bins = sorted(range(world_size), key=lambda b: (-bin_load[b], b))
-        ranks = sorted(range(world_size), key=lambda r: (total_load[r], r))
-        rank_of_bin = dict(zip(bins, ranks))
+        bins = sorted(bin_load, key=lambda b: (-bin_load[b], b))
+        least = [heapq.heappop(ranks) for _ in bins]
+        rank_of_bin = {b: r for b, (_, r) in zip(bins, least)}
+        for b, (load, r) in zip(bins, least):
+            heapq.heappush(ranks, (load + bin_load[b], r))
         for j in bucket:
             owners[j] = rank_of_bin[bin_of[j]]
-        for b, r in rank_of_bin.items():
-            total_load[r] += bin_load[b]
     return OwnerPlan(world_size, tuple(owners), buckets, costs, workspaces)
 
 
 def _largest_buffers(plan: OwnerPlan, pieces: Sequence[Sequence[int]]) -> Tuple[List[int], List[int]]:
-    """Per rank, the elements of its largest outgoing and of its largest incoming bucket buffer."""
-    most_out, most_in = [0] * plan.world_size, [0] * plan.world_size
+    """Per rank, the elements of its largest outgoing and of its largest incoming bucket buffer (O(n + W) where
+    every matrix's pieces are ``Uniform``, else O(n W))."""
+    w = plan.world_size
+    uniform = all(isinstance(p, Uniform) for p in pieces)
+    most_out, most_in = [0] * w, [0] * w
     for bucket in plan.buckets:
-        outgoing, incoming = [0] * plan.world_size, [0] * plan.world_size
+        incoming = {}
         for j in bucket:
-            for r, n in enumerate(pieces[j]):
-                outgoing[r] += n
-            incoming[plan.owners[j]] += sum(pieces[j])
-        most_out = [max(a, b) for a, b in zip(most_out, outgoing)]
-        most_in = [max(a, b) for a, b in zip(most_in, incoming)]
+            whole = pieces[j].value * w if uniform else sum(pieces[j])
+            incoming[plan.owners[j]] = incoming.get(plan.owners[j], 0) + whole
+        if uniform:
+            outgoing = sum(pieces[j].value for j in bucket)
+            most_out = [outgoing] * w if outgoing > most_out[0] else most_out
+        else:
+            outgoing = [0] * w
+            for j in bucket:
+                for r, n in enumerate(pieces[j]):
+                    outgoing[r] += n
+            most_out = [max(a, b) for a, b in zip(most_out, outgoing)]
+        for r, n in incoming.items():
+            most_in[r] = max(most_in[r], n)
     return most_out, most_in
 
 
 def reserved_numel(plan: OwnerPlan, pieces: Sequence[Sequence[int]], slots: int) -> List[int]:
-    """Exchange-buffer elements each rank reserves: ``slots`` buckets in flight of an outgoing (its
+    """Exchange-buffer elements each rank allocates for a step: ``slots`` buckets in flight of an outgoing (its
     pieces) and an incoming buffer (the pieces of the matrices it owns), each the largest bucket's."""
     most_out, most_in = _largest_buffers(plan, pieces)
     busy = min(slots, max(1, len(plan.buckets)))
@@ -261,14 +346,20 @@ def rank_numels(plan: OwnerPlan,
     (``result_itemsize`` bytes; held until the bucket's calls are done: ``ceil(n * itemsize / 4)``)
     and a variant's state of its matrices (``state_numels`` per matrix; None for plain Muon).
     ``budget[r]``: the elements it holds, ``sum(p[r] for p in pieces)`` (its momentum partition)."""
-    _, most_in = _largest_buffers(plan, pieces)
+    w = plan.world_size
+    most_out, most_in = _largest_buffers(plan, pieces)
     held = [-(-n * result_itemsize // 4) if result_itemsize < 4 else 0 for n in most_in]
-    state = [0] * plan.world_size
+    state, workspace = [0] * w, [0] * w
+    for j, owner in enumerate(plan.owners):
+        workspace[owner] = max(workspace[owner], plan.workspaces[j] if plan.workspaces else 0)
     for owner, n in zip(plan.owners, state_numels or ()):
         state[owner] += n
-    reserved = reserved_numel(plan, pieces, slots)
-    need = [reserved[r] + plan.workspace(r) + held[r] + state[r] for r in range(plan.world_size)]
-    budget = [sum(p[r] for p in pieces) for r in range(plan.world_size)]
+    busy = min(slots, max(1, len(plan.buckets)))
+    need = [busy * (a + b) + workspace[r] + held[r] + state[r] for r, (a, b) in enumerate(zip(most_out, most_in))]
+    if all(isinstance(p, Uniform) for p in pieces):
+        budget = [sum(p.value for p in pieces)] * w
+    else:
+        budget = [sum(p[r] for p in pieces) for r in range(w)]
     return need, budget
 
 
@@ -277,9 +368,9 @@ def within_budget(plan: OwnerPlan,
                   slots: int,
                   result_itemsize: int = 4,
                   state_numels: Optional[Sequence[int]] = None) -> bool:
-    """Whether every rank's reserved buffers and owner allocations fit the elements it holds (its
-    momentum partition): Muon then keeps, and needs at the peak of its step, no more than Adam's
-    second moment. ``need <= budget`` rank by rank (``rank_numels``: the terms)."""
+    """Whether every rank's exchange buffers and owner allocations fit the elements it holds (its
+    momentum partition): Muon then needs at the peak of its step no more than Adam's second moment.
+    ``need <= budget`` rank by rank (``rank_numels``: the terms)."""
     need, budget = rank_numels(plan, pieces, slots, result_itemsize, state_numels)
     return all(n <= b for n, b in zip(need, budget))
 
@@ -294,23 +385,24 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
                        holders: Optional[Sequence[Sequence[int]]] = None,
                        result_itemsize: int = 4,
                        state_numels: Optional[Sequence[int]] = None) -> OwnerPlan:
-    """``plan_owners`` with the largest bucket size (at most ``max_bucket_numel``) whose ranks' needs
-    fit their limits: whole, else the first k matrices' totals by bisection (a fitting size; the
-    largest where needs grow monotonically with it, as almost always), else every matrix alone.
+    """The strict rule (``max_step_memory`` ``"momentum_partition"``): ``plan_owners`` with the largest bucket
+    size (at most ``max_bucket_numel``) whose ranks' needs fit their limits: whole, else the first k matrices'
+    totals by bisection (a fitting size; the largest where needs grow monotonically with it, as almost always),
+    else every matrix alone.
 
     The limit of rank ``r`` is ``max(budget[r], alone[r])`` (``rank_numels`` at ``slots``; ``alone``: the need of
-    the every-matrix-alone plan, the least the pipeline can reserve): the budget where that plan fits it. Where it
-    does not (at ZeRO-3 the largest matrix's owner holds it whole plus its NS working set: Llama-3 8B's 14336x4096
-    at W=32 needs 1.8M + 58.7M + 184.5M elements against a 218M partition), buckets still hold several matrices,
-    so several owners compute at once, wherever no rank needs more than that floor (8B at W=32: 122 buckets, not
-    224). The floor's matrix stays alone: another matrix in its bucket adds pieces to every outgoing buffer.
+    the every-matrix-alone plan, the least the pipeline can allocate): the budget where that plan fits it. Where it
+    does not (at ZeRO-3 the largest matrix's owner holds it whole plus its NS working set), buckets still hold
+    several matrices wherever no rank needs more than that floor. The floor's matrix stays alone: another matrix in
+    its bucket adds pieces to every outgoing buffer.
 
     Raises:
         ValueError: see ``plan_owners``.
     """
 
     def plan(bucket_numel):
-        return plan_owners(specs, world_size, bucket_numel, ns_steps, initial_load, holders)
+        return plan_owners(specs, world_size, bucket_numel, ns_steps, initial_load, holders,
+                           ns_itemsize=result_itemsize)
 
     def needs(candidate):
         return rank_numels(candidate, pieces, slots, result_itemsize, state_numels)
@@ -326,7 +418,7 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
         need, budget = needs(whole)
         if all(n <= b for n, b in zip(need, budget)):
             return whole
-    best = plan(1)  # every matrix alone: the least the pipeline can reserve
+    best = plan(1)  # every matrix alone: the least the pipeline can allocate
     alone, budget = needs(best)
     limit = [max(b, a) for b, a in zip(budget, alone)]
 
@@ -353,16 +445,190 @@ def slots_for_depth(depth: int) -> int:
 
 def plan_for_depth(specs: Sequence[MatrixSpec], pieces: Sequence[Sequence[int]], world_size: int,
                    max_bucket_numel: int, depth: int, **plan_args) -> Tuple[OwnerPlan, int]:
-    """``(plan, depth)``: ``plan_within_budget`` at ``depth``'s slots, lowering the depth while its
-    plan does not fit ``within_budget``; at depth 1 its plan whatever it needs.
+    """The strict rule's ``(plan, depth)``: ``plan_within_budget`` at ``depth``'s slots, lowering the depth while
+    its plan does not fit ``within_budget``; at depth 1 its plan whatever it needs.
 
     Where even every matrix alone exceeds the budget the depth falls to 1 on purpose: a floor at depth ``d``
-    reserves ``2d - 1`` buckets' buffers, depth 1's is the least peak any plan has (``bench/model.py``'s
-    ``zero3_owner_floor_numel``), and its buckets are the floor-relative ones (``plan_within_budget``).
+    allocates ``2d - 1`` buckets' buffers, depth 1's is the least peak any plan has, and its buckets are the
+    floor-relative ones (``plan_within_budget``).
     ``plan_args``: ``ns_steps``, ``initial_load``, ``holders``, ``result_itemsize``, ``state_numels``."""
+    pieces = [Uniform.of(p) for p in pieces]
     for d in range(depth, 0, -1):
         plan = plan_within_budget(specs, pieces, world_size, max_bucket_numel, slots_for_depth(d), **plan_args)
         if within_budget(plan, pieces, slots_for_depth(d), plan_args.get("result_itemsize", 4),
                          plan_args.get("state_numels")):
             return plan, d
     return plan, 1
+
+
+DEFAULT_MAX_STEP_MEMORY = 8 * 2**30
+"""``max_step_memory``'s default, bytes (8 GiB): 10 % of an 80 GB H100's memory, which the step borrows after the
+backward pass has freed its activations; enough for depth 2 on a Llama-3 70B (28672 x 8192 matrices: about 7 GiB),
+while smaller models take only what every owner computing at once needs (Llama-3 8B: about 1.8 GiB)."""
+
+STRICT = "momentum_partition"
+"""``max_step_memory``'s strict value: Muon's step within each rank's momentum partition (as Adam's second moment),
+or the least any plan needs where that is larger (``plan_for_depth``); buckets bounded by ``reduce_bucket_size``."""
+
+BUCKET_FACTORS = (math.inf, 8.0, 4.0, 2.0, 1.0, 0.5, 0.25, 0.0)
+"""The bucket sizes ``plan_within_cap`` tries, as ``make_cost_buckets`` factors (all in one bucket .. every matrix
+alone)."""
+
+EFFICIENCY_GOAL = 0.9
+"""``plan_within_cap`` takes the deepest pipeline, then the most buckets, among the plans whose NS critical path is
+within ``1 / EFFICIENCY_GOAL`` of the ideal (or 5 % of the best plan that fits, where none is that close)."""
+
+MIN_SEND_NUMEL = 4 * 2**20
+"""fp32 elements (16 MiB) a rank should send per bucket on average: smaller buckets pay more in per-collective
+latency (tens of microseconds per all-to-all) than their extra overlap saves, so ``plan_within_cap`` takes more
+buckets only while they stay this large."""
+
+
+class CapBelowFloor(ValueError):
+    """Even every matrix alone at pipeline depth 1 needs more than the cap on some rank.
+
+    Attributes:
+        needed_numel: fp32 elements (4 bytes each) that plan needs on its busiest rank: the least any plan needs.
+    """
+
+    def __init__(self, needed_numel: int, cap_numel: int):
+        self.needed_numel, self.cap_numel = needed_numel, cap_numel
+        super().__init__(f"Muon's step needs at least {4 * needed_numel} bytes on a rank (every matrix alone, "
+                         f"pipeline depth 1), above the cap of {4 * cap_numel} bytes.")
+
+
+def critical_path(plan: OwnerPlan) -> float:
+    """NS cost on the step's critical path: per bucket its busiest owner's, summed (owners of one bucket compute at
+    once; buckets follow each other)."""
+    path = 0.0
+    for bucket in plan.buckets:
+        load = {}
+        for j in bucket:
+            load[plan.owners[j]] = load.get(plan.owners[j], 0.0) + plan.costs[j]
+        path += max(load.values(), default=0.0)
+    return path
+
+
+def ideal_path(costs: Sequence[float], world_size: int) -> float:
+    """The least NS critical path of ``costs`` over W ranks: ``max(sum / W, largest)``."""
+    return max(sum(costs) / world_size, max(costs, default=0.0))
+
+
+def plan_within_cap(specs: Sequence[MatrixSpec],
+                    pieces: Sequence[Sequence[int]],
+                    world_size: int,
+                    cap_numel: int,
+                    depth: int,
+                    ns_steps: int = NS_STEPS_DEFAULT,
+                    initial_load: Optional[Sequence[float]] = None,
+                    holders: Optional[Sequence[Sequence[int]]] = None,
+                    result_itemsize: int = 4,
+                    state_numels: Optional[Sequence[int]] = None) -> Tuple[OwnerPlan, int]:
+    """``(plan, depth)`` in which every owner computes at once, within ``cap_numel`` fp32 elements per rank.
+
+    Buckets are cut by NS cost (``make_cost_buckets`` at each of ``BUCKET_FACTORS``: from about one NS problem per
+    owner up, and down to every matrix alone), owners balanced per bucket (``plan_owners``); a plan fits where every
+    rank's ``rank_numels`` need at its depth's slots is at most ``cap_numel``. Among the fitting plans at depths
+    ``depth`` down to 1: those whose ``critical_path`` is within ``1 / EFFICIENCY_GOAL`` of ``ideal_path`` (or 5 %
+    of the best fitting one, where none is), at the deepest depth that has one (exchange overlaps NS), with the
+    most buckets (the least memory, the most overlap) whose ranks send ``MIN_SEND_NUMEL`` per bucket on average,
+    else the fewest. ``reduce_bucket_size`` plays no part.
+
+    Raises:
+        CapBelowFloor: no plan fits (``needed_numel``: every matrix alone at depth 1, the least any plan needs).
+        ValueError: see ``plan_owners``.
+    """
+    pieces = [Uniform.of(p) for p in pieces]
+    costs = [newton_schulz_cost(spec, ns_steps) for spec in specs]
+    fitting, seen = [], {}
+    floor = None
+    for d in range(depth, 0, -1):
+        for factor in BUCKET_FACTORS:
+            buckets = make_cost_buckets(costs, world_size, factor)
+            if buckets not in seen:
+                seen[buckets] = plan_owners(specs, world_size, 0, ns_steps, initial_load, holders, buckets,
+                                            result_itemsize)
+            plan = seen[buckets]
+            need = max(rank_numels(plan, pieces, slots_for_depth(d), result_itemsize, state_numels)[0], default=0)
+            if d == 1 and factor == 0.0:
+                floor = need
+            if need <= cap_numel:
+                fitting.append((d, plan, critical_path(plan)))
+    if not fitting:
+        raise CapBelowFloor(floor, cap_numel)
+    best = min(path for _, _, path in fitting)
+    good = max(ideal_path(costs, world_size) / EFFICIENCY_GOAL, 1.05 * best)
+    depth = max(d for d, _, path in fitting if path <= good)
+    chosen = [(plan, path) for d, plan, path in fitting if d == depth and path <= good]
+    sent = sum(spec.numel for spec in specs) / world_size  # per rank over the step, whatever the buckets
+    large = [c for c in chosen if sent >= MIN_SEND_NUMEL * len(c[0].buckets)]
+    if large:
+        plan, _ = max(large, key=lambda c: (len(c[0].buckets), -c[1]))
+    else:
+        plan, _ = min(chosen, key=lambda c: (len(c[0].buckets), c[1]))
+    return plan, depth
+
+
+def floor_numel(specs: Sequence[MatrixSpec],
+                pieces: Sequence[Sequence[int]],
+                world_size: int,
+                ns_steps: int = NS_STEPS_DEFAULT,
+                holders: Optional[Sequence[Sequence[int]]] = None,
+                result_itemsize: int = 4,
+                state_numels: Optional[Sequence[int]] = None) -> int:
+    """The least any plan needs on its busiest rank, fp32 elements: every matrix alone at depth 1."""
+    pieces = [Uniform.of(p) for p in pieces]
+    alone = plan_owners(specs, world_size, 1, ns_steps, None, holders, ns_itemsize=result_itemsize)
+    return max(rank_numels(alone, pieces, 1, result_itemsize, state_numels)[0], default=0)
+
+
+def plan_partition(specs: Sequence[MatrixSpec], pieces: Sequence[Sequence[int]], world_size: int,
+                   max_step_memory, max_bucket_numel: int, depth: int, **plan_args) -> Tuple[OwnerPlan, int]:
+    """``(plan, depth)`` of one partition under ``max_step_memory``: bytes (``plan_within_cap`` at ``bytes // 4``
+    elements) or ``STRICT`` (``plan_for_depth`` with buckets of at most ``max_bucket_numel``).
+    ``plan_args``: as for ``plan_for_depth``.
+
+    Raises:
+        CapBelowFloor, ValueError: see ``plan_within_cap``."""
+    if max_step_memory == STRICT:
+        return plan_for_depth(specs, pieces, world_size, max_bucket_numel, depth, **plan_args)
+    return plan_within_cap(specs, pieces, world_size, int(max_step_memory) // 4, depth, **plan_args)
+
+
+@dataclass(frozen=True)
+class PlanFigures:
+    """What a set of partitions' plans mean for one step, every rank counted (the plan report's and the
+    initialization log's figures).
+
+    Attributes:
+        world_size, buckets, depth: ranks, buckets over all partitions, the least pipeline depth among them.
+        peak_bytes: the largest need of any rank in any partition (``rank_numels``; one partition's buffers live at
+            a time).
+        kept_bytes: the largest, over ranks, of what Muon keeps between steps: its fp32 momentum (the pieces it
+            holds) plus a variant's owner state.
+        ns_efficiency: ``ideal_path`` of every matrix over ``critical_path`` summed over partitions (1: every owner
+            computes at once; 1 / buckets: one at a time).
+    """
+    world_size: int
+    buckets: int
+    depth: int
+    peak_bytes: int
+    kept_bytes: int
+    ns_efficiency: float
+
+
+def plan_figures(entries: Sequence[tuple], world_size: int) -> PlanFigures:
+    """``PlanFigures`` of ``entries``, each ``(plan, depth, pieces, result_itemsize, state_numels or None)``."""
+    peak, kept, path, costs = 0, [0] * world_size, 0.0, []
+    for plan, depth, pieces, itemsize, state in entries:
+        pieces = [Uniform.of(p) for p in pieces]
+        need, budget = rank_numels(plan, pieces, slots_for_depth(depth), itemsize, state)
+        peak = max(peak, max(need, default=0))
+        kept = [k + b for k, b in zip(kept, budget)]
+        for owner, n in zip(plan.owners, state or ()):
+            kept[owner] += n
+        path += critical_path(plan)
+        costs += plan.costs
+    ideal = ideal_path(costs, world_size)
+    return PlanFigures(world_size, sum(len(e[0].buckets) for e in entries), min((e[1] for e in entries), default=0),
+                       4 * peak, 4 * max(kept, default=0), ideal / path if path > 0 else 1.0)

@@ -24,7 +24,8 @@ import torch
 from deepspeed.runtime.zero.muon.momentum import MuonSettings, momentum_step
 from deepspeed.runtime.zero.muon.newton_schulz import orthogonalize_each
 from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeBuffers, ExchangeStats, OwnerExchange
-from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, OwnerPlan, plan_for_depth, slots_for_depth
+from deepspeed.runtime.zero.muon.owner_plan import (DEFAULT_MAX_STEP_MEMORY, MatrixSpec, OwnerPlan, plan_partition,
+                                                    slots_for_depth)
 from deepspeed.runtime.zero.muon.owner_state import OwnerState
 
 DEFAULT_DEPTH = 2
@@ -93,6 +94,7 @@ class MuonPipeline:
         self.in_place = [lay for lay in (layout(b, True) for b in plan.buckets) if lay]
         self.owner_state = None
         self._variant = None
+        self.result_itemsize, self.state_numels = 4, None  # the plan's terms (owner_plan.rank_numels)
         if variant is not None:
             owned = [j for j, owner in enumerate(plan.owners) if owner == exchange.rank]
             self.owner_state = OwnerState(variant, self.specs, owned, device=device)
@@ -112,20 +114,27 @@ class MuonPipeline:
                           variant=None,
                           placements=None,
                           assemblies=None,
+                          max_step_memory=DEFAULT_MAX_STEP_MEMORY,
                           **plan_args) -> "MuonPipeline":
-        """The pipeline of one partition on this rank of ``group``, planned by
-        ``owner_plan.plan_for_depth`` (buckets of at most ``max_bucket_numel`` elements within the
-        momentum budget, the variant's owner state counted; ``plan_args``: ``initial_load``,
-        ``holders``, ``result_itemsize``), its all-to-alls counted into ``stats``. Other arguments
-        as for the constructor."""
+        """The pipeline of one partition on this rank of ``group``, planned by ``owner_plan.plan_partition``
+        under ``max_step_memory`` (bytes, or ``owner_plan.STRICT`` with buckets of at most ``max_bucket_numel``
+        elements), the variant's owner state counted; ``plan_args``: ``initial_load``, ``holders``,
+        ``result_itemsize``; its all-to-alls counted into ``stats``. Other arguments as for the constructor.
+
+        Raises:
+            owner_plan.CapBelowFloor: no plan fits ``max_step_memory``."""
         from deepspeed import comm as dist
         rank, world_size = dist.get_rank(group=group), dist.get_world_size(group=group)
         if variant is not None:
             plan_args["state_numels"] = [variant.state_numel(spec) for spec in specs]
-        plan, depth = plan_for_depth(specs, pieces, world_size, max_bucket_numel, depth, **plan_args)
+        plan, depth = plan_partition(specs, pieces, world_size, max_step_memory, max_bucket_numel, depth,
+                                     **plan_args)
         exchange = OwnerExchange(group, rank, world_size, dist.all_to_all_single, stats)
-        return cls(plan, specs, pieces, slices, exchange, device, piece_device, depth, batch_ns, variant, placements,
-                   assemblies)
+        pipeline = cls(plan, specs, pieces, slices, exchange, device, piece_device, depth, batch_ns, variant,
+                       placements, assemblies)
+        pipeline.result_itemsize = plan_args.get("result_itemsize", 4)
+        pipeline.state_numels = plan_args.get("state_numels")
+        return pipeline
 
     @property
     def buffer_demand(self) -> Tuple[int, int, int, torch.device]:

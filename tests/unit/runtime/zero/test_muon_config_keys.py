@@ -18,6 +18,8 @@ accepted key changes the update of the half it is documented to reach.
   builds, and values it cannot use are refused naming the key.
 """
 
+import re
+
 import deepspeed
 import pytest
 import torch
@@ -189,7 +191,8 @@ class TestEachKeyReachesItsHalf(DistributedTest):
         assert message.startswith("The Muon optimizer's configuration has keys that would do nothing:"), message
         assert "- optimizer.params.muon_momentum: not a key of the Muon optimizer" in message
         assert "- optimizer.params.lr_muon: not a key of the Muon optimizer" in message
-        assert ("Accepted: adam_lr, adam_w_mode, batch_ns, betas, eps, foreach, fp32_optimizer_states, lr, momentum"
+        assert ("Accepted: adam_lr, adam_w_mode, batch_ns, betas, eps, foreach, fp32_optimizer_states, lr, "
+                "max_step_memory, momentum"
                 in message), message
 
     def test_group_keys_refused_at_initialize(self):
@@ -253,6 +256,19 @@ def test_update_settings_values_refused_naming_the_key():
     for bad in (1, "yes", 0.5):
         with pytest.raises(ValueError, match=rf"- model_parameters\[0\]\.batch_ns: {bad!r}; same-shape Newton-Schulz"):
             config.check_muon_keys({}, [{"params": [], "batch_ns": bad}])
+
+
+def test_max_step_memory_values_refused_naming_the_key():
+    from deepspeed.runtime.zero.muon import config
+    for good in (1, 8 * 2**30, 8e9, "momentum_partition", None):
+        config.check_muon_keys({"max_step_memory": good}, [{"params": [], "max_step_memory": good}])
+    for bad in (0, -4096, 1.5, True, "8GB", "momentum-partition"):
+        with pytest.raises(ValueError,
+                           match=r"values it cannot use:\n- optimizer\.params\.max_step_memory: "
+                           rf"{re.escape(repr(bad))} is invalid; bytes Muon's step may add on a rank's accelerator"):
+            config.check_muon_keys({"max_step_memory": bad}, None)
+    with pytest.raises(ValueError, match="Did you mean 'momentum_partition'"):
+        config.check_muon_keys({}, [{"params": [], "max_step_memory": "momentum-partition"}])
 
 
 def test_check_muon_keys_refusals():
@@ -374,3 +390,30 @@ class TestUpdateSettingsReachTheUpdate(DistributedTest):
             if depth == 1:
                 assert all(p.depth == 1 for p in pipelines)
             engine.destroy()
+
+    @pytest.mark.parametrize("stage", [2, 3])
+    def test_max_step_memory_below_the_least_need_refused_at_initialize(self, stage):
+        """A cap below what every matrix alone needs is refused on every rank with that need in bytes; at that
+        need the plan fits (depth 1), and the strict value plans within the momentum partition."""
+        from deepspeed.runtime.zero.muon.owner_plan import rank_numels, slots_for_depth
+
+        def initialize(cap):
+            net = build_model("mixed")
+            config = ds_config(stage, 1, self.world_size)
+            config["optimizer"]["params"]["max_step_memory"] = cap
+            return deepspeed.initialize(model=net, config=config, model_parameters=list(net.parameters()))[0]
+
+        with pytest.raises(ValueError) as refused:
+            initialize(64)
+        message = str(refused.value)
+        assert message.startswith("optimizer.params.max_step_memory: 64 bytes is below what Muon's step needs on a "
+                                  "rank for "), message
+        needed = int(re.search(r"at least (\d+) bytes \(", message).group(1))
+        assert f"Set max_step_memory to at least {needed}, or to \"momentum_partition\"" in message
+        engine = initialize(needed)
+        for p in engine.optimizer.muon_update.pipelines.values():
+            assert 4 * max(rank_numels(p.plan, p.pieces, slots_for_depth(p.depth), p.result_itemsize)[0]) <= needed
+        engine.destroy()
+        engine = initialize("momentum_partition")
+        assert engine.optimizer.muon_update.pipelines
+        engine.destroy()

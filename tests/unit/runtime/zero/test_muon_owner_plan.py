@@ -108,13 +108,13 @@ def _floor_checks(specs, pieces, world_size, result_itemsize):
     the floor's: the largest matrix's piece, whole matrix, NS working set and held narrow result.
     Returns the plan."""
     plan, depth = plan_for_depth(specs, pieces, world_size, 10**9, 2, result_itemsize=result_itemsize)
-    alone_plan = plan_owners(specs, world_size, 1)
+    alone_plan = plan_owners(specs, world_size, 1, ns_itemsize=result_itemsize)
     alone, budget = rank_numels(alone_plan, pieces, 1, result_itemsize)
     assert not within_budget(alone_plan, pieces, 1, result_itemsize), "the case is over budget"
     assert depth == 1 and not within_budget(plan, pieces, 1, result_itemsize)
     need, _ = rank_numels(plan, pieces, slots_for_depth(depth), result_itemsize)
     assert all(n <= max(b, a) for n, b, a in zip(need, budget, alone)), (need, budget, alone)
-    floor = max(p[0] + s.numel + s.ns_workspace_numel +
+    floor = max(p[0] + s.numel + s.ns_workspace(result_itemsize) +
                 (-(-s.numel * result_itemsize // 4) if result_itemsize < 4 else 0) for s, p in zip(specs, pieces))
     assert max(need) == max(alone) == floor
     return plan
@@ -146,11 +146,18 @@ def test_llama3_8b_at_w32_keeps_buckets_of_several_matrices_within_the_floor(res
     (+ 29.4M of fp16 result) even alone, so no bucket size fits the budget. The plan used to be
     every matrix alone (224 buckets, depth 1); against the floor the 96 matrices of 58.7M stay
     alone but the 4096x4096 share buckets of three and the 1024x4096 of fourteen (122 buckets), at
-    the floor's peak. At W=16 (436M a rank) depth 2 fits the budget, as before."""
+    the floor's peak. With NS in fp16 (a GPU's "gram") the working set is half as large (92.3M), and
+    every matrix alone fits the budget. At W=16 (436M a rank) depth 2 fits the budget, as before."""
     specs, pieces = _zero3(LLAMA3_8B, 32)
-    plan = _floor_checks(specs, pieces, 32, result_itemsize)
-    assert len(plan.buckets) == 122 and max(len(b) for b in plan.buckets) == 14
-    assert all(len(b) == 1 for b in plan.buckets[:96]), "the floor's matrices stay alone"
+    if result_itemsize == 4:
+        plan = _floor_checks(specs, pieces, 32, result_itemsize)
+        assert len(plan.buckets) == 122 and max(len(b) for b in plan.buckets) == 14
+        assert all(len(b) == 1 for b in plan.buckets[:96]), "the floor's matrices stay alone"
+    else:
+        alone = plan_owners(specs, 32, 1, ns_itemsize=result_itemsize)
+        assert max(rank_numels(alone, pieces, 1, result_itemsize)[0]) == 1835008 + 58720256 + 92274688 + 29360128
+        plan, depth = plan_for_depth(specs, pieces, 32, 500_000_000, 2, result_itemsize=result_itemsize)
+        assert within_budget(plan, pieces, slots_for_depth(depth), result_itemsize)
     specs, pieces = _zero3(LLAMA3_8B, 16)
     plan, depth = plan_for_depth(specs, pieces, 16, 500_000_000, 2, result_itemsize=result_itemsize)
     assert depth == 2 and within_budget(plan, pieces, slots_for_depth(2), result_itemsize)
