@@ -4,8 +4,9 @@
 
 Pure Python (no torch): the owner plan comes from the patch's own ``owner_plan.py``, loaded by
 path, so the model is the code, not a re-derivation of it. The plan is the one the patch builds:
-``owner_plan.plan_within_budget`` (the largest bucket size up to ``reduce_bucket_size`` whose
-exchange buffers, ``2 * depth - 1`` slots of them, fit the rank's momentum partition).
+``owner_plan.plan_partition`` under the Muon key ``max_step_memory`` (default: buckets cut by
+Newton-Schulz cost so every owner computes at once, within the cap; ``"momentum_partition"``: the
+largest bucket size up to ``reduce_bucket_size`` whose buffers fit the rank's momentum partition).
 
 Traffic is counted as elements received by one rank per optimizer step, the convention of
 ``bench/worker.py`` (ring algorithms; a rank's own chunk is not received):
@@ -73,11 +74,18 @@ def muon_order(shapes) -> List[Tuple[int, ...]]:
 slots_for_depth = owner_plan.slots_for_depth
 
 
-def zero3_depth(shapes, world_size, bucket_numel=DEFAULT_BUCKET, depth=DEFAULT_DEPTH) -> int:
-    """The pipeline depth ``MuonUpdate`` runs at at ZeRO-3 (``owner_plan.plan_for_depth``: lowered where
-    even one matrix per bucket exceeds the momentum budget)."""
-    return owner_plan.plan_for_depth(specs_for(muon_order(shapes)), zero3_pieces(shapes, world_size), world_size,
-                                     bucket_numel, depth)[1]
+DEFAULT_MAX_STEP_MEMORY = owner_plan.DEFAULT_MAX_STEP_MEMORY  # the Muon key max_step_memory's default
+
+
+def zero3_depth(shapes,
+                world_size,
+                bucket_numel=DEFAULT_BUCKET,
+                depth=DEFAULT_DEPTH,
+                max_step_memory=DEFAULT_MAX_STEP_MEMORY) -> int:
+    """The pipeline depth ``MuonUpdate`` runs at at ZeRO-3 (``owner_plan.plan_partition``: lowered where the cap
+    does not allow it)."""
+    return owner_plan.plan_partition(specs_for(muon_order(shapes)), zero3_pieces(shapes, world_size), world_size,
+                                     max_step_memory, bucket_numel, depth)[1]
 
 
 def zero3_owner_floor_numel(shapes, world_size) -> int:
@@ -101,10 +109,12 @@ def zero3_pieces(shapes, world_size) -> List[Tuple[int, ...]]:
     return [(math.ceil(math.prod(s) / world_size), ) * world_size for s in muon_order(shapes)]
 
 
-def zero3_plan(shapes, world_size, bucket_numel=DEFAULT_BUCKET, depth=DEFAULT_DEPTH):
-    """The owner plan ``MuonUpdate`` builds at ZeRO-3 for one sub-group of these matrices."""
-    return owner_plan.plan_for_depth(specs_for(muon_order(shapes)), zero3_pieces(shapes, world_size), world_size,
-                                     bucket_numel, depth)[0]
+def zero3_plan(shapes, world_size, bucket_numel=DEFAULT_BUCKET, depth=DEFAULT_DEPTH,
+               max_step_memory=DEFAULT_MAX_STEP_MEMORY):
+    """The owner plan ``MuonUpdate`` builds at ZeRO-3 for one sub-group of these matrices (NS in fp32, as on the
+    CPU; ``bucket_numel`` bounds the buckets only under ``owner_plan.STRICT``)."""
+    return owner_plan.plan_partition(specs_for(muon_order(shapes)), zero3_pieces(shapes, world_size), world_size,
+                                     max_step_memory, bucket_numel, depth)[0]
 
 
 def zero12_layout(shapes, world_size) -> Tuple[int, List[Tuple[int, ...]]]:
@@ -134,12 +144,13 @@ def straddling(shapes, world_size) -> Tuple[int, int]:
     return len(split), sum(split)
 
 
-def zero12_plan(shapes, world_size, bucket_numel=DEFAULT_BUCKET, depth=DEFAULT_DEPTH):
+def zero12_plan(shapes, world_size, bucket_numel=DEFAULT_BUCKET, depth=DEFAULT_DEPTH,
+                max_step_memory=DEFAULT_MAX_STEP_MEMORY):
     """The owner plan the patch builds at ZeRO-1/2 (owners among each matrix's holders)."""
     _, pieces = zero12_layout(shapes, world_size)
     holders = [[r for r, n in enumerate(p) if n] for p in pieces]
-    return owner_plan.plan_for_depth(specs_for(muon_order(shapes)), pieces, world_size, bucket_numel, depth,
-                                     holders=holders)[0]
+    return owner_plan.plan_partition(specs_for(muon_order(shapes)), pieces, world_size, max_step_memory,
+                                     bucket_numel, depth, holders=holders)[0]
 
 
 def exchange_traffic(plan, pieces) -> List[float]:

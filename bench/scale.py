@@ -37,7 +37,6 @@ start-up per collective, the gradient norm and clipping (common to both optimize
 """
 
 import argparse
-import contextlib
 import heapq
 import math
 import re
@@ -77,6 +76,8 @@ GPUS_PER_NODE = 8
 
 # Assumptions (not measured anywhere in this repository):
 A2A_EFFICIENCY = 0.6  # all-to-all: share of the link's rate reached (NCCL at many peers reaches less than rings)
+# all-to-all start-up: a fixed part plus one per peer (NCCL's all-to-all posts a send and a receive per peer)
+A2A_LATENCY_S, A2A_PEER_LATENCY_S = 20e-6, 1e-6
 ALLGATHER_EFFICIENCY = 0.8  # ring all-gather (stock 0.19.8's collective)
 NS_EFFICIENCY = 0.6  # Newton-Schulz matmuls: share of dense peak (square-ish fp16 GEMMs of 1k-28k)
 ELEMENTWISE_EFFICIENCY = 0.8  # optimizer elementwise kernels: share of HBM bandwidth
@@ -138,226 +139,46 @@ LLAMA3_70B = llama3("Llama-3 70B", 80, 8192, 1024, 28672)
 QWEN3_30B_A3B = qwen3_moe()
 ARCHS = (LLAMA3_8B, LLAMA3_70B, QWEN3_30B_A3B)
 
-# --- a fast plan, equal to the patch's ------------------------------------------------------------
+# --- the plan: the patch's own ---------------------------------------------------------------------
+
+SUB_GROUP_SIZE = owner_plan.DEFAULT_SUB_GROUP_SIZE  # zero_optimization.sub_group_size's default
+STRICT = owner_plan.STRICT  # max_step_memory's strict value: within the momentum partition (the rule before)
 
 
-class Uniform(Sequence):
-    """ZeRO-3's pieces of one matrix: ``value`` on each of ``n`` ranks, without a list of ``n`` entries."""
-
-    def __init__(self, value: int, n: int):
-        self.value, self.n = value, n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, r):
-        if isinstance(r, slice):
-            return [self.value] * len(range(*r.indices(self.n)))
-        if not -self.n <= r < self.n:
-            raise IndexError(r)
-        return self.value
-
-    def __eq__(self, other):
-        return list(self) == list(other)
+def zero3_pieces(shapes, world_size) -> List["owner_plan.Uniform"]:
+    """``model.zero3_pieces`` as ``Uniform`` sequences (``ceil(numel / W)`` on every rank)."""
+    return [owner_plan.Uniform(math.ceil(math.prod(s) / world_size), world_size) for s in model.muon_order(shapes)]
 
 
-def _uniform(pieces) -> bool:
-    return all(isinstance(p, Uniform) for p in pieces)
-
-
-def _fast_plan_owners(specs,
-                      world_size,
-                      bucket_numel,
-                      ns_steps=owner_plan.NS_STEPS_DEFAULT,
-                      initial_load=None,
-                      holders=None,
-                      _original=owner_plan.plan_owners):
-    """``owner_plan.plan_owners`` for every rank holding every matrix, with heaps instead of scans over W
-    (the same choices, ties included: the least ``(load, index)`` bin or rank); the original otherwise."""
-    costs = tuple(owner_plan.newton_schulz_cost(spec, ns_steps) for spec in specs)
-    if holders is not None or world_size < 1 or any(c <= 0 for c in costs) or (initial_load is not None
-                                                                               and len(initial_load) != world_size):
-        return _original(specs, world_size, bucket_numel, ns_steps, initial_load, holders)
-    workspaces = tuple(spec.ns_workspace_numel for spec in specs)
-    buckets = owner_plan.make_buckets([spec.numel for spec in specs], bucket_numel) if specs else ()
-    owners = [0] * len(specs)
-    total = list(initial_load) if initial_load is not None else [0.0] * world_size
-    ranks = [(load, r) for r, load in enumerate(total)]
-    heapq.heapify(ranks)
-    for bucket in buckets:
-        # LPT into W bins; an unused bin (load 0, the lowest unused index) beats every used one (load > 0)
-        used, next_empty, bin_of, bin_load = [], 0, {}, {}
-        for j in sorted(bucket, key=lambda j: (-costs[j], j)):
-            if next_empty < world_size:
-                b = next_empty
-                next_empty += 1
-            else:
-                _, b = heapq.heappop(used)
-            bin_of[j] = b
-            bin_load[b] = bin_load.get(b, 0.0) + costs[j]
-            heapq.heappush(used, (bin_load[b], b))
-        # heaviest bin to the least loaded rank (empty bins add nothing to the ranks they get)
-        bins = sorted(bin_load, key=lambda b: (-bin_load[b], b))
-        least = [heapq.heappop(ranks) for _ in bins]
-        rank_of_bin = {b: r for b, (_, r) in zip(bins, least)}
-        for b, (load, r) in zip(bins, least):
-            heapq.heappush(ranks, (load + bin_load[b], r))
-        for j in bucket:
-            owners[j] = rank_of_bin[bin_of[j]]
-    return owner_plan.OwnerPlan(world_size, tuple(owners), buckets, costs, workspaces)
-
-
-def _fast_largest_buffers(plan, pieces, _original=owner_plan._largest_buffers):
-    if not _uniform(pieces):
-        return _original(plan, pieces)
-    w = plan.world_size
-    most_out, most_in = [0] * w, {}
-    top_out = 0
-    for bucket in plan.buckets:
-        top_out = max(top_out, sum(pieces[j].value for j in bucket))
-        incoming = {}
-        for j in bucket:
-            incoming[plan.owners[j]] = incoming.get(plan.owners[j], 0) + w * pieces[j].value
-        for r, n in incoming.items():
-            most_in[r] = max(most_in.get(r, 0), n)
-    return [top_out if plan.buckets else 0] * w, [most_in.get(r, 0) for r in range(w)]
-
-
-def _fast_rank_numels(plan, pieces, slots, result_itemsize=4, state_numels=None, _original=owner_plan.rank_numels):
-    if not _uniform(pieces):
-        return _original(plan, pieces, slots, result_itemsize, state_numels)
-    w = plan.world_size
-    most_out, most_in = _fast_largest_buffers(plan, pieces)
-    held = [-(-n * result_itemsize // 4) if result_itemsize < 4 else 0 for n in most_in]
-    state, workspace = [0] * w, [0] * w
-    for j, owner in enumerate(plan.owners):
-        workspace[owner] = max(workspace[owner], plan.workspaces[j])
-    for owner, n in zip(plan.owners, state_numels or ()):
-        state[owner] += n
-    held_by_each = sum(p.value for p in pieces)
-    busy = min(slots, max(1, len(plan.buckets)))
-    need = [busy * (a + b) + workspace[r] + held[r] + state[r] for r, (a, b) in enumerate(zip(most_out, most_in))]
-    return need, [held_by_each] * w
-
-
-def old_plan_for_depth(specs, pieces, world_size, max_bucket_numel, depth, result_itemsize=4):
-    """What-if, NOT what the patch does now: the planner before its floor rule (``plan_within_budget`` then fell
-    back to every matrix alone wherever no bucket size fit the budget, so at depth 1 every bucket's NS ran on one
-    owner while the other ranks waited). The same bisection over the same candidates, against the budget only."""
-
-    for d in range(depth, 0, -1):
-        slots = owner_plan.slots_for_depth(d)
-
-        def fits(candidate):
-            return owner_plan.within_budget(candidate, pieces, slots, result_itemsize)  # noqa: B023
-
-        best = _largest_fitting(specs, world_size, max_bucket_numel, fits)
-        if fits(best):
-            return best, d
-    return best, 1
-
-
-def _largest_fitting(specs, world_size, max_bucket_numel, fits):
-    """``plan_within_budget``'s search with another ``fits``: the whole plan, else the largest of the first k
-    matrices' totals that fits by bisection, else every matrix alone."""
-    candidates, total = [], 0
-    for spec in specs:
-        total += spec.numel
-        if total > max_bucket_numel:
-            break
-        candidates.append(total)
-    if max_bucket_numel > total:
-        whole = owner_plan.plan_owners(specs, world_size, max_bucket_numel)
-        if fits(whole):
-            return whole
-    best = owner_plan.plan_owners(specs, world_size, 1)
-    lo, hi = 0, len(candidates) - 1
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        candidate = owner_plan.plan_owners(specs, world_size, candidates[mid])
-        if fits(candidate):
-            best, lo = candidate, mid + 1
-        else:
-            hi = mid - 1
-    return best
-
-
-FLOOR_SLACK = 0.01  # what-if: the peak may exceed the every-matrix-alone floor by this share
-
-
-def slack_plan(specs, pieces, world_size, max_bucket_numel, depth, result_itemsize=4, slack=FLOOR_SLACK):
-    """What-if, NOT what the patch does: where every matrix alone exceeds the budget, depth 1 with the largest
-    bucket size (the patch's candidates) whose every rank needs at most ``max(budget, (1 + slack) x floor)``,
-    the floor being the every-matrix-alone plan's largest need on any rank; otherwise the patch's plan. At the
-    floor itself (the patch) a bucket can hold no more elements than the largest matrix, since every rank's
-    outgoing buffer, the floor's owner's included, holds its pieces of the whole bucket."""
-    alone = owner_plan.plan_owners(specs, world_size, 1)
-    if owner_plan.within_budget(alone, pieces, 1, result_itemsize):
-        return owner_plan.plan_for_depth(specs,
-                                         pieces,
-                                         world_size,
-                                         max_bucket_numel,
-                                         depth,
-                                         result_itemsize=result_itemsize)
-    need, budget = owner_plan.rank_numels(alone, pieces, 1, result_itemsize)
-    limit = [max(b, (1 + slack) * max(need)) for b in budget]
-
-    def fits(candidate):
-        return all(n <= m for n, m in zip(owner_plan.rank_numels(candidate, pieces, 1, result_itemsize)[0], limit))
-
-    return _largest_fitting(specs, world_size, max_bucket_numel, fits), 1
-
-
-@contextlib.contextmanager
-def fast_plan():
-    """Within: the patch's ``plan_for_depth`` runs with ``_fast_plan_owners``, ``_fast_largest_buffers`` and
-    ``_fast_rank_numels`` in place of its three loops over W (``within_budget`` calls ``rank_numels``;
-    ``tests/bench/test_scale.py`` checks the plans and needs equal the original's); W = 4096 with Qwen3's 18,672
-    matrices takes seconds instead of hours."""
-    saved = owner_plan.plan_owners, owner_plan._largest_buffers, owner_plan.rank_numels
-    owner_plan.plan_owners, owner_plan._largest_buffers, owner_plan.rank_numels = (_fast_plan_owners,
-                                                                                   _fast_largest_buffers,
-                                                                                   _fast_rank_numels)
-    try:
-        yield
-    finally:
-        owner_plan.plan_owners, owner_plan._largest_buffers, owner_plan.rank_numels = saved
-
-
-def zero3_pieces(shapes, world_size) -> List[Uniform]:
-    """``model.zero3_pieces`` as ``Uniform`` sequences."""
-    return [Uniform(math.ceil(math.prod(s) / world_size), world_size) for s in model.muon_order(shapes)]
-
-
-def gpu_plan(shapes,
-             world_size,
-             bucket_numel=model.DEFAULT_BUCKET,
-             depth=model.DEFAULT_DEPTH,
-             budget=True,
-             old_rule=False,
-             slack=None):
-    """``(plan, depth, pieces)``: the patch's ZeRO-3 plan on a GPU (results in fp16: ``result_itemsize`` 2).
-    ``budget=False``: a what-if, ``plan_owners`` at ``reduce_bucket_size`` and depth kept (no memory budget);
-    ``old_rule=True``: a what-if, ``old_plan_for_depth`` (the planner before its floor rule); ``slack``: a what-if,
-    ``slack_plan`` (the peak allowed ``slack`` above the floor)."""
+def gpu_plans(shapes,
+              world_size,
+              max_step_memory=model.DEFAULT_MAX_STEP_MEMORY,
+              bucket_numel=model.DEFAULT_BUCKET,
+              depth=model.DEFAULT_DEPTH,
+              budget=True):
+    """Per ZeRO-3 sub-group ``(plan, depth, pieces)``: the patch's plan on a GPU (``owner_plan.plan_partitions``
+    with NS in fp16, ``result_itemsize`` 2, as ``MuonUpdate`` plans them) under ``max_step_memory`` (``STRICT``: the
+    rule before this default). ``budget=False``: a what-if, ``plan_owners`` at ``reduce_bucket_size`` and depth
+    kept, whatever the memory."""
     specs = model.specs_for(model.muon_order(shapes))
-    pieces = zero3_pieces(shapes, world_size)
-    with fast_plan():
-        if not budget:
-            return owner_plan.plan_owners(specs, world_size, bucket_numel), depth, pieces
-        if old_rule:
-            plan, d = old_plan_for_depth(specs, pieces, world_size, bucket_numel, depth, result_itemsize=BACK_ITEMSIZE)
-            return plan, d, pieces
-        if slack is not None:
-            plan, d = slack_plan(specs, pieces, world_size, bucket_numel, depth, BACK_ITEMSIZE, slack)
-            return plan, d, pieces
-        plan, d = owner_plan.plan_for_depth(specs,
-                                            pieces,
-                                            world_size,
-                                            bucket_numel,
-                                            depth,
-                                            result_itemsize=BACK_ITEMSIZE)
-    return plan, d, pieces
+    if not budget:
+        pieces = zero3_pieces(shapes, world_size)
+        return [(owner_plan.plan_owners(specs, world_size, bucket_numel), depth, pieces)]
+    parts = owner_plan.plan_partitions(specs, world_size, 3, SUB_GROUP_SIZE, bucket_numel, max_step_memory, depth,
+                                       BACK_ITEMSIZE)
+    return [(plan, d, pieces) for _, plan, d, pieces, *_ in parts]
+
+
+def gpu_plan(shapes, world_size, **kwargs):
+    """``gpu_plans``' one sub-group (a model whose rank's partition fits ``sub_group_size``): ``(plan, depth,
+    pieces)``.
+
+    Raises:
+        ValueError: there are several."""
+    plans = gpu_plans(shapes, world_size, **kwargs)
+    if len(plans) != 1:
+        raise ValueError(f"{len(plans)} sub-groups at W={world_size}; use gpu_plans")
+    return plans[0]
 
 
 # --- time --------------------------------------------------------------------------------------
@@ -371,6 +192,11 @@ def link_seconds(nbytes: float, world_size: int, efficiency: float) -> float:
         return 0.0
     off = max(0, world_size - GPUS_PER_NODE) / (world_size - 1)
     return max(nbytes * off / (IB_BYTES * efficiency), nbytes * (1 - off) / (NVLINK_BYTES * efficiency))
+
+
+def a2a_latency(world_size: int) -> float:
+    """Seconds an all-to-all over W ranks costs besides its bytes (assumed: ``A2A_LATENCY_S`` + a peer's share)."""
+    return 0.0 if world_size <= 1 else A2A_LATENCY_S + A2A_PEER_LATENCY_S * (world_size - 1)
 
 
 def pipeline_seconds(forward: Sequence[float], compute: Sequence[float], back: Sequence[float], depth: int) -> float:
@@ -456,7 +282,7 @@ def patched_seconds(plan, depth, pieces, gpu: Gpu, costs=None, bandwidth=None) -
 
     def link(nbytes):
         if bandwidth is None:
-            return link_seconds(nbytes, w, A2A_EFFICIENCY)
+            return a2a_latency(w) + link_seconds(nbytes, w, A2A_EFFICIENCY)
         return nbytes / bandwidth
 
     terms = bucket_terms(plan, pieces, costs)
@@ -511,27 +337,41 @@ class Row:
     arch: str
     gpu: str
     world_size: int
-    depth: int
-    buckets: int
+    depth: int  # the least over sub-groups
+    buckets: int  # over every sub-group
+    sub_groups: int
     exchange: float
     ns: float
     ns_busiest: float  # the busiest owner's NS over the whole step (perfect overlap across buckets: a lower bound)
-    patched: float  # Muon optimizer step, patched: pipeline + elementwise
+    patched: float  # Muon optimizer step, patched: pipelines of every sub-group + elementwise
     stock: float
     adamw: float
     fwd_bwd: float
     ns_largest: float  # NS seconds of the largest matrix alone
-    nobudget: float  # what-if: no memory budget (depth 2, reduce_bucket_size buckets)
-    split8: float  # what-if: no budget and the costliest matrices' NS split over 8 ranks
-    peak_numel: int  # the plan's largest need on any rank (owner_plan.rank_numels), fp32 elements
-    partition_numel: int  # a rank's momentum partition (the budget), elements
-    floor_numel: int  # the every-matrix-alone plan's largest need at depth 1 (the floor), elements
-    old_depth: int  # what-if: the planner before its floor rule (old_plan_for_depth)
-    old_buckets: int
-    old_patched: float
-    slack_buckets: int  # what-if: peak allowed FLOOR_SLACK above the floor (slack_plan)
-    slack_peak: float  # its largest need over the floor's (at most 1 + FLOOR_SLACK where over budget)
-    slack_patched: float
+    ns_efficiency: float  # owner_plan.PlanFigures.ns_efficiency of the default plan
+    peak_bytes: int  # the default plan's largest need on any rank (owner_plan.PlanFigures)
+    floor_bytes: int  # the least any plan needs on a rank (every matrix alone, depth 1)
+    partition_bytes: int  # a rank's fp32 momentum partition (the strict rule's budget)
+    nobudget: float  # what-if: no memory limit (depth 2, reduce_bucket_size buckets)
+    split8: float  # what-if: no limit and the costliest matrices' NS split over 8 ranks
+    strict_depth: int  # max_step_memory "momentum_partition": the rule before this default
+    strict_buckets: int
+    strict_patched: float
+    strict_efficiency: float
+    strict_peak_bytes: int
+
+
+def _step(plans, w, gpu: Gpu) -> Dict[str, float]:
+    """``patched_seconds`` summed over the sub-groups' pipelines (one after the other, as ``step()`` runs them)."""
+    out = dict(exchange=0.0, ns=0.0, pipeline=0.0)
+    for plan, depth, pieces in plans:
+        for k, v in patched_seconds(plan, depth, pieces, gpu).items():
+            out[k] += v
+    return out
+
+
+def _figures(plans, w):
+    return owner_plan.plan_figures([(plan, d, pieces, BACK_ITEMSIZE, None) for plan, d, pieces in plans], w)
 
 
 def scale_rows(arch: Arch, world_sizes=WORLD_SIZES, gpus=GPUS) -> List[Row]:
@@ -539,63 +379,94 @@ def scale_rows(arch: Arch, world_sizes=WORLD_SIZES, gpus=GPUS) -> List[Row]:
     specs = model.specs_for(model.muon_order(arch.muon_shapes))
     largest = max(owner_plan.newton_schulz_cost(s) for s in specs)
     for w in world_sizes:
-        plan, depth, pieces = gpu_plan(arch.muon_shapes, w)
-        free, free_depth, _ = gpu_plan(arch.muon_shapes, w, budget=False)
-        old, old_depth, _ = gpu_plan(arch.muon_shapes, w, old_rule=True)
-        loose, loose_depth, _ = gpu_plan(arch.muon_shapes, w, slack=FLOOR_SLACK)
-        with fast_plan():
-            loose_need, _ = owner_plan.rank_numels(loose, pieces, owner_plan.slots_for_depth(loose_depth),
-                                                   BACK_ITEMSIZE)
-            need, budget = owner_plan.rank_numels(plan, pieces, owner_plan.slots_for_depth(depth), BACK_ITEMSIZE)
-            alone, _ = owner_plan.rank_numels(owner_plan.plan_owners(specs, w, 1), pieces, 1, BACK_ITEMSIZE)
+        plans = gpu_plans(arch.muon_shapes, w)
+        strict = gpu_plans(arch.muon_shapes, w, max_step_memory=STRICT)
+        free, free_depth, free_pieces = gpu_plans(arch.muon_shapes, w, budget=False)[0]
+        figures, strict_figures = _figures(plans, w), _figures(strict, w)
+        load = [sum(col) for col in zip(*(plan.load() for plan, _, _ in plans))]
+        floor = 4 * owner_plan.floor_numel(specs, zero3_pieces(arch.muon_shapes, w), w, result_itemsize=BACK_ITEMSIZE)
+        partition = 4 * sum(math.ceil(s.numel / w) for s in specs)
         for gpu in gpus:
             elementwise = muon_elementwise_seconds(arch, w, gpu)
-            patched = patched_seconds(plan, depth, pieces, gpu)
-            nobudget = patched_seconds(free, free_depth, pieces, gpu)
+            patched = _step(plans, w, gpu)
+            nobudget = patched_seconds(free, free_depth, free_pieces, gpu)
             # split: each bucket's slowest owner replaced by LPT over its split costs
-            terms = bucket_terms(free, pieces)
-            forward = [link_seconds(f * FORWARD_ITEMSIZE, w, A2A_EFFICIENCY) for f, _, _ in terms]
-            back = [link_seconds(b * BACK_ITEMSIZE, w, A2A_EFFICIENCY) for _, b, _ in terms]
+            terms = bucket_terms(free, free_pieces)
+            forward = [a2a_latency(w) + link_seconds(f * FORWARD_ITEMSIZE, w, A2A_EFFICIENCY) for f, _, _ in terms]
+            back = [a2a_latency(w) + link_seconds(b * BACK_ITEMSIZE, w, A2A_EFFICIENCY) for _, b, _ in terms]
             compute = [
                 ns_seconds(lpt_max(split_costs([free.costs[j] for j in bucket], w, 8), w), gpu)
                 for bucket in free.buckets
             ]
             split = pipeline_seconds(forward, compute, back, free_depth)
             rows.append(
-                Row(arch.name, gpu.name, w, depth, len(plan.buckets), patched["exchange"], patched["ns"],
-                    ns_seconds(max(plan.load()), gpu), patched["pipeline"] + elementwise,
+                Row(arch.name, gpu.name, w, figures.depth, figures.buckets, len(plans), patched["exchange"],
+                    patched["ns"], ns_seconds(max(load), gpu), patched["pipeline"] + elementwise,
                     stock_seconds(arch, w, gpu)["total"], adamw_seconds(arch, w, gpu), fwd_bwd_seconds(arch, gpu),
-                    ns_seconds(largest, gpu), nobudget["pipeline"] + elementwise, split + elementwise, max(need),
-                    budget[0], max(alone), old_depth, len(old.buckets),
-                    patched_seconds(old, old_depth, pieces, gpu)["pipeline"] + elementwise, len(loose.buckets),
-                    max(loose_need) / max(alone),
-                    patched_seconds(loose, loose_depth, pieces, gpu)["pipeline"] + elementwise))
+                    ns_seconds(largest, gpu), figures.ns_efficiency, figures.peak_bytes, floor, partition,
+                    nobudget["pipeline"] + elementwise, split + elementwise, strict_figures.depth,
+                    strict_figures.buckets,
+                    _step(strict, w, gpu)["pipeline"] + elementwise, strict_figures.ns_efficiency,
+                    strict_figures.peak_bytes))
     return rows
 
 
 def saturation(arch: Arch, world_sizes=WORLD_SIZES) -> Dict[str, Optional[int]]:
     """Where the owner plan stops scaling: ``analytic`` = total NS / largest matrix's NS (beyond it the largest
-    matrix exceeds the mean share); ``plan``: the first W whose busiest owner (by the plan's loads) holds only the
-    largest matrix's cost; ``floor``: the first W where even every matrix alone exceeds the memory budget (the plan
-    is then chosen against that floor, at depth 1); ``serial``: the first W where the planner before its floor rule
-    (``old_plan_for_depth``) dropped to depth 1 with one matrix per bucket (every bucket's NS then ran while the
-    other ranks waited); ``matrices``: how many there are."""
+    matrix exceeds the mean share); ``plan``: the first W whose busiest owner (by the default plan's loads) holds
+    only the largest matrix's cost; ``floor``: the first W where even every matrix alone exceeds the momentum
+    partition (from there the strict rule sits at that floor, depth 1); ``matrices``: how many there are."""
     specs = model.specs_for(model.muon_order(arch.muon_shapes))
     costs = [owner_plan.newton_schulz_cost(s) for s in specs]
-    out = dict(matrices=len(costs), analytic=sum(costs) / max(costs), plan=None, floor=None, serial=None)
+    out = dict(matrices=len(costs), analytic=sum(costs) / max(costs), plan=None, floor=None)
     for w in world_sizes:
-        plan, depth, pieces = gpu_plan(arch.muon_shapes, w)
-        if out["plan"] is None and max(plan.load()) <= max(costs) * (1 + 1e-12):
+        plans = gpu_plans(arch.muon_shapes, w)
+        load = [sum(col) for col in zip(*(plan.load() for plan, _, _ in plans))]
+        if out["plan"] is None and max(load) <= max(costs) * (1 + 1e-12):
             out["plan"] = w
         if out["floor"] is None:
-            with fast_plan():
-                if not owner_plan.within_budget(owner_plan.plan_owners(specs, w, 1), pieces, 1, BACK_ITEMSIZE):
-                    out["floor"] = w
-        if out["serial"] is None:
-            old, old_depth, _ = gpu_plan(arch.muon_shapes, w, old_rule=True)
-            if old_depth == 1 and len(old.buckets) == len(costs):
-                out["serial"] = w
+            pieces = zero3_pieces(arch.muon_shapes, w)
+            if owner_plan.floor_numel(specs, pieces, w, result_itemsize=BACK_ITEMSIZE) > sum(p.value for p in pieces):
+                out["floor"] = w
     return out
+
+
+# Targets of the issue that set this default (H100 rates, 16,384 tokens per GPU): Muon's step over fwd+bwd at most
+# the share, from the first W on; NS parallel efficiency at least EFFICIENCY_TARGET at TARGET_WORLD_SIZES; the peak
+# of Muon's step at most PEAK_TARGETS.
+SHARE_TARGETS = {
+    "Llama-3 8B": ((32, 32, 0.04), (256, 4096, 0.02)),
+    "Llama-3 70B": ((32, 32, 0.06), (64, 64, 0.04), (256, 4096, 0.02)),
+    "Qwen3-30B-A3B (MoE)": ((64, 4096, 0.05), ),
+}
+EFFICIENCY_TARGET, TARGET_WORLD_SIZES = 0.75, (8, 32, 256, 1024, 4096)
+PEAK_TARGETS = {"Llama-3 8B": 4 * 2**30, "Llama-3 70B": 8 * 2**30}
+
+
+def target_lines(arch: Arch, rows: Sequence[Row]) -> List[str]:
+    """One line per target of ``arch``: the figure, and MET or MISSED."""
+    h100 = [r for r in rows if r.gpu == H100.name]
+    lines = []
+    for low, high, share in SHARE_TARGETS.get(arch.name, ()):
+        sel = [r for r in h100 if low <= r.world_size <= high]
+        if sel:
+            worst = max(sel, key=lambda r: r.patched / r.fwd_bwd)
+            verdict = "MET" if worst.patched / worst.fwd_bwd <= share else "MISSED"
+            worst_share = _pct(worst.patched / worst.fwd_bwd)
+            lines.append(f"target: Muon/fwd+bwd <= {share:.0%} at W={low}..{high}: worst {worst_share} at "
+                         f"W={worst.world_size}: {verdict}")
+    sel = [r for r in h100 if r.world_size in TARGET_WORLD_SIZES]
+    if sel:
+        worst = min(sel, key=lambda r: r.ns_efficiency)
+        verdict = "MET" if worst.ns_efficiency >= EFFICIENCY_TARGET else "MISSED"
+        lines.append(f"target: NS parallel efficiency >= {EFFICIENCY_TARGET} at W in {TARGET_WORLD_SIZES}: worst "
+                     f"{worst.ns_efficiency:.3f} at W={worst.world_size}: {verdict}")
+    if arch.name in PEAK_TARGETS and h100:
+        worst = max(h100, key=lambda r: r.peak_bytes)
+        verdict = "MET" if worst.peak_bytes <= PEAK_TARGETS[arch.name] else "MISSED"
+        lines.append(f"target: peak of Muon's step <= {PEAK_TARGETS[arch.name] / 2**30:g} GiB: largest "
+                     f"{worst.peak_bytes / 2**30:.2f} GiB at W={worst.world_size}: {verdict}")
+    return lines
 
 
 # --- the check against the emulated-link runs ---------------------------------------------------
@@ -726,11 +597,15 @@ def report(world_sizes=WORLD_SIZES, net_output: Optional[Path] = None) -> Tuple[
         f"{H100.hbm_bytes / 1e12:.2f} TB/s; {H200.name} {H200.matmul_flops / 1e12:.0f} TFLOP/s, HBM "
         f"{H200.hbm_bytes / 1e12:.1f} TB/s; NVLink {NVLINK_BYTES / 1e9:.0f} GB/s per GPU each way, "
         f"InfiniBand NDR {IB_BYTES * 8 / 1e9:.0f} Gbit/s per GPU, {GPUS_PER_NODE} GPUs per node.",
-        f"Assumed: all-to-all efficiency {A2A_EFFICIENCY}, all-gather {ALLGATHER_EFFICIENCY}, NS at "
+        f"Assumed: all-to-all efficiency {A2A_EFFICIENCY} and start-up {A2A_LATENCY_S * 1e6:g} us + "
+        f"{A2A_PEER_LATENCY_S * 1e6:g} us per peer, all-gather {ALLGATHER_EFFICIENCY}, NS at "
         f"{NS_EFFICIENCY} of dense peak, elementwise at {ELEMENTWISE_EFFICIENCY} of HBM, MFU {MFU}, "
         f"{TOKENS_PER_GPU} tokens per GPU per optimizer step.",
         f"Exchange: patched fp32 out ({FORWARD_ITEMSIZE} B), fp16 back ({BACK_ITEMSIZE} B); stock 0.19.8 bf16 "
-        f"all-gathers ({STOCK_ITEMSIZE} B). Elementwise bytes per element: AdamW {ADAMW_BYTES}, Muon {MUON_BYTES}.", ""
+        f"all-gathers ({STOCK_ITEMSIZE} B). Elementwise bytes per element: AdamW {ADAMW_BYTES}, Muon {MUON_BYTES}.",
+        f"Patched: the default max_step_memory ({model.DEFAULT_MAX_STEP_MEMORY / 2**30:g} GiB); strict: "
+        f"max_step_memory \"{STRICT}\" (the rule before: within the momentum partition); ZeRO-3 sub-groups of "
+        f"sub_group_size {SUB_GROUP_SIZE:.0e} partition elements, each its own pipeline.", ""
     ]
     rows = []
     for arch in ARCHS:
@@ -740,21 +615,21 @@ def report(world_sizes=WORLD_SIZES, net_output: Optional[Path] = None) -> Tuple[
                      "matmul parameters per token ==")
         arch_rows = scale_rows(arch, world_sizes)
         rows.extend(arch_rows)
-        header = ("W", "GPU", "depth", "buckets", "exchange ms", "NS ms", "NS busiest ms", "Muon ms", "stock ms",
-                  "AdamW ms", "fwd+bwd ms", "Muon/fwd+bwd", "stock/fwd+bwd", "AdamW/fwd+bwd", "largest NS ms",
-                  "peak/partition", "what-if no budget ms", "what-if +split8 ms", "before: depth, buckets",
-                  "before: Muon ms", "before: Muon/fwd+bwd", f"what-if floor+{FLOOR_SLACK:.0%}: buckets, peak/floor",
-                  f"what-if floor+{FLOOR_SLACK:.0%}: Muon/fwd+bwd")
+        header = ("W", "GPU", "sub-groups", "depth", "buckets", "exchange ms", "NS ms", "NS busiest ms", "Muon ms",
+                  "stock ms", "AdamW ms", "fwd+bwd ms", "Muon/fwd+bwd", "stock/fwd+bwd", "AdamW/fwd+bwd",
+                  "largest NS ms", "NS eff.", "peak GiB", "floor GiB", "momentum GiB", "what-if no limit ms",
+                  "what-if +split8 ms", "strict: depth, buckets", "strict: NS eff.", "strict: peak GiB",
+                  "strict: Muon ms", "strict: Muon/fwd+bwd")
         table = [header]
         for r in arch_rows:
             table.append(
-                (str(r.world_size), r.gpu.split()[0], str(r.depth), str(r.buckets), _ms(r.exchange), _ms(r.ns),
-                 _ms(r.ns_busiest), _ms(r.patched), _ms(r.stock), _ms(r.adamw), _ms(r.fwd_bwd),
-                 _pct(r.patched / r.fwd_bwd), _pct(r.stock / r.fwd_bwd), _pct(r.adamw / r.fwd_bwd), _ms(r.ns_largest),
-                 f"{r.peak_numel / r.partition_numel:.2f}", _ms(r.nobudget), _ms(r.split8),
-                 f"{r.old_depth}, {r.old_buckets}", _ms(r.old_patched), _pct(r.old_patched / r.fwd_bwd),
-                 f"{r.slack_buckets}, {r.slack_peak:.4f}" if r.floor_numel > r.partition_numel else "as patched",
-                 _pct(r.slack_patched / r.fwd_bwd)))
+                (str(r.world_size), r.gpu.split()[0], str(r.sub_groups), str(r.depth), str(r.buckets),
+                 _ms(r.exchange), _ms(r.ns), _ms(r.ns_busiest), _ms(r.patched), _ms(r.stock), _ms(r.adamw),
+                 _ms(r.fwd_bwd), _pct(r.patched / r.fwd_bwd), _pct(r.stock / r.fwd_bwd), _pct(r.adamw / r.fwd_bwd),
+                 _ms(r.ns_largest), f"{r.ns_efficiency:.2f}", f"{r.peak_bytes / 2**30:.2f}",
+                 f"{r.floor_bytes / 2**30:.2f}", f"{r.partition_bytes / 2**30:.2f}", _ms(r.nobudget), _ms(r.split8),
+                 f"{r.strict_depth}, {r.strict_buckets}", f"{r.strict_efficiency:.2f}",
+                 f"{r.strict_peak_bytes / 2**30:.2f}", _ms(r.strict_patched), _pct(r.strict_patched / r.fwd_bwd)))
         widths = [max(len(t[i]) for t in table) for i in range(len(header))]
         for k, t in enumerate(table):
             lines.append("  ".join(c.rjust(n) for c, n in zip(t, widths)))
@@ -763,22 +638,22 @@ def report(world_sizes=WORLD_SIZES, net_output: Optional[Path] = None) -> Tuple[
         s = saturation(arch, world_sizes)
         lines.append(f"saturation: {s['matrices']} matrices; total NS / largest matrix's NS = W {s['analytic']:.0f}; "
                      f"busiest owner holds only the largest matrix's NS from W = {s['plan']}; even every matrix "
-                     f"alone exceeds the memory budget (plan chosen against that floor, depth 1) from W = "
-                     f"{s['floor']}; before the floor rule the budget serialized NS (depth 1, one matrix per "
-                     f"bucket) from W = {s['serial']}")
+                     f"alone exceeds the momentum partition (the strict rule's floor, depth 1) from W = {s['floor']}")
+        lines += target_lines(arch, arch_rows)
         lines.append("")
     lines += [
         "Columns (per rank, per optimizer step): exchange = forward + back all-to-all, summed over buckets; NS = the "
-        "slowest owner of each bucket, summed (the pipeline's rule); NS busiest = the busiest owner's NS over the step (a lower bound: a rank can run one bucket ahead at depth 2); Muon = the pipeline replayed (depth as planned) + elementwise "
+        "slowest owner of each bucket, summed (the pipeline's rule); NS busiest = the busiest owner's NS over the "
+        "step (a lower bound); Muon = each sub-group's pipeline replayed (depth as planned), summed, + elementwise "
         "(momentum, update, Adam on embedding/head/norms); stock = stock 0.19.8 (all-gathers, NS round by round, "
-        "serial); peak/partition = the plan's largest need on a rank (buffers, owner's NS working set, held fp16 "
-        "results: owner_plan.rank_numels) over its momentum partition (above 1: the every-matrix-alone floor, "
-        "which the plan never exceeds); what-if columns are NOT what the patch does: 'no budget' plans buckets of reduce_bucket_size at "
-        "depth 2 whatever the memory; '+split8' also splits every matrix whose NS exceeds the mean share over 8 "
-        "ranks (ideal, no communication inside NS); 'before' is the planner before its floor rule (every matrix alone "
-        "at depth 1 wherever that alone exceeded the budget); 'floor+1%' lets every rank need up to 1.01 x the floor "
-        "(the every-matrix-alone plan's largest need) where that floor exceeds the budget, at depth 1 (peak/floor: "
-        "its largest need over the floor's; 'as patched' where the budget is met).", ""
+        "serial); NS eff. = max(total NS / W, largest matrix's) over the NS column's cost (owner_plan.PlanFigures); "
+        "peak = the plan's largest need on a rank (buffers, owner's NS working set in fp16, held fp16 results: "
+        "owner_plan.rank_numels); floor = the least any plan needs (every matrix alone, depth 1); momentum = a "
+        "rank's fp32 momentum partition, what the strict rule stays within where the floor allows; what-if columns "
+        "are NOT what the patch does: 'no limit' plans buckets of reduce_bucket_size at depth 2 whatever the "
+        "memory; '+split8' also splits every matrix whose NS exceeds the mean share over 8 ranks (ideal, no "
+        "communication inside NS); 'strict' is max_step_memory \"momentum_partition\", the rule before this "
+        "default.", ""
     ]
     if net_output is not None and net_output.exists():
         lines.append(f"== check: patched/stock 0.19.8 step() at the boundary, model vs {NET_OUTPUT.as_posix()} ==")
@@ -818,27 +693,23 @@ def plot(rows: Sequence[Row], path: Path) -> None:
                     color="tab:blue",
                     marker="o",
                     ms=3,
-                    label=f"Muon, patched ({tag})")
+                    label=f"Muon, patched, default max_step_memory ({tag})")
             ax.plot(ws, [r.stock / r.fwd_bwd for r in sel],
                     ls,
                     color="tab:orange",
                     label=f"Muon, stock 0.19.8 ({tag})")
             ax.plot(ws, [r.adamw / r.fwd_bwd for r in sel], ls, color="k", label=f"AdamW ({tag})")
             if gpu is H100:
-                ax.plot(ws, [r.old_patched / r.fwd_bwd for r in sel],
+                ax.plot(ws, [r.strict_patched / r.fwd_bwd for r in sel],
                         ":",
                         color="tab:blue",
                         marker="x",
                         ms=3,
-                        label="Muon, patched before the floor rule (H100)")
-                ax.plot(ws, [r.slack_patched / r.fwd_bwd for r in sel],
-                        "-.",
-                        color="tab:purple",
-                        label=f"what-if: peak up to floor+{FLOOR_SLACK:.0%} (H100)")
+                        label=f"Muon, patched, max_step_memory \"{STRICT}\" (the rule before; H100)")
                 ax.plot(ws, [r.split8 / r.fwd_bwd for r in sel],
                         ":",
                         color="tab:green",
-                        label="what-if: no budget + NS split over 8 (H100)")
+                        label="what-if: no limit + NS split over 8 (H100)")
         ax.set(xscale="log", yscale="log", xlabel="ranks W (8 GPUs per node)", title=arch.name)
         ax.set_xticks(WORLD_SIZES)
         ax.set_xticklabels([str(w) for w in WORLD_SIZES], fontsize=7)

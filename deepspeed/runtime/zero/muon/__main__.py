@@ -10,7 +10,8 @@ On the patched build, for example::
     accumulation boundary (patches 0001-zero3-muon-boundary-update, 0002-zero3-grad-partition-first-use-in-window,
     0003-zero3-unscale-by-backward-loss-scale, 0004-muon-update-split)
 
-(one line), exit status 0. The facts come from ``_build_info.py``, which the build backend
+(one line), exit status 0. ``python -m deepspeed.runtime.zero.muon plan --config config.json --world-size W``
+prints the owner plan Muon's step would run for a Hugging Face model (``plan_report``). The facts come from ``_build_info.py``, which the build backend
 (``build_backend/zero3muon_build.py``) writes into this package: the versions, the patch names, and
 ``PATCHED_FILES``, the sha256 of every file of the package the patches change as it was built. The
 report hashes the installed files and compares, so it needs nothing but the installed package (no
@@ -117,7 +118,16 @@ def report():
     return report_for(version, Path(deepspeed.__file__).parent, info)
 
 
-def main():
+def main(argv=None):
+    """No arguments: the one-line report (module docstring). ``plan ...``: the owner plan report
+    (``plan_report``: ``python -m deepspeed.runtime.zero.muon plan --help``)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:
+        from deepspeed.runtime.zero.muon import plan_report
+        return plan_report.main(argv[1:])
+    if argv:
+        print(f"usage: python -m deepspeed.runtime.zero.muon [plan --help]; unknown arguments {argv}", file=sys.stderr)
+        return 2
     status, line = report()
     print(line, flush=True)
     return status

@@ -632,3 +632,76 @@ def plan_figures(entries: Sequence[tuple], world_size: int) -> PlanFigures:
     ideal = ideal_path(costs, world_size)
     return PlanFigures(world_size, sum(len(e[0].buckets) for e in entries), min((e[1] for e in entries), default=0),
                        4 * peak, 4 * max(kept, default=0), ideal / path if path > 0 else 1.0)
+
+
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
+"""``zero_optimization.sub_group_size``'s default."""
+DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
+"""``zero_optimization.reduce_bucket_size``'s default."""
+
+
+def zero3_sub_groups(specs: Sequence, world_size: int, sub_group_size: int) -> List[list]:
+    """ZeRO-3's sub-groups of one parameter group: consecutive matrices until a rank's partition elements reach
+    ``sub_group_size`` (stage 3's ``_create_fp16_sub_groups``); each ``(indices, pieces, holders)``."""
+    groups, current, held = [], [], 0
+    for j, spec in enumerate(specs):
+        current.append(j)
+        held += math.ceil(spec.numel / world_size)
+        if held >= sub_group_size:
+            groups.append(current)
+            current, held = [], 0
+    if current:
+        groups.append(current)
+    return [(g, [Uniform(math.ceil(specs[j].numel / world_size), world_size) for j in g], None) for g in groups]
+
+
+def zero12_partition(specs: Sequence, world_size: int) -> List[list]:
+    """ZeRO-1/2's flat buffer of the Muon group cut in W equal partitions: per matrix the elements of it each rank
+    holds; ``holders`` the ranks with any (one partition of the whole group)."""
+    total = sum(s.numel for s in specs)
+    size = math.ceil(total / world_size)
+    pieces, holders, start = [], [], 0
+    for spec in specs:
+        end = start + spec.numel
+        piece = tuple(max(0, min(end, (r + 1) * size) - max(start, r * size)) for r in range(world_size))
+        pieces.append(piece)
+        holders.append([r for r, n in enumerate(piece) if n])
+        start = end
+    every = all(len(h) == world_size for h in holders)
+    return [(list(range(len(specs))), pieces, None if every else holders)]
+
+
+def plan_partitions(specs: Sequence,
+               world_size: int,
+               stage: int = 3,
+               sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
+               reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE,
+               max_step_memory=DEFAULT_MAX_STEP_MEMORY,
+               depth: int = 2,
+               ns_itemsize: int = 2,
+               variant=None) -> list:
+    """Per partition ``(indices, plan, depth, pieces, ns_itemsize, state_numels, holders)``, planned as
+    ``binding.MuonUpdate`` plans them (NS cost carried over from one partition to the next).
+
+    Raises:
+        owner_plan.CapBelowFloor: ``max_step_memory`` below what a partition needs with every matrix alone.
+    """
+    parts = zero3_sub_groups(specs, world_size, sub_group_size) if stage == 3 else zero12_partition(
+        specs, world_size)
+    load, out = [0.0] * world_size, []
+    for indices, pieces, holders in parts:
+        chosen = [specs[j] for j in indices]
+        state = [variant.state_numel(s) for s in chosen] if variant is not None else None
+        plan, d = plan_partition(chosen,
+                                 pieces,
+                                 world_size,
+                                 max_step_memory,
+                                 reduce_bucket_size,
+                                 depth,
+                                 initial_load=load,
+                                 holders=holders,
+                                 result_itemsize=ns_itemsize,
+                                 state_numels=state)
+        load = [a + b for a, b in zip(load, plan.load())]
+        out.append((indices, plan, d, pieces, ns_itemsize, state, holders))
+    return out
