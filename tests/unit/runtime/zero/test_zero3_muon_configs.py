@@ -33,8 +33,10 @@ What each run covers:
   AdamW test ``test_zero3_grad_partition_window.py``, makes it count as zero; skipped without it).
 - ``frozen``: a frozen layer; ``zero_init``: the model built under ``deepspeed.zero.Init``;
   ``hpz``: ``zero_hpz_partition_size: 2`` at W=4.
-- ``buckets`` / ``buckets_serial`` / ``buckets_depth3``: ``reduce_bucket_size`` small enough for one
-  bucket per matrix, at pipeline depth 2 (the default), 1 (serial) and 3.
+- ``buckets`` / ``buckets_serial`` / ``buckets_depth3``: ``max_step_memory: "momentum_partition"`` (whose
+  buckets ``reduce_bucket_size`` bounds) with ``reduce_bucket_size`` small enough for one bucket per matrix, at
+  pipeline depth 2 (the default), 1 (serial) and 3; under the default cap these small models' matrices share one
+  bucket.
 """
 
 import pytest
@@ -81,14 +83,17 @@ OFFLOAD = {
     "offload_in_memory": DEFAULT.with_(offload="cpu", momentum_in_memory=True),
 }
 NVME = DEFAULT.with_(offload="nvme")
+STRICT = "momentum_partition"
 BUCKET_RUNS = {
     2: {
-        "buckets": DEFAULT.with_(zero=(("reduce_bucket_size", BUCKET), )),
-        "buckets_serial": DEFAULT.with_(zero=(("reduce_bucket_size", BUCKET), ), pipeline_depth=1),
-        "buckets_depth3": DEFAULT.with_(zero=(("reduce_bucket_size", BUCKET), ), pipeline_depth=3),
+        "buckets": DEFAULT.with_(zero=(("reduce_bucket_size", BUCKET), ), max_step_memory=STRICT),
+        "buckets_serial": DEFAULT.with_(zero=(("reduce_bucket_size", BUCKET), ), pipeline_depth=1,
+                                        max_step_memory=STRICT),
+        "buckets_depth3": DEFAULT.with_(zero=(("reduce_bucket_size", BUCKET), ), pipeline_depth=3,
+                                        max_step_memory=STRICT),
     },
     3: {
-        "buckets": default(3).with_(zero=(("reduce_bucket_size", BUCKET), ))
+        "buckets": default(3).with_(zero=(("reduce_bucket_size", BUCKET), ), max_step_memory=STRICT)
     },
 }
 
@@ -182,8 +187,8 @@ class TestZero3MuonConfigs(DistributedTest):
     @pytest.mark.parametrize("world_size", sorted(BUCKET_RUNS))
     def test_buckets_equal_one_bucket(self, world_size, expected_default):
         """One bucket per matrix (two all-to-alls each per step), at pipeline depth 1, 2 and 3, gives
-        the weights of the default plan (the largest buckets whose exchange buffers fit the momentum
-        partition): the owners change, the Newton-Schulz inputs do not."""
+        the weights of the default plan (these small matrices share one bucket under the default
+        max_step_memory): the owners change, the Newton-Schulz inputs do not."""
         one_bucket = default(world_size).train()
         exchanges = one_bucket.per_rank[0].stats["exchanges"]
         assert exchanges % (2 * STEPS) == 0 and 2 * STEPS <= exchanges <= 2 * 3 * STEPS

@@ -11,7 +11,7 @@
   loaded state equals the saved one exactly, and the run continued at W' equals the single-process
   NorMuon reference to the fp32 floor (another W is another owner plan: the state reaches each
   matrix's new owner; at the same W these small models get the same plan whatever
-  ``reduce_bucket_size`` is, one matrix per bucket within the momentum budget).
+  ``reduce_bucket_size`` is: it plays no part under the default ``max_step_memory``).
 - The same universal checkpoint loaded at ZeRO-1 and ZeRO-2 (W' = 1 and 2; ZeRO-2 with optimizer
   offload): the per-row state each rank keeps equals the saved one exactly, and the continued run
   equals the reference to the fp32 floor.

@@ -139,6 +139,7 @@ class Zero3MuonRun:
         groups: a key of GROUPINGS (several parameter groups). zero_init: build the model under
             ``deepspeed.zero.Init``. pipeline_depth: ``optimizer.params.pipeline_depth`` (buckets in
             flight ahead of the one the owner orthogonalizes; 1 is serial; None: not set, 2).
+            max_step_memory: ``optimizer.params.max_step_memory`` (None: not set, the default cap).
         overflow_steps: steps whose first micro-batch is scaled by OVERFLOW_FACTOR.
         restart_after: after that many steps, ``save_checkpoint`` (tag ``restart``), a fresh
             engine, ``load_checkpoint``, go on (needs ``train(checkpoint_dir=...)``); equal to
@@ -172,6 +173,7 @@ class Zero3MuonRun:
     groups: Optional[str] = None
     zero_init: bool = False
     pipeline_depth: Optional[int] = None
+    max_step_memory: Optional[object] = None
     overflow_steps: tuple = ()
     restart_after: Optional[int] = None
     momentum_to_bf16: bool = False
@@ -211,6 +213,8 @@ class Zero3MuonRun:
             config["optimizer"]["params"]["ns_method"] = self.ns_method
         if self.pipeline_depth is not None:
             config["optimizer"]["params"]["pipeline_depth"] = self.pipeline_depth
+        if self.max_step_memory is not None:
+            config["optimizer"]["params"]["max_step_memory"] = self.max_step_memory
         config.update(dict(self.extra))
         return config
 
