@@ -52,6 +52,8 @@ MAX_STEP_MEMORY_KEY = "max_step_memory"
 """Muon group key: bytes Muon's step may add on a rank's accelerator (exchange buffers, owner matrices, Newton-Schulz
 working set, a variant's state), default ``owner_plan.DEFAULT_MAX_STEP_MEMORY``; or ``"momentum_partition"``
 (``owner_plan.STRICT``): within the rank's momentum partition, buckets bounded by ``reduce_bucket_size``."""
+LOW_EFFICIENCY = 0.5
+"""Below this NS parallel efficiency rank 0 warns at initialization that the cap serializes Newton-Schulz."""
 BATCH_NS_KEY = "batch_ns"
 """Muon group key: same-shape Newton-Schulz problems of a bucket in one call (True), one call per
 matrix (False), or where it pays (null, the default; ``newton_schulz.batches``)."""
@@ -277,10 +279,16 @@ class MuonUpdate:
     def _log_plan(self):
         if not self.partitions or dist.get_rank() != 0:
             return
+        f = self.figures
+        if f.ns_efficiency < LOW_EFFICIENCY and f.buckets > 1:
+            logger.warning(f"Muon: NS parallel efficiency {f.ns_efficiency:.2f} over {f.buckets} buckets: most owner "
+                           "ranks wait while one orthogonalizes, because max_step_memory (or \"momentum_partition\") "
+                           f"leaves room for few matrices per bucket (peak {f.peak_bytes} bytes per rank). A larger "
+                           "max_step_memory lets every owner compute at once; python -m deepspeed.runtime.zero.muon "
+                           "plan shows the plan for a value before launching.")
         pipelines = [p for _, p in self._every_pipeline()]
         travel = sum(1 for p in pipelines for piece in p.pieces if sum(map(bool, piece)) > 1)
         spread = sum(len(p.specs) for p in self.spread_pipelines.values())
-        f = self.figures
         logger.info(f"{next(iter(self.partitions.values())).label.split(',')[0]}: owner-centric update at the "
                     f"accumulation boundary for {sum(len(p.specs) for p in pipelines)} matrices ({travel} held by "
                     f"more than one rank, {spread} over all ranks: tensor-parallel) in {len(pipelines)} "

@@ -478,10 +478,12 @@ EFFICIENCY_GOAL = 0.9
 """``plan_within_cap`` takes the deepest pipeline, then the most buckets, among the plans whose NS critical path is
 within ``1 / EFFICIENCY_GOAL`` of the ideal (or 5 % of the best plan that fits, where none is that close)."""
 
-MIN_SEND_NUMEL = 4 * 2**20
-"""fp32 elements (16 MiB) a rank should send per bucket on average: smaller buckets pay more in per-collective
-latency (tens of microseconds per all-to-all) than their extra overlap saves, so ``plan_within_cap`` takes more
-buckets only while they stay this large."""
+MIN_SEND_NUMEL = 16 * 2**20
+"""fp32 elements (64 MiB) a rank should send per bucket on average: smaller buckets pay more in per-collective
+start-up (tens of microseconds per all-to-all, more with many peers) than their extra overlap saves, so
+``plan_within_cap`` takes more buckets only while they stay this large (``bench/scale.py``'s model: 4M elements
+gave Qwen3-30B-A3B 581 buckets at W=8 and 5.2 % of forward+backward at W=256, 16M 226 buckets and 3.9 %; the
+Llama-3 plans are the same under both)."""
 
 
 class CapBelowFloor(ValueError):
