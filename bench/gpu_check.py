@@ -854,7 +854,36 @@ def measure(check):
     ns = result["ns_batch"] = {}
     for row in (json.loads(ln[len("JSON "):]) for ln in out.splitlines() if ln.startswith("JSON ")):
         ns.setdefault(f"{row['dtype']}/ns-{row['ns_rule']}", []).append(row)
+    result["plan"] = plan_records()
+    check.save()
     return result
+
+
+PLAN_WORLD_SIZES = (32, 1024)
+
+
+def plan_records(world_sizes=PLAN_WORLD_SIZES):
+    """The plan report's figures (``owner_plan.plan_figures`` of ``plan_partitions``, default ``max_step_memory``,
+    NS in fp16) for ``bench/scale.py``'s Llama-3 8B, 70B and Qwen3-30B-A3B at ``world_sizes``: pure Python from this
+    checkout (no transformers on the node; ``python -m deepspeed.runtime.zero.muon plan`` gives the same figures
+    from a Hugging Face config, a test checks it against the engine)."""
+    sys.path.insert(0, str(HERE))
+    import scale
+    records = []
+    for arch in scale.ARCHS:
+        for w in world_sizes:
+            plans = scale.gpu_plans(arch.muon_shapes, w)
+            f = scale.owner_plan.plan_figures([(p, d, pieces, scale.BACK_ITEMSIZE, None) for p, d, pieces in plans], w)
+            records.append(
+                dict(model=arch.name,
+                     world_size=w,
+                     sub_groups=len(plans),
+                     buckets=f.buckets,
+                     depth=f.depth,
+                     peak_bytes=f.peak_bytes,
+                     kept_bytes=f.kept_bytes,
+                     ns_efficiency=round(f.ns_efficiency, 4)))
+    return records
 
 
 KEYS = ("step_time", "boundary_time", "boundary_step_time", "micro_time", "ns_seconds_per_step",
@@ -1049,6 +1078,10 @@ def summary_text(results):
                      f"{exch['ns_dtypes']}, bit-equal {exch['bit_equal']}, largest relative difference "
                      f"{exch['max_relative_difference']:.2e}")
     meas = results["steps"].get("measure", {}).get("result") or {}
+    for r in meas.get("plan") or ():
+        lines.append(f"  plan {r['model']} W={r['world_size']}: {r['buckets']} bucket(s), depth {r['depth']}, peak "
+                     f"{r['peak_bytes'] / 2**30:.2f} GiB, kept {r['kept_bytes'] / 2**30:.2f} GiB, NS efficiency "
+                     f"{r['ns_efficiency']:.3f}")
     for build, by_name in (meas.get("steps") or {}).items():
         if build.startswith("patched_over"):
             for name, ratios in by_name.items():
