@@ -359,7 +359,7 @@ def cmd_export(args, _extra):
     limit = ze.MAX_CHANGED_LINES
     backports = "".join(f" + backport ({bp.group.title})" for bp in result.backports)
     for piece in result.pieces:
-        over = f", {piece.changed_lines - limit} over the limit of {limit}" if (
+        over = f", {piece.changed_lines - limit} over the limit of {limit}: MISSED" if (
             piece.group and piece.changed_lines > limit) else ""
         log(f"{piece.stem}: {piece.group.title if piece.group else 'every pull request' + backports}")
         log(f"  {piece.changed_lines} changed lines{over}; {piece.diffstat.rstrip().splitlines()[-1].strip()}")
@@ -367,8 +367,9 @@ def cmd_export(args, _extra):
         log(f"  wrote {piece.text_path}")
     log(f"merge order: {ze.graph_line([pr.group for pr in result.pull_requests])}")
     if not ze.ENFORCE_MAX_CHANGED_LINES and any(pr.changed_lines > limit for pr in result.pull_requests):
-        log(f"the limit of {limit} changed lines per pull request is not enforced yet "
-            "(ENFORCE_MAX_CHANGED_LINES in build_backend/zero3muon_export.py)")
+        log(f"MISSED: pull requests over the limit of {limit} changed lines: " + ", ".join(
+            f"{pr.stem} {pr.changed_lines}" for pr in result.pull_requests if pr.changed_lines > limit) +
+            " (not enforced: ENFORCE_MAX_CHANGED_LINES in build_backend/zero3muon_export.py)")
     return 0
 
 

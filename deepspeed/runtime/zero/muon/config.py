@@ -84,7 +84,7 @@ def has_per_head_muon() -> bool:
 UPDATE_KEYS: Mapping[str, str] = {
     PIPELINE_DEPTH_KEY:
     "buckets of the boundary update in flight ahead of the one being orthogonalized (an "
-    "integer >= 1, default 2; 1 runs them one after the other, more overlaps more and reserves more buffer)",
+    "integer >= 1, default 2; 1 runs them one after the other, more overlaps more and needs more buffer)",
     BATCH_NS_KEY:
     "same-shape Newton-Schulz problems of a bucket in one call (true), one call per matrix (false), "
     "or where it pays (null, the default)",

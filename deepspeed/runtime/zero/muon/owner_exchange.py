@@ -3,8 +3,8 @@
 
 # DeepSpeed Team
 """The two all-to-alls of one bucket: Newton-Schulz-input pieces to their owner, results back. ``BucketLayout``: one
-rank's bookkeeping of a bucket; ``OwnerExchange``: the collectives, counted; ``ExchangeBuffers``: the buffers, reserved
-once. Layout: order the bucket's matrices ``j`` by ``(owner(j), position)``. Every rank's send buffer holds its piece
+rank's bookkeeping of a bucket; ``OwnerExchange``: the collectives, counted; ``ExchangeBuffers``: the buffers, allocated
+for one step. Layout: order the bucket's matrices ``j`` by ``(owner(j), position)``. Every rank's send buffer holds its piece
 of each matrix in that order, so the chunk for rank ``d`` is its pieces of the matrices ``d`` owns; the owner receives
 one chunk per source rank and rebuilds matrix ``j`` as the concatenation of its pieces in rank order, cut to its numel
 (ZeRO-3 pads). The results go back in the same layout, so every rank receives exactly its send layout and unpacks in
@@ -208,7 +208,7 @@ class OwnerExchange:
 class InFlight:
     """An asynchronous all-to-all's work handle and its tensors, held until ``wait``: a backend may read the input
     and write the output until then. Defensive: NCCL's work keeps its tensors too, and the pipeline's are views of
-    buffers reserved for the whole run; a caller that drops its views still cannot free them early."""
+    buffers held for the whole step; a caller that drops its views still cannot free them early."""
 
     def __init__(self, handle, tensors: Tuple[torch.Tensor, ...]):
         self.handle, self.tensors = handle, tensors

@@ -12,19 +12,21 @@ Every rank builds the same plan from the same matrix shapes, so the plan is neve
   buffer each partition covers, so most matrices have one holder.
 - *owner rank*: the rank that receives every piece of a matrix's Newton-Schulz (NS) input, runs NS
   once on the whole matrix and sends each rank its piece of the result.
-- *bucket*: consecutive matrices of at most ``reduce_bucket_size`` elements in all (a larger
-  matrix alone), exchanged together; buckets bound the exchange buffers.
+- *bucket*: consecutive matrices exchanged together; buckets bound the exchange buffers.
 
 Owners are balanced by NS cost per bucket: greedy longest-processing-time-first into W bins (LPT,
 Graham 1969, "Bounds on multiprocessing timing anomalies"), since every rank waits for the
 slowest owner of a bucket; then the heaviest bin goes to the rank with the least work so far, so
 the totals stay balanced too. A matrix only some ranks hold goes to the least loaded of them.
-``plan_within_budget`` picks the largest bucket size whose exchange buffers and owner working set
-fit each rank's momentum partition: Muon then keeps no more memory than Adam's second moment. Where
-even every matrix alone exceeds it (the largest matrix's owner holds it whole plus its NS working
-set), the bucket size is chosen against that floor instead: a rank may need up to the larger of
-its partition and what it needs with every matrix alone, so buckets keep several owners busy at
-once and the job's peak stays that of every matrix alone.
+
+How large the buckets are is the Muon key ``max_step_memory``'s (``plan_partition``): in bytes, a cap on what
+Muon's step adds on a rank, within which ``plan_within_cap`` cuts buckets by NS cost so that every owner computes
+at once (about one NS problem per owner and bucket) at the deepest pipeline the cap allows; ``STRICT``
+(``"momentum_partition"``), the rule ``plan_for_depth`` keeps: the largest buckets of at most ``reduce_bucket_size``
+elements whose buffers and owner working set fit each rank's momentum partition (Muon then needs no more than
+Adam's second moment), or, where even every matrix alone exceeds it, the least any plan needs. The partition
+shrinks as 1/W while a whole matrix and its NS working set do not, so from some W that rule leaves one owner
+computing while the others wait; hence the cap of its own.
 """
 
 import heapq

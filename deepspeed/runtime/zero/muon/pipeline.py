@@ -9,7 +9,7 @@ send buffer and starts the forward all-to-all; **compute** rebuilds the owner's 
 a variant's rule (``owner_state``) on each, and starts the back all-to-all; **finalize** copies this rank's pieces of
 the update into the gradient. ``depth`` buckets are prepared ahead of the one being computed, so communication overlaps
 Newton-Schulz (depth 1: serial); every rank issues the same collectives in the same order, with at most ``2 depth - 1``
-buffer slots busy. Beyond the reserved buffers an owner holds one call's tensors: results overwrite, as each call
+buffer slots busy. Beyond the exchange buffers an owner holds one call's tensors: results overwrite, as each call
 returns, the pieces it has read (half-precision results wait for the bucket's calls). After torchtitan's
 DistributedMuon (prepare/compute/finalize over a reserved layout) and microsoft/dion (one batch's exchange overlapping
 another's compute). A matrix one rank holds whole on the NS device skips the exchange: its holder orthogonalizes it in
