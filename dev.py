@@ -56,8 +56,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 REQUIREMENTS = [ROOT / "requirements" / "torch.txt", ROOT / "requirements" / "dev.txt"]  # installed in this order
-REQUIREMENTS_ABOUT = [("the pinned CPU torch", "about 1 min with pip's cache, a 200 MB download without"),
-                      ("pytest, transformers, matplotlib and DeepSpeed's dependencies", "about 1 min")]
+REQUIREMENTS_ABOUT = [("the pinned CPU torch (a 200 MB download the first time)", "about 0.5 to 1 min"),
+                      ("pytest, transformers, matplotlib and DeepSpeed's dependencies", "about 0.5 to 1 min")]
 DEMO = ROOT / "examples" / "demo" / "run_demo.py"
 BENCH = ROOT / "bench" / "run_bench.py"
 LINT_REQUIREMENTS = ROOT / "requirements" / "lint.txt"
@@ -124,7 +124,7 @@ class Step:
     def __enter__(self):
         import time
         self.start = time.time()
-        log(f"{self.what}" + (f" ({self.expected} on 2 idle cores)" if self.expected else "") + " ...")
+        log(f"{self.what}" + (f": {self.expected} on 2 idle cores" if self.expected else "") + " ...")
         return self
 
     def __exit__(self, exc_type, *_):
@@ -257,7 +257,7 @@ def setup(base, stock=False, ops=JIT_OPS):
         if sys.version_info < (3, 10):
             sys.exit(f"[dev] the pinned torch (requirements/torch.txt) needs Python >= 3.10 in the venv, "
                      f"and this is Python {sys.version.split()[0]}: run dev.py with a newer python3")
-        with Step(f"creating venv {venv.dir.relative_to(ROOT)}", "seconds"):
+        with Step(f"creating venv {venv.dir.relative_to(ROOT)}"):
             run([sys.executable, "-m", "venv", venv.dir])
 
     req_hash = tree_hash(REQUIREMENTS)
@@ -290,7 +290,7 @@ def setup(base, stock=False, ops=JIT_OPS):
                      "--require-hashes", "-r", pin)
         else:
             with Step(f"building and installing {label} (pip install .: the release's sdist, downloaded once "
-                      "and sha256-checked, plus our files and patches)", "about 1 min"):
+                      "and sha256-checked, with our files and patches)", "about 1 min"):
                 env = dict(os.environ, DS_ZERO3MUON_BASE=base)
                 venv.pip("install", "-q", "-c", REQUIREMENTS[0], ".", env=env)
         venv.mark("build", build_hash)
