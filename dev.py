@@ -2,10 +2,13 @@
 """Developer commands for the ZeRO-3 Muon patch (stdlib only; runs on Python >= 3.9, the venv it
 creates needs Python >= 3.10).
 
-  python3 dev.py setup [--base X]            venv .venv/<X>/ with torch, test deps, patched DeepSpeed and
-                                             muon_testing (testing/, editable)
-  python3 dev.py test  [--base X] [ARGS...]  setup, then pytest (ARGS go to pytest)
-  python3 dev.py demo  [--base X] [ARGS...]  setup, then examples/demo/run_demo.py ARGS
+  python3 dev.py setup [--base X] [--ops all|demo|test|none]
+                                             venv .venv/<X>/ with torch, test deps, patched DeepSpeed and
+                                             muon_testing (testing/, editable); the JIT ops (default: all)
+  python3 dev.py test  [--base X] [ARGS...]  setup, then pytest (ARGS go to pytest); the JIT ops the tests
+                                             load: shm comm and FusedAdam before, CPU Adam and async I/O
+                                             beside the tests (nice 10)
+  python3 dev.py demo  [--base X] [ARGS...]  setup (JIT op: shm comm only), then examples/demo/run_demo.py ARGS
   python3 dev.py bench [--all-bases] [ARGS...]  patched and stock venvs of the default base (every base with
                                              --all-bases), then bench/run_bench.py ARGS
   python3 dev.py export [--base X] [--out DIR] the change as six pull requests (a diff and a description
@@ -366,8 +369,11 @@ def install_testing(venv):
     venv.mark("testing", digest)
 
 
+OP_SETS = {"all": JIT_OPS, "demo": DEMO_OPS, "test": TEST_OPS_FIRST, "none": ()}
+
+
 def cmd_setup(args, _extra):
-    venv = setup(args.base)
+    venv = setup(args.base, ops=OP_SETS[args.ops])
     rel = venv.dir.relative_to(ROOT)
     log(f"your own script (README, 'To run your own scripts'): DS_ACCELERATOR=cpu "
         f"TORCH_EXTENSIONS_DIR={rel}/torch_extensions PYTHONSAFEPATH=1 TORCHDYNAMO_DISABLE=1 "
@@ -705,6 +711,11 @@ def main(argv=None):
         p.add_argument("--base", default=os.environ.get("DS_ZERO3MUON_BASE") or default_base,
                        help=f"DeepSpeed base release, one of {', '.join(known)} (default: %(default)s)")
         p.set_defaults(func=func)
+        if name == "setup":
+            p.add_argument("--ops", choices=sorted(OP_SETS), default="all",
+                           help="which DeepSpeed JIT ops to build (compile once) now: all four (default: shm comm, "
+                           "FusedAdam, CPU Adam, async I/O where libaio is installed), those the demo or the test "
+                           "suite builds before it starts, or none (each is then compiled where first used)")
         if name == "bench":
             p.add_argument("--all-bases", action="store_true", help="also every other base's patched and "
                            f"stock builds ({', '.join(b for b in known if b != default_base)}); default: "
