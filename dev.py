@@ -264,24 +264,34 @@ def setup(base, stock=False, ops=JIT_OPS):
             run([sys.executable, "-m", "venv", venv.dir])
 
     req_hash = tree_hash(REQUIREMENTS)
-    if venv.is_current("requirements", req_hash):
-        log("requirements up to date")
-    else:
-        for req, about in zip(REQUIREMENTS, REQUIREMENTS_ABOUT):
-            with Step(f"installing {req.relative_to(ROOT)}: {about[0]}", about[1]):
-                venv.pip("install", "-q", "-r", req)
-        venv.mark("requirements", req_hash)
-
+    req_current = venv.is_current("requirements", req_hash)
     if stock:
         build_hash = tree_hash([], extra=f"stock deepspeed=={base} sha256={sdist_sha256(base)}")
     else:
         inputs = [ROOT / "pyproject.toml", ROOT / "build_backend" / "zero3muon_build.py", ROOT / "deepspeed",
                   ROOT / "patches" / base]
         build_hash = tree_hash([p for p in inputs if p.exists()], extra=f"base={base}")
+    venv.build_hash = build_hash
+    build_current = venv.is_current("build", build_hash)
+    # A new venv of the patched build installs DeepSpeed (with its own dependencies, at the versions
+    # requirements/dev.txt pins) right after torch, so that its JIT ops compile while pip installs
+    # the rest of requirements/dev.txt (transformers, matplotlib, pytest: minutes of unpacking).
+    early = not stock and not req_current and not build_current
+    reqs = list(zip(REQUIREMENTS, REQUIREMENTS_ABOUT))
+    if req_current:
+        log("requirements up to date")
+        reqs = []
+    elif early:
+        install_requirements(venv, reqs[:1])
+        reqs = reqs[1:]
+
     label = f"stock deepspeed {base}" if stock else f"deepspeed {base}+zero3muon"
-    if venv.is_current("build", build_hash):
+    if build_current:
         log(f"{label} up to date")
     else:
+        if not early:
+            install_requirements(venv, reqs)
+            reqs = []
         venv.stamp("build").unlink(missing_ok=True)
         if stock:
             log(f"installing {label} from its sdist, sha256-checked")
@@ -295,20 +305,40 @@ def setup(base, stock=False, ops=JIT_OPS):
             with Step(f"building and installing {label} (pip install .: the release's sdist, downloaded once "
                       "and sha256-checked, with our files and patches)", "about 1 min"):
                 env = dict(os.environ, DS_ZERO3MUON_BASE=base)
-                venv.pip("install", "-q", "-c", REQUIREMENTS[0], ".", env=env)
+                venv.pip("install", "-q", *(f"-c{r}" for r in REQUIREMENTS), ".", env=env)
         venv.mark("build", build_hash)
-
-    install_testing(venv)
 
     # Every Python of the venv runs the venv's ninja (the hook, Venv.env); its version is part of
     # the ops' stamps, so ops an older setup built with another ninja (whose .ninja_log the venv's
     # does not read: everything would rebuild at the first run) are rebuilt, once.
+    builder = None
+    if early:  # the ops compile beside the rest of the requirements
+        install_venv_hook(venv)
+        check_extension_locks(venv)
+        builder = start_ops(venv, ops, beside="the rest of the requirements", nice=0)
+    try:
+        install_requirements(venv, reqs)
+        install_testing(venv)
+    finally:
+        if builder is not None and builder.poll() is None:
+            log("waiting for the JIT op build")
+            builder.wait()
+    if builder is not None and builder.returncode != 0:
+        sys.exit(f"[dev] the JIT op build failed (exit {builder.returncode}): see its lines above")
+    if not req_current:
+        venv.mark("requirements", req_hash)
     install_venv_hook(venv)
     check_extension_locks(venv)
-    venv.build_hash = build_hash
     build_ops(venv, ops)
     log(f"ready: {venv.dir.relative_to(ROOT)} ({'stock' if stock else 'patched'} DeepSpeed {base})")
     return venv
+
+
+def install_requirements(venv, reqs):
+    """pip install each ``(requirements file, (what, how long))`` of ``reqs``, in order."""
+    for req, about in reqs:
+        with Step(f"installing {req.relative_to(ROOT)}: {about[0]}", about[1]):
+            venv.pip("install", "-q", "-r", req)
 
 
 def ops_to_build(venv, ops):
@@ -338,16 +368,15 @@ def build_ops(venv, ops):
         run(warm_ops_command(venv, todo), env=venv.env())
 
 
-def start_ops(venv, ops):
-    """Start building the ``ops`` of ``venv`` not built yet beside what runs next, at a lower priority
-    (nice 10); returns the process, or None if there is nothing to build."""
+def start_ops(venv, ops, beside="the tests (a test that needs one first waits for it)", nice=10):
+    """Start building the ``ops`` of ``venv`` not built yet beside what runs next, at ``nice``;
+    returns the process, or None if there is nothing to build."""
     todo = ops_to_build(venv, ops)
     if not todo:
         return None
-    log(f"building DeepSpeed's JIT ops {', '.join(n for n, _, _ in todo)} beside the tests (a test that needs "
-        "one first waits for it)")
+    log(f"building DeepSpeed's JIT ops {', '.join(n for n, _, _ in todo)} beside {beside}")
     return subprocess.Popen([str(c) for c in warm_ops_command(venv, todo)], cwd=ROOT, env=venv.env(),
-                            preexec_fn=lambda: os.nice(10))
+                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
 
 def install_testing(venv):
