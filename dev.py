@@ -6,8 +6,8 @@ creates needs Python >= 3.10).
                                              venv .venv/<X>/ with torch, test deps, patched DeepSpeed and
                                              muon_testing (testing/, editable); the JIT ops (default: all)
   python3 dev.py test  [--base X] [ARGS...]  setup, then pytest (ARGS go to pytest); the JIT ops the tests
-                                             load: shm comm and FusedAdam before, CPU Adam and async I/O
-                                             beside the tests (nice 10)
+                                             load compile beside them (shm comm and FusedAdam before the
+                                             tests where ARGS select some)
   python3 dev.py demo  [--base X] [ARGS...]  setup (JIT op: shm comm only), then examples/demo/run_demo.py ARGS
   python3 dev.py bench [--all-bases] [ARGS...]  patched and stock venvs of the default base (every base with
                                              --all-bases), then bench/run_bench.py ARGS
@@ -75,9 +75,9 @@ TESTING = ROOT / "testing"  # the package muon_testing, shared by tests, bench, 
 # ninja version does not read its .ninja_log and rebuilds everything); each op has its own stamp.
 JIT_OPS = ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
 DEMO_OPS = ("ShareMemCommBuilder", )  # the demo's ranks: init_distributed (its auxiliary Adam is torch's)
-# The test suite: the ops nearly every distributed test loads are built before pytest starts; the
-# offload ops (CPU Adam, async I/O: only the offload and NVMe tests, which run late) beside the
-# first tests, at a lower priority; a test that gets there first waits for the build (torch's lock).
+# The test suite (cmd_test): the ops nearly every distributed test loads, and the offload ops (CPU
+# Adam, async I/O: only the offload and NVMe tests, which run late), the latter at a lower priority;
+# a test that needs an op being built waits for it (torch's lock on the op's build dir).
 TEST_OPS_FIRST = ("ShareMemCommBuilder", "FusedAdamBuilder")
 TEST_OPS_BESIDE = ("CPUAdamBuilder", "AsyncIOBuilder")
 OP_EXPECTED = {  # compile time on 2 idle cores, said while it compiles (a busy machine takes longer)
@@ -423,29 +423,39 @@ def pristine_sdist(base):
 
 
 def cmd_test(args, extra):
-    venv = setup(args.base, ops=TEST_OPS_FIRST)
+    """pytest in the venv of ``--base``. The whole suite (no pytest arguments, as in CI) starts at once,
+    with every JIT op it loads compiling beside it: the shm comm op and FusedAdam, which nearly every
+    distributed test loads, at normal priority (the first such test waits for them, a few minutes at
+    most), CPU Adam and async I/O, which only the offload and NVMe tests load (they run late), at nice
+    10. A selection of tests (pytest arguments) gets the first two built before it starts, the
+    offload ops beside it."""
+    whole_suite = not extra
+    venv = setup(args.base, ops=() if whole_suite else TEST_OPS_FIRST)
     env = venv.env(TORCHDYNAMO_DISABLE="1")
     sdist = None if os.environ.get("DS_ZERO3MUON_SDIST") else pristine_sdist(args.base)
     if sdist is not None:
         env["DS_ZERO3MUON_SDIST"] = str(sdist)
         log(f"DS_ZERO3MUON_SDIST={sdist} (the release's muon_update, for the bit-identity tests)")
-    builder = start_ops(venv, TEST_OPS_BESIDE)
+    builders = [b for b in ((start_ops(venv, TEST_OPS_FIRST, nice=0) if whole_suite else None),
+                            start_ops(venv, TEST_OPS_BESIDE)) if b is not None]
     log(f"pytest {' '.join(extra)}".rstrip())
     try:
         rc = subprocess.run([str(venv.python), "-m", "pytest", *extra], cwd=ROOT, env=env).returncode
     finally:
-        if builder is not None and builder.poll() is None:
-            log("waiting for the JIT op build started beside the tests (so the next run has them; Ctrl-C stops it, "
-                "and the op is built again where a test needs it)")
-            try:
-                builder.wait()
-            except KeyboardInterrupt:
-                builder.terminate()
-                builder.wait()
-                raise
-    if builder is not None and builder.returncode != 0:
-        log(f"the JIT op build beside the tests failed (exit {builder.returncode}): see its lines above")
-        rc = rc or builder.returncode
+        for builder in builders:
+            if builder.poll() is None:
+                log("waiting for the JIT op build started beside the tests (so the next run has them; Ctrl-C "
+                    "stops it, and the op is built again where a test needs it)")
+                try:
+                    builder.wait()
+                except KeyboardInterrupt:
+                    builder.terminate()
+                    builder.wait()
+                    raise
+    for builder in builders:
+        if builder.returncode != 0:
+            log(f"a JIT op build beside the tests failed (exit {builder.returncode}): see its lines above")
+            rc = rc or builder.returncode
     if rc == 5:
         log("pytest collected no tests: treated as a failure")
         return 1

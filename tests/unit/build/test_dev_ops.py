@@ -134,8 +134,9 @@ class _Recorder:
 
         return setup
 
-    def start_ops(self, venv, ops):
-        self.started = ops
+    def start_ops(self, venv, ops, nice=10):
+        self.started = (self.started or ()) + tuple(ops)
+        self.nice = getattr(self, "nice", ()) + (nice, )
         return self.builder
 
     def _wait(self):
@@ -147,12 +148,20 @@ class _Recorder:
         return types.SimpleNamespace(returncode=0)
 
 
-def test_test_builds_the_first_ops_before_and_the_offload_ops_beside_pytest(dev, monkeypatch):
+def test_a_selection_builds_the_first_ops_before_and_the_offload_ops_beside_pytest(dev, monkeypatch):
     rec = _Recorder(dev, monkeypatch)
     assert dev.main(["test", "-k", "x"]) == 0
     assert rec.setup_ops == dev.TEST_OPS_FIRST and rec.started == dev.TEST_OPS_BESIDE
     assert rec.runs[-1][-3:] == ["pytest", "-k", "x"]
     assert rec.builder.returncode == 0  # waited for: the next run has the ops
+
+
+def test_the_whole_suite_starts_at_once_with_every_op_beside_it(dev, monkeypatch):
+    rec = _Recorder(dev, monkeypatch)
+    assert dev.main(["test"]) == 0
+    assert rec.setup_ops == ()
+    assert rec.started == dev.TEST_OPS_FIRST + dev.TEST_OPS_BESIDE and rec.nice == (0, 10)
+    assert rec.runs[-1][-2:] == ["-m", "pytest"]
 
 
 def test_test_fails_when_the_op_build_beside_it_fails(dev, monkeypatch):
