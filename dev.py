@@ -2,10 +2,13 @@
 """Developer commands for the ZeRO-3 Muon patch (stdlib only; runs on Python >= 3.9, the venv it
 creates needs Python >= 3.10).
 
-  python3 dev.py setup [--base X]            venv .venv/<X>/ with torch, test deps, patched DeepSpeed and
-                                             muon_testing (testing/, editable)
-  python3 dev.py test  [--base X] [ARGS...]  setup, then pytest (ARGS go to pytest)
-  python3 dev.py demo  [--base X] [ARGS...]  setup, then examples/demo/run_demo.py ARGS
+  python3 dev.py setup [--base X] [--ops all|demo|test|none]
+                                             venv .venv/<X>/ with torch, test deps, patched DeepSpeed and
+                                             muon_testing (testing/, editable); the JIT ops (default: all)
+  python3 dev.py test  [--base X] [ARGS...]  setup, then pytest (ARGS go to pytest); the JIT ops the tests
+                                             load compile beside them (shm comm and FusedAdam before the
+                                             tests where ARGS select some)
+  python3 dev.py demo  [--base X] [ARGS...]  setup (JIT op: shm comm only), then examples/demo/run_demo.py ARGS
   python3 dev.py bench [--all-bases] [ARGS...]  patched and stock venvs of the default base (every base with
                                              --all-bases), then bench/run_bench.py ARGS
   python3 dev.py export [--base X] [--out DIR] the change as six pull requests (a diff and a description
@@ -56,31 +59,82 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 REQUIREMENTS = [ROOT / "requirements" / "torch.txt", ROOT / "requirements" / "dev.txt"]  # installed in this order
+REQUIREMENTS_ABOUT = [("the pinned CPU torch (a 200 MB download the first time)", "about 0.5 to 1 min"),
+                      ("pytest, transformers, matplotlib and DeepSpeed's dependencies", "about 0.5 to 1 min")]
 DEMO = ROOT / "examples" / "demo" / "run_demo.py"
 BENCH = ROOT / "bench" / "run_bench.py"
 LINT_REQUIREMENTS = ROOT / "requirements" / "lint.txt"
 TESTING = ROOT / "testing"  # the package muon_testing, shared by tests, bench, demo and gpu-check
 
 # DeepSpeed JIT-compiles its C++ ops on the CPU accelerator the first time they are used: the
-# shared-memory comm op (at init_distributed), the CPU FusedAdam of Muon's auxiliary Adam, CPU
-# Adam (optimizer offload) and async I/O (NVMe offload; only where libaio is installed). That
-# takes minutes, so setup builds them once, into the venv's own extensions dir (a cache shared
-# between venvs is rebuilt whenever another venv's torch path appears in it), with the venv's ninja
-# (another ninja version does not read its .ninja_log and rebuilds everything).
+# shared-memory comm op (at init_distributed, in every distributed run), the CPU FusedAdam of Muon's
+# auxiliary Adam (unless the config asks for torch's Adam: "torch_adam": true), CPU Adam (optimizer
+# offload) and async I/O (NVMe offload; only where libaio is installed). That takes minutes, so each
+# command builds the ops it needs, once, into the venv's own extensions dir (a cache shared between
+# venvs is rebuilt whenever another venv's torch path appears in it), with the venv's ninja (another
+# ninja version does not read its .ninja_log and rebuilds everything); each op has its own stamp.
 JIT_OPS = ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
+DEMO_OPS = ("ShareMemCommBuilder", )  # the demo's ranks: init_distributed (its auxiliary Adam is torch's)
+# The test suite (cmd_test): the ops nearly every distributed test loads, and the offload ops (CPU
+# Adam, async I/O: only the offload and NVMe tests, which run late), the latter at a lower priority;
+# a test that needs an op being built waits for it (torch's lock on the op's build dir).
+TEST_OPS_FIRST = ("ShareMemCommBuilder", "FusedAdamBuilder")
+TEST_OPS_BESIDE = ("CPUAdamBuilder", "AsyncIOBuilder")
+OP_EXPECTED = {  # compile time on 2 idle cores, said while it compiles (a busy machine takes longer)
+    "ShareMemCommBuilder": "about 1.5 min",
+    "FusedAdamBuilder": "3 to 4 min",
+    "CPUAdamBuilder": "3 to 4 min",
+    "AsyncIOBuilder": "5 to 15 min",
+}
+HEARTBEAT_S = 30  # a line per op this often while it compiles, so a long build does not look like a hang
+# Run by the venv's Python: argv[1] = JSON [[NAME, STAMP, DIGEST], ...]; each op loaded (compiled if needed), then
+# its stamp written, so an interrupted run keeps the ops it finished.
 WARM_JIT_OPS = f"""
-import time
+import json, sys, threading, time
 from deepspeed.accelerator import get_accelerator
-for name in {JIT_OPS!r}:
+EXPECTED = {OP_EXPECTED!r}
+for name, stamp, digest in json.loads(sys.argv[1]):
     builder = get_accelerator().create_op_builder(name)
     if builder is not None and builder.is_compatible():
-        print(f"[dev]   {{name}}: loading (compiled on first use: minutes on a small machine)", flush=True)
+        print(f"[dev]   {{name}}: compiling or loading (first build {{EXPECTED.get(name, 'minutes')}} on 2 idle cores)",
+              flush=True)
         start = time.time()
-        builder.load()
+        done = threading.Event()
+
+        def beat(name=name, start=start, done=done):
+            while not done.wait({HEARTBEAT_S}):
+                print(f"[dev]   {{name}}: still compiling, {{time.time() - start:.0f}} s so far", flush=True)
+
+        threading.Thread(target=beat, daemon=True).start()
+        try:
+            builder.load()
+        finally:
+            done.set()
         print(f"[dev]   {{name}}: ready in {{time.time() - start:.0f}} s", flush=True)
     else:
         print(f"[dev]   {{name}}: not buildable here, skipped", flush=True)
+    with open(stamp, "w") as f:
+        f.write(digest + "\\n")
 """
+
+
+class Step:
+    """One setup step: says what it does and roughly how long it takes, then how long it took."""
+
+    def __init__(self, what, expected=None):
+        self.what, self.expected = what, expected
+
+    def __enter__(self):
+        import time
+        self.start = time.time()
+        log(f"{self.what}" + (f": {self.expected} on 2 idle cores" if self.expected else "") + " ...")
+        return self
+
+    def __exit__(self, exc_type, *_):
+        import time
+        if exc_type is None:
+            log(f"  done in {time.time() - self.start:.0f} s")
+        return False
 
 
 def log(msg):
@@ -197,36 +251,47 @@ def check_extension_locks(venv):
                                       f"is running, remove it (rm {lock}) and run again" for lock, why in unknown))
 
 
-def setup(base, stock=False):
+def setup(base, stock=False, ops=JIT_OPS):
     """Create or update the venv of ``base``: patched DeepSpeed, or with ``stock`` the unpatched
-    release (same pinned torch and dependencies; used by the benchmark). Returns the ``Venv``."""
+    release (same pinned torch and dependencies; used by the benchmark), and build the JIT ``ops``
+    (names of DeepSpeed op builders) not built yet. Returns the ``Venv``."""
     venv = Venv(base, stock)
     if not venv.python.exists():
         if sys.version_info < (3, 10):
             sys.exit(f"[dev] the pinned torch (requirements/torch.txt) needs Python >= 3.10 in the venv, "
                      f"and this is Python {sys.version.split()[0]}: run dev.py with a newer python3")
-        log(f"creating venv {venv.dir.relative_to(ROOT)}")
-        run([sys.executable, "-m", "venv", venv.dir])
+        with Step(f"creating venv {venv.dir.relative_to(ROOT)}"):
+            run([sys.executable, "-m", "venv", venv.dir])
 
     req_hash = tree_hash(REQUIREMENTS)
-    if venv.is_current("requirements", req_hash):
-        log("requirements up to date")
-    else:
-        for req in REQUIREMENTS:
-            log(f"installing {req.relative_to(ROOT)}")
-            venv.pip("install", "-q", "-r", req)
-        venv.mark("requirements", req_hash)
-
+    req_current = venv.is_current("requirements", req_hash)
     if stock:
         build_hash = tree_hash([], extra=f"stock deepspeed=={base} sha256={sdist_sha256(base)}")
     else:
         inputs = [ROOT / "pyproject.toml", ROOT / "build_backend" / "zero3muon_build.py", ROOT / "deepspeed",
                   ROOT / "patches" / base]
         build_hash = tree_hash([p for p in inputs if p.exists()], extra=f"base={base}")
+    venv.build_hash = build_hash
+    build_current = venv.is_current("build", build_hash)
+    # A new venv of the patched build installs DeepSpeed (with its own dependencies, at the versions
+    # requirements/dev.txt pins) right after torch, so that its JIT ops compile while pip installs
+    # the rest of requirements/dev.txt (transformers, matplotlib, pytest: minutes of unpacking).
+    early = not stock and not req_current and not build_current
+    reqs = list(zip(REQUIREMENTS, REQUIREMENTS_ABOUT))
+    if req_current:
+        log("requirements up to date")
+        reqs = []
+    elif early:
+        install_requirements(venv, reqs[:1])
+        reqs = reqs[1:]
+
     label = f"stock deepspeed {base}" if stock else f"deepspeed {base}+zero3muon"
-    if venv.is_current("build", build_hash):
+    if build_current:
         log(f"{label} up to date")
     else:
+        if not early:
+            install_requirements(venv, reqs)
+            reqs = []
         venv.stamp("build").unlink(missing_ok=True)
         if stock:
             log(f"installing {label} from its sdist, sha256-checked")
@@ -237,28 +302,81 @@ def setup(base, stock=False):
             venv.pip("install", "-q", "--no-deps", "--no-build-isolation", "--no-binary", "deepspeed",
                      "--require-hashes", "-r", pin)
         else:
-            log(f"building and installing {label} (pip install .)")
-            env = dict(os.environ, DS_ZERO3MUON_BASE=base)
-            venv.pip("install", "-q", "-c", REQUIREMENTS[0], ".", env=env)
+            with Step(f"building and installing {label} (pip install .: the release's sdist, downloaded once "
+                      "and sha256-checked, with our files and patches)", "about 1 min"):
+                env = dict(os.environ, DS_ZERO3MUON_BASE=base)
+                venv.pip("install", "-q", *(f"-c{r}" for r in REQUIREMENTS), ".", env=env)
         venv.mark("build", build_hash)
-        venv.stamp("jit-ops").unlink(missing_ok=True)
-
-    install_testing(venv)
 
     # Every Python of the venv runs the venv's ninja (the hook, Venv.env); its version is part of
-    # the stamp, so ops an older setup built with another ninja (whose .ninja_log the venv's does
-    # not read: everything would rebuild at the first run) are rebuilt here, once.
+    # the ops' stamps, so ops an older setup built with another ninja (whose .ninja_log the venv's
+    # does not read: everything would rebuild at the first run) are rebuilt, once.
+    builder = None
+    if early:  # the ops compile beside the rest of the requirements
+        install_venv_hook(venv)
+        check_extension_locks(venv)
+        builder = start_ops(venv, ops, beside="the rest of the requirements", nice=0)
+    try:
+        install_requirements(venv, reqs)
+        install_testing(venv)
+    finally:
+        if builder is not None and builder.poll() is None:
+            log("waiting for the JIT op build")
+            builder.wait()
+    if builder is not None and builder.returncode != 0:
+        sys.exit(f"[dev] the JIT op build failed (exit {builder.returncode}): see its lines above")
+    if not req_current:
+        venv.mark("requirements", req_hash)
     install_venv_hook(venv)
     check_extension_locks(venv)
-    ops_hash = tree_hash([], extra=f"{build_hash} {JIT_OPS} ninja={venv.ninja_version()}")
-    if venv.is_current("jit-ops", ops_hash):
-        log("DeepSpeed JIT ops up to date")
-    else:
-        log(f"building DeepSpeed's JIT ops for the CPU accelerator once: {', '.join(JIT_OPS)}")
-        run([venv.python, "-c", WARM_JIT_OPS], env=venv.env())
-        venv.mark("jit-ops", ops_hash)
+    build_ops(venv, ops)
     log(f"ready: {venv.dir.relative_to(ROOT)} ({'stock' if stock else 'patched'} DeepSpeed {base})")
     return venv
+
+
+def install_requirements(venv, reqs):
+    """pip install each ``(requirements file, (what, how long))`` of ``reqs``, in order."""
+    for req, about in reqs:
+        with Step(f"installing {req.relative_to(ROOT)}: {about[0]}", about[1]):
+            venv.pip("install", "-q", "-r", req)
+
+
+def ops_to_build(venv, ops):
+    """``[(name, stamp, digest)]`` of the ``ops`` of ``venv`` not built yet for its current build."""
+    ninja = venv.ninja_version()
+    todo = []
+    for name in ops:
+        digest = tree_hash([], extra=f"{venv.build_hash} {name} ninja={ninja}")
+        if not venv.is_current(f"op-{name}", digest):
+            todo.append((name, venv.stamp(f"op-{name}"), digest))
+    return todo
+
+
+def warm_ops_command(venv, todo):
+    import json
+    return [venv.python, "-c", WARM_JIT_OPS, json.dumps([[name, str(stamp), digest] for name, stamp, digest in todo])]
+
+
+def build_ops(venv, ops):
+    """Build (JIT-compile once) the ``ops`` of ``venv`` that are not built yet, in the foreground."""
+    todo = ops_to_build(venv, ops)
+    if not todo:
+        if ops:
+            log(f"DeepSpeed JIT ops up to date: {', '.join(ops)}")
+        return
+    with Step(f"building DeepSpeed's JIT ops for the CPU accelerator once: {', '.join(n for n, _, _ in todo)}"):
+        run(warm_ops_command(venv, todo), env=venv.env())
+
+
+def start_ops(venv, ops, beside="the tests (a test that needs one first waits for it)", nice=10):
+    """Start building the ``ops`` of ``venv`` not built yet beside what runs next, at ``nice``;
+    returns the process, or None if there is nothing to build."""
+    todo = ops_to_build(venv, ops)
+    if not todo:
+        return None
+    log(f"building DeepSpeed's JIT ops {', '.join(n for n, _, _ in todo)} beside {beside}")
+    return subprocess.Popen([str(c) for c in warm_ops_command(venv, todo)], cwd=ROOT, env=venv.env(),
+                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
 
 def install_testing(venv):
@@ -280,8 +398,11 @@ def install_testing(venv):
     venv.mark("testing", digest)
 
 
+OP_SETS = {"all": JIT_OPS, "demo": DEMO_OPS, "test": TEST_OPS_FIRST, "none": ()}
+
+
 def cmd_setup(args, _extra):
-    venv = setup(args.base)
+    venv = setup(args.base, ops=OP_SETS[args.ops])
     rel = venv.dir.relative_to(ROOT)
     log(f"your own script (README, 'To run your own scripts'): DS_ACCELERATOR=cpu "
         f"TORCH_EXTENSIONS_DIR={rel}/torch_extensions PYTHONSAFEPATH=1 TORCHDYNAMO_DISABLE=1 "
@@ -302,14 +423,39 @@ def pristine_sdist(base):
 
 
 def cmd_test(args, extra):
-    venv = setup(args.base)
+    """pytest in the venv of ``--base``. The whole suite (no pytest arguments, as in CI) starts at once,
+    with every JIT op it loads compiling beside it: the shm comm op and FusedAdam, which nearly every
+    distributed test loads, at normal priority (the first such test waits for them, a few minutes at
+    most), CPU Adam and async I/O, which only the offload and NVMe tests load (they run late), at nice
+    10. A selection of tests (pytest arguments) gets the first two built before it starts, the
+    offload ops beside it."""
+    whole_suite = not extra
+    venv = setup(args.base, ops=() if whole_suite else TEST_OPS_FIRST)
     env = venv.env(TORCHDYNAMO_DISABLE="1")
     sdist = None if os.environ.get("DS_ZERO3MUON_SDIST") else pristine_sdist(args.base)
     if sdist is not None:
         env["DS_ZERO3MUON_SDIST"] = str(sdist)
         log(f"DS_ZERO3MUON_SDIST={sdist} (the release's muon_update, for the bit-identity tests)")
+    builders = [b for b in ((start_ops(venv, TEST_OPS_FIRST, nice=0) if whole_suite else None),
+                            start_ops(venv, TEST_OPS_BESIDE)) if b is not None]
     log(f"pytest {' '.join(extra)}".rstrip())
-    rc = subprocess.run([str(venv.python), "-m", "pytest", *extra], cwd=ROOT, env=env).returncode
+    try:
+        rc = subprocess.run([str(venv.python), "-m", "pytest", *extra], cwd=ROOT, env=env).returncode
+    finally:
+        for builder in builders:
+            if builder.poll() is None:
+                log("waiting for the JIT op build started beside the tests (so the next run has them; Ctrl-C "
+                    "stops it, and the op is built again where a test needs it)")
+                try:
+                    builder.wait()
+                except KeyboardInterrupt:
+                    builder.terminate()
+                    builder.wait()
+                    raise
+    for builder in builders:
+        if builder.returncode != 0:
+            log(f"a JIT op build beside the tests failed (exit {builder.returncode}): see its lines above")
+            rc = rc or builder.returncode
     if rc == 5:
         log("pytest collected no tests: treated as a failure")
         return 1
@@ -320,7 +466,7 @@ def cmd_demo(args, extra):
     if not DEMO.is_file():
         log(f"{DEMO.relative_to(ROOT)} does not exist (yet): no demo to run")
         return 1
-    venv = setup(args.base)
+    venv = setup(args.base, ops=DEMO_OPS)
     if not any(a == "--out" or a.startswith("--out=") for a in extra):
         extra = ["--out", f"out/demo/{args.base}", *extra]  # one directory per base: runs do not overwrite
     return subprocess.run([str(venv.python), str(DEMO), *extra], cwd=ROOT, env=venv.env()).returncode
@@ -605,6 +751,11 @@ def main(argv=None):
         p.add_argument("--base", default=os.environ.get("DS_ZERO3MUON_BASE") or default_base,
                        help=f"DeepSpeed base release, one of {', '.join(known)} (default: %(default)s)")
         p.set_defaults(func=func)
+        if name == "setup":
+            p.add_argument("--ops", choices=sorted(OP_SETS), default="all",
+                           help="which DeepSpeed JIT ops to build (compile once) now: all four (default: shm comm, "
+                           "FusedAdam, CPU Adam, async I/O where libaio is installed), those the demo or the test "
+                           "suite builds before it starts, or none (each is then compiled where first used)")
         if name == "bench":
             p.add_argument("--all-bases", action="store_true", help="also every other base's patched and "
                            f"stock builds ({', '.join(b for b in known if b != default_base)}); default: "

@@ -144,21 +144,97 @@ def obtain_sdist(base, expected_sha256, cache_dir=None):
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", f"deepspeed=={base}", "--no-deps",
-               "--no-binary", ":all:", "--no-build-isolation", "-d", tmp]
+        found = download_sdist(base, Path(tmp))
+        verify_sha256(found, expected_sha256)
+        os.replace(found, cached)
+    return cached
+
+
+# What pip needs to prepare an sdist's metadata in the running Python (``--no-build-isolation``):
+# DeepSpeed ships a setup.py without pyproject.toml, so pip runs setuptools' legacy backend, whose
+# metadata step runs ``bdist_wheel`` (the ``wheel`` package with setuptools < 70.1).
+METADATA_MODULES = ("setuptools", "wheel")
+
+
+def _missing_modules(python, names):
+    """The modules of ``names`` that ``python`` cannot import (all of them if it does not run)."""
+    code = "import importlib.util, sys; print(' '.join(n for n in sys.argv[1:] if importlib.util.find_spec(n) is None))"
+    try:
+        res = subprocess.run([str(python), "-c", code, *names], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             text=True)
+    except OSError:
+        return list(names)
+    return res.stdout.split() if res.returncode == 0 else list(names)
+
+
+def _throwaway_venv(where):
+    """A venv with pip (ensurepip) under ``where``, for a Python that has no pip; returns its python."""
+    import venv
+    target = Path(where) / "venv"
+    _log(f"{sys.executable} has no pip: creating a throwaway venv with pip for the download")
+    try:
+        venv.EnvBuilder(with_pip=True).create(target)
+    except Exception as e:  # ensurepip missing (Debian/Ubuntu without python3-venv), or it failed
+        raise BuildError(f"{sys.executable} has no pip, and a venv with pip could not be made ({e}). Install "
+                         "pip and venv for this Python (Debian/Ubuntu: apt-get install python3-pip python3-venv; "
+                         f"elsewhere: {sys.executable} -m ensurepip --user), or download the sdist yourself and set "
+                         f"{ENV_SDIST} to it") from e
+    return target / "bin" / "python"
+
+
+def _download_hint(base, output, pip_python=None):
+    """What a failed ``pip download`` of the sdist lacks, and the command that fixes it, from its output
+    (``pip_python``: the Python that ran pip, if not this one: a throwaway venv's)."""
+    missing = re.findall(r"No module named '([A-Za-z0-9_.]+)'", output)
+    if "invalid command 'bdist_wheel'" in output and "wheel" not in missing:
+        missing.append("wheel")
+    if missing:
+        names = " ".join(sorted(set(m.split(".")[0] for m in missing) | {"setuptools", "wheel"}))
+        fix = f"{sys.executable} -m pip install --user {names}"
+        if pip_python is not None and str(pip_python) != sys.executable:
+            fix = f"{sys.executable} -m ensurepip --user && {fix}"
+        return (f"the Python that prepared the sdist's metadata lacks {', '.join(sorted(set(missing)))}; "
+                f"install it ({fix}) and run again")
+    if re.search(r"No matching distribution|Could not find a version|NewConnectionError|Max retries exceeded|"
+                 r"Temporary failure in name resolution|Network is unreachable|SSLError|ProxyError", output):
+        return (f"pip could not get deepspeed=={base} from its package index: check the network, proxy and "
+                f"index settings (`{sys.executable} -m pip config list`)")
+    return "see pip's output below"
+
+
+def download_sdist(base, dest):
+    """``pip download`` the sdist of ``deepspeed==base`` into ``dest``; return its path (not yet verified).
+
+    Needs only a Python with network: pip always prepares the metadata of an sdist it downloads,
+    and where this Python lacks setuptools or wheel it is left to pip's build isolation (pip
+    installs them into a throwaway environment of its own, ~20 s); where this Python has no pip, a
+    throwaway venv's pip runs it. Raises BuildError naming what is missing and how to get it.
+    """
+    dest = Path(dest)
+    with tempfile.TemporaryDirectory(dir=dest, prefix=".pip-") as scratch:
+        python = sys.executable
+        if _missing_modules(python, ["pip"]):
+            python = _throwaway_venv(scratch)
+        cmd = [str(python), "-m", "pip", "--disable-pip-version-check", "download", f"deepspeed=={base}", "--no-deps",
+               "--no-binary", ":all:", "-d", str(dest)]
+        missing = _missing_modules(python, METADATA_MODULES)
+        if missing:
+            _log(f"{python} lacks {', '.join(missing)}: pip prepares the sdist's metadata in an isolated build "
+                 "environment (it installs setuptools and wheel there first)")
+        else:
+            cmd.append("--no-build-isolation")  # this Python prepares the metadata: faster, and no extra download
         _log("downloading: " + " ".join(cmd[1:]))
         res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if res.returncode != 0:
-            raise BuildError(f"pip download of deepspeed=={base} failed (exit {res.returncode}); "
-                             f"set {ENV_SDIST} to a local deepspeed-{base}.tar.gz to build offline.\n"
-                             f"{res.stdout}")
-        found = sorted(Path(tmp).glob("deepspeed-*.tar.gz"))
-        if len(found) != 1:
-            raise BuildError(f"pip download of deepspeed=={base} gave {[p.name for p in Path(tmp).iterdir()]}, "
-                             f"expected one deepspeed-{base}.tar.gz")
-        verify_sha256(found[0], expected_sha256)
-        os.replace(found[0], cached)
-    return cached
+            raise BuildError(f"pip download of deepspeed=={base} failed (exit {res.returncode}): "
+                             f"{_download_hint(base, res.stdout, python)}. To build offline, download "
+                             f"deepspeed-{base}.tar.gz (https://pypi.org/project/deepspeed/{base}/#files) and set "
+                             f"{ENV_SDIST} to its path.\n{res.stdout[-6000:]}")
+    found = sorted(dest.glob("deepspeed-*.tar.gz"))
+    if len(found) != 1:
+        raise BuildError(f"pip download of deepspeed=={base} gave {sorted(p.name for p in dest.iterdir())}, "
+                         f"expected one deepspeed-{base}.tar.gz")
+    return found[0]
 
 
 # --------------------------------------------------------------------------- preparing the tree
