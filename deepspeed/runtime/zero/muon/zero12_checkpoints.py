@@ -47,12 +47,12 @@ def from_older_layout(update, cpu_offload: bool) -> None:
     """
     for key, pipeline in update.pipelines.items():
         part, owner, exchange = update.partitions[key], pipeline.owner_state, pipeline.exchange
-        state = update.optimizer.state.get(part.flat, {})
-        rank = exchange.rank
+        state, rank = update.optimizer.state.get(part.flat, {}), exchange.rank
         held = [(j, sum(p[:rank]), part.slices[j]) for j, p in enumerate(part.pieces) if p[rank]]
         rows = state.pop(owner.variant.state_key, None) if owner is not None else None
-        present = owner is not None and bool(owner._all_reduce(
-            torch.tensor([rows is not None], device=owner.flat.device), "MAX", exchange.group, exchange.world_size))
+        present = owner is not None and bool(
+            owner._all_reduce(torch.tensor([rows is not None], device=owner.flat.device), "MAX", exchange.group,
+                              exchange.world_size))
         with agreed_errors(f"loading the Muon state of {part.label}", group=exchange.group):
             momentum = state.get(MOMENTUM_KEY)
             if momentum is not None:
