@@ -132,8 +132,10 @@ GROUPS = numbered(
     Group(
         "zero3-muon",
         "Muon under ZeRO-3: momentum and Newton-Schulz once per optimizer step, on one owner rank per matrix",
-        _patches(4, 1) + _in(MUON, "momentum.py", "newton_schulz.py", "owner_plan.py", "owner_exchange.py",
-                             "pipeline.py", "owner_state.py", "binding.py") +
+        # rank_agreement: errors every rank agrees on, general (the checkpoints pull request's engine patch uses it)
+        _patches(4, 1) + ("deepspeed/runtime/rank_agreement.py", ) +
+        _in(MUON, "momentum.py", "newton_schulz.py", "owner_plan.py", "owner_exchange.py", "pipeline.py",
+            "owner_state.py", "binding.py") +
         # The core's tests, lean: the seam bit for bit, one ZeRO-3 run.
         _in(ZERO_TESTS, "test_muon_update_split.py", "test_zero3_muon_boundary.py")),
     Group(
@@ -158,7 +160,7 @@ GROUPS = numbered(
           needs=("zero3-muon", "zero3-configurations")),
     Group("universal-checkpoints",
           "Checkpoints of Muon runs: every optimizer state in universal checkpoints at every stage, Muon's checked",
-          _patches(6, 7, 8, 9, 13) + ("deepspeed/checkpoint/*.py", "tests/unit/checkpoint/*"),
+          _patches(6, 7, 8, 9, 13, 21) + ("deepspeed/checkpoint/*.py", "tests/unit/checkpoint/*"),
           needs=("zero3-muon", "zero3-configurations", "zero12-muon")),
     Group("muon-config",
           "Muon's configuration: parameter selection with fused projections split, its two learning rates under "

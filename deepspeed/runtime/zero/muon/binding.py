@@ -32,6 +32,7 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.rank_agreement import agreed_errors
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings, is_muon_optimizer
 from deepspeed.runtime.zero.muon.newton_schulz import SPLIT_KEY, matrix_spec, split_of
@@ -391,15 +392,16 @@ class MuonUpdate:
         rank, collective over each variant partition's group.
 
         Raises:
-            RuntimeError: a momentum of another size; a group whose ``variant`` the checkpoint changed;
-                a variant's state missing, foreign or misfit (``owner_state.load_checkpoint_form``).
+            RankAgreedError (a RuntimeError), on every rank: some rank's momentum of another size; a group
+                whose ``variant`` the checkpoint changed; a variant's state missing, foreign or misfit
+                (``owner_state.load_checkpoint_form``).
             ValueError: a variant's state not in its checkpoint form.
         """
         for key, pipeline in self._every_pipeline():
             part, owner = self.partitions[key], pipeline.owner_state
-            group = self._group(part)
-            check_same_kind(owner and owner.variant, variant_of(group), part.label)
-            state = self._state(part)
-            if state.get(MOMENTUM_KEY) is not None:
-                self._check_momentum(part, state[MOMENTUM_KEY])
+            group, state = self._group(part), self._state(part)
+            with agreed_errors(f"loading the Muon state of {part.label}", group=pipeline.exchange.group):
+                check_same_kind(owner and owner.variant, variant_of(group), part.label)
+                if state.get(MOMENTUM_KEY) is not None:
+                    self._check_momentum(part, state[MOMENTUM_KEY])
             load_checkpoint_form(owner, state, part, pipeline.exchange, group.get(VARIANT_KEY, MUON))

@@ -22,6 +22,7 @@ from typing import Dict, Iterable, Sequence, Tuple
 
 import torch
 
+from deepspeed.runtime.rank_agreement import agreed_errors
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY
 
 VARIANT_KEY = "variant"
@@ -187,32 +188,41 @@ class OwnerState:
 def load_checkpoint_form(owner: "OwnerState", state: dict, part, exchange, group_variant: str) -> None:
     """Take a loaded checkpoint form out of a partition's optimizer ``state`` into ``owner`` (None for
     plain Muon); collective over the partition's process group (``exchange``: its ``OwnerExchange``).
+    Each rank checks its own ``state`` (its own file), then the ranks agree (``rank_agreement``), so
+    that every rank raises the same error.
 
     Raises:
-        RuntimeError: ``state`` holds another variant's state (it would be dropped), or holds a
-            momentum but no state of ``owner``'s variant (a checkpoint of plain Muon: it would restart
-            at zero), or one of another size than the partition (``part.numel``).
+        RankAgreedError (a RuntimeError), on every rank: some rank's ``state`` holds another variant's
+            state (it would be dropped), or a momentum but no state of ``owner``'s variant (a checkpoint
+            of plain Muon: it would restart at zero), or one of another size than the partition
+            (``part.numel``), or none where other ranks' hold one (a mixed or damaged checkpoint).
         ValueError: the form is not one value per row (``from_partition``).
     """
     own_key = owner.variant.state_key if owner is not None else None
-    foreign = [k for k in state_keys() if k in state and k != own_key]
-    if foreign:
-        raise RuntimeError(f"{part.label}: the loaded optimizer state holds a Muon variant's {', '.join(foreign)}, "
-                           f"but this run's group uses variant {group_variant!r}; build the engine with the variant "
-                           "the checkpoint was trained with (refusing to drop the state).")
+    with agreed_errors(f"loading the Muon state of {part.label}", group=exchange.group):
+        foreign = [k for k in state_keys() if k in state and k != own_key]
+        if foreign:
+            raise RuntimeError(f"the loaded optimizer state holds a Muon variant's {', '.join(foreign)}, but this "
+                               f"run's group uses variant {group_variant!r}; build the engine with the variant the "
+                               "checkpoint was trained with (refusing to drop the state).")
+        loaded = state.pop(own_key, None) if owner is not None else None
+        if owner is not None and loaded is None and state.get(MOMENTUM_KEY) is not None:
+            raise RuntimeError(f"the loaded optimizer state has no '{own_key}' for the {owner.variant.name} variant "
+                               "(a checkpoint of a plain Muon run?); refusing to restart it at zero. Load a "
+                               "checkpoint of the same variant.")
+        if loaded is not None and loaded.numel() != part.numel:
+            raise RuntimeError(f"'{own_key}' has {loaded.numel()} elements for a partition of {part.numel} (another "
+                               "partitioning); convert the checkpoint with ds_to_universal and load it as a "
+                               "universal checkpoint.")
     if owner is None:
         return
-    loaded = state.pop(own_key, None)
+    held = owner._all_reduce(torch.tensor([loaded is None, loaded is not None], device=owner.flat.device), "MAX",
+                             exchange.group, exchange.world_size)
+    with agreed_errors(f"loading the Muon state of {part.label}", group=exchange.group, enabled=bool(held.all())):
+        if loaded is None and held.all():
+            raise RuntimeError(f"the loaded optimizer state has no '{own_key}' where other ranks' have one")
     if loaded is None:
-        if state.get(MOMENTUM_KEY) is not None:
-            raise RuntimeError(f"{part.label}: the loaded optimizer state has no '{own_key}' for the "
-                               f"{owner.variant.name} variant (a checkpoint of a plain Muon run?); refusing to "
-                               "restart it at zero. Load a checkpoint of the same variant.")
         return
-    if loaded.numel() != part.numel:
-        raise RuntimeError(f"{part.label}: '{own_key}' has {loaded.numel()} elements for a partition of {part.numel} "
-                           "(another partitioning); convert the checkpoint with ds_to_universal and load it as a "
-                           "universal checkpoint.")
     try:
         owner.from_partition(loaded, part.pieces, part.slices, exchange.rank, exchange.group, exchange.world_size)
     except ValueError as e:

@@ -17,6 +17,7 @@ layout before the Muon update takes it over (``MuonUpdate.load_state_dict``).
 
 import torch
 
+from deepspeed.runtime.rank_agreement import agreed_errors
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY
 
 STATE_LAYOUT_KEY = "muon_state_layout"
@@ -40,39 +41,39 @@ def from_older_layout(update, cpu_offload: bool) -> None:
             DeepSpeed kept it so there).
 
     Raises:
-        RuntimeError: a momentum of another size than that layout has here (saved at another world
-            size or ``offload_optimizer`` setting), or a variant's state kept for matrices other than
-            the ones this rank owns (another owner plan).
+        RankAgreedError (a RuntimeError), on every rank: some rank's momentum has another size than that
+            layout has here (saved at another world size or ``offload_optimizer`` setting), or its variant's
+            state was kept for matrices other than the ones it owns (another owner plan).
     """
     for key, pipeline in update.pipelines.items():
-        part = update.partitions[key]
-        state = update.optimizer.state.get(part.flat, {})
-        rank = pipeline.exchange.rank
+        part, owner, exchange = update.partitions[key], pipeline.owner_state, pipeline.exchange
+        state, rank = update.optimizer.state.get(part.flat, {}), exchange.rank
         held = [(j, sum(p[:rank]), part.slices[j]) for j, p in enumerate(part.pieces) if p[rank]]
-        momentum = state.get(MOMENTUM_KEY)
-        if momentum is not None:
-            expected = part.numel if cpu_offload else sum(pipeline.specs[j].numel for j, _, _ in held)
-            if momentum.numel() != expected:
-                raise RuntimeError(
-                    f"{part.label}: the checkpoint, saved without {STATE_LAYOUT_KEY!r} (stock DeepSpeed or an older "
-                    f"build of the Muon patch), holds a momentum of {momentum.numel()} elements where this "
-                    f"configuration expects {expected}: it was saved with another data-parallel world size or "
-                    "zero_optimization.offload_optimizer setting. Load it with the configuration that saved it.")
-            if not cpu_offload:
-                state[MOMENTUM_KEY] = _take_apart(part, pipeline, held, momentum)
-        owner = pipeline.owner_state
-        if owner is None or owner.variant.state_key not in state:
-            continue
-        rows = state.pop(owner.variant.state_key)
-        matrices = state.pop(owner.variant.state_key + "_matrices", None)
-        listed = [j for j, _, _ in held] if matrices is None else [int(j) for j in matrices.tolist()]
-        if not _load_rows(owner, rows, listed):
-            raise RuntimeError(f"{part.label}: the loaded '{owner.variant.state_key}' belongs to another owner plan "
-                               "(world size, zero_optimization.reduce_bucket_size or parameters differ); load the "
-                               "checkpoint with the configuration it was saved with.")
-        exchange = pipeline.exchange
-        state[owner.variant.state_key] = owner.to_partition(part.pieces, part.slices, rank, part.numel, exchange.group,
-                                                            exchange.world_size)
+        rows = state.pop(owner.variant.state_key, None) if owner is not None else None
+        present = owner is not None and bool(
+            owner._all_reduce(torch.tensor([rows is not None], device=owner.flat.device), "MAX", exchange.group,
+                              exchange.world_size))
+        with agreed_errors(f"loading the Muon state of {part.label}", group=exchange.group):
+            momentum = state.get(MOMENTUM_KEY)
+            if momentum is not None:
+                expected = part.numel if cpu_offload else sum(pipeline.specs[j].numel for j, _, _ in held)
+                if momentum.numel() != expected:
+                    raise RuntimeError(
+                        f"the checkpoint, saved without {STATE_LAYOUT_KEY!r} (stock DeepSpeed or an older build of "
+                        f"the Muon patch), holds a momentum of {momentum.numel()} elements where this configuration "
+                        f"expects {expected}: it was saved with another data-parallel world size or "
+                        "zero_optimization.offload_optimizer setting. Load it with the configuration that saved it.")
+                if not cpu_offload:
+                    state[MOMENTUM_KEY] = _take_apart(part, pipeline, held, momentum)
+            matrices = state.pop(owner.variant.state_key + "_matrices", None) if present else None
+            listed = [] if rows is None else [j for j, _, _ in held] if matrices is None else matrices.tolist()
+            if present and not _load_rows(owner, torch.zeros(0) if rows is None else rows, [int(j) for j in listed]):
+                raise RuntimeError(f"the loaded '{owner.variant.state_key}' belongs to another owner plan (world "
+                                   "size, zero_optimization.reduce_bucket_size or parameters differ); load the "
+                                   "checkpoint with the configuration it was saved with.")
+        if present:
+            state[owner.variant.state_key] = owner.to_partition(part.pieces, part.slices, rank, part.numel,
+                                                                exchange.group, exchange.world_size)
 
 
 def _take_apart(part, pipeline, held, whole: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,8 @@
   NorMuon checkpoint converts with ``ds_to_universal`` and resumes at another W and at ZeRO-3; one
   of an older build (no layout mark) loads and trains on bit-identically.
 - Refused: a plain Muon checkpoint loaded into a NorMuon run, a NorMuon checkpoint whose state was
-  removed (regular and universal), and a universal file whose rows are not constant.
+  removed (regular and universal; from one rank's file only: the same error on every rank), and a
+  universal file whose rows are not constant.
 """
 
 import glob
@@ -40,8 +41,8 @@ KEY = "normuon_second_moment"
 SAVED_AT = 3
 
 
-def _drop_state(checkpoint_dir, tag):
-    """Remove KEY from every optimizer-state file of ``tag`` (one process)."""
+def _drop_state(checkpoint_dir, tag, rank="*"):
+    """Remove KEY from every optimizer-state file of ``tag`` (or of data-parallel ``rank``; one process)."""
     dropped = []
 
     def drop(node):
@@ -55,7 +56,7 @@ def _drop_state(checkpoint_dir, tag):
             for value in node:
                 drop(value)
 
-    for path in glob.glob(os.path.join(checkpoint_dir, tag, "*optim_states.pt")):
+    for path in glob.glob(os.path.join(checkpoint_dir, tag, f"*zero_pp_rank_{rank}_*optim_states.pt")):
         state = torch.load(path, map_location="cpu", weights_only=False)
         drop(state)
         torch.save(state, path)
@@ -88,10 +89,20 @@ class TestNorMuonCheckpoint(DistributedTest):
         normuon_run(gas=2, steps=SAVED_AT, restart_after=SAVED_AT).train(checkpoint_dir=dropped)
         dist.barrier()
         if dist.get_rank() == 0:
+            shutil.copytree(dropped, str(tmp_path / "one"))
             _drop_state(dropped, "restart")
+            _drop_state(str(tmp_path / "one"), "restart", rank=1)
         dist.barrier()
         with pytest.raises(RuntimeError, match=f"the loaded optimizer state has no '{KEY}'"):
             normuon_run(gas=2, steps=4, resume_from=SAVED_AT).train(checkpoint_dir=dropped)
+        # Dropped from rank 1's file only: rank 1's check fails, and every rank raises the same error at once
+        # (rank 0 would otherwise wait in the owner state's all-reduce).
+        from deepspeed.runtime.rank_agreement import RankAgreedError
+        with pytest.raises(RankAgreedError, match=f"failed on rank 1 of 2: RuntimeError: .* has no '{KEY}'") as e:
+            normuon_run(gas=2, steps=4, resume_from=SAVED_AT).train(checkpoint_dir=str(tmp_path / "one"))
+        messages = [None] * 2
+        dist.all_gather_object(messages, str(e.value))
+        assert messages[0] == messages[1]
 
 
 UNIVERSAL = normuon_run(gas=2, steps=5, samples=24, universal=True)
