@@ -26,8 +26,11 @@ down; sizes in ``bench/worker.py``), with Newton-Schulz batched or one matrix at
 ``decoder12`` (a GPT-shaped decoder, 12 matrices, 1,052,676 elements): Muon against AdamW at ZeRO-3
 (optimizer memory kept between steps and at the peak of ``step()``, targets <= AdamW on each build)
 and Muon at ZeRO-1 and ZeRO-2 with and without ``offload_optimizer: cpu`` (Muon traffic, NS
-calls and optimizer memory kept; ``--grid memory`` runs only these). Variants of the patch (``pipeline_depth``, ``batch_ns``)
-are keys of the Muon optimizer's config, set like a user sets them (patched builds only). All fp32 with ``gradient_clipping: 0``, ``reduce_scatter: false`` (stock
+calls and optimizer memory kept; ``--grid memory`` runs only these). Variants of the patch (``pipeline_depth``, ``batch_ns``,
+``max_step_memory``) are keys of the Muon optimizer's config, set like a user sets them (patched builds only); the
+strict ``max_step_memory: "momentum_partition"`` twin of sq1024 (net grid, ``--grid max-step-memory``) and of
+decoder12's Muon rows (memory grid) is printed side by side with the default (``print_step_memory_table``: buckets,
+Muon bytes per rank, boundary ``step()`` time and its paired ratio, kept and peak memory). All fp32 with ``gradient_clipping: 0``, ``reduce_scatter: false`` (stock
 refuses the default ``true`` with Muon; the patched build accepts both) and
 ``stage3_param_persistence_threshold: 0``; TorchDynamo off (NS eager on every build).
 """
@@ -90,6 +93,14 @@ MEMORY_KEYS = ("boundary_peak_bytes", "alloc_boundary_bytes", "alloc_peak_bytes"
                "retained_muon_bytes", "optimizer_state_bytes", "kept_bytes", "step_peak_bytes", "alloc_live_bytes",
                "alloc_live_kept_bytes")
 NO_NET = ""  # the net label of runs without a network limit
+# max_step_memory (the Muon optimizer's key): the default (a byte cap, every owner computing at once) against the
+# strict value, a patched-only variant of a workload named <workload>STRICT_SUFFIX, compared with it side by side.
+MAX_STEP_MEMORY_KEY = "max_step_memory"
+STRICT_VALUE = "momentum_partition"
+STRICT_SUFFIX = "-strict"
+MAX_STEP_MEMORY_NET = ("sq1024-gas1-fp32", "sq1024-gas1-fp32" + STRICT_SUFFIX)  # the --grid max-step-memory pair
+GRIDS = ("default", "full", "quick", "memory", "max-step-memory")  # --grid's choices
+NET_GRIDS = ("max-step-memory", )  # grids --net runs as given (any other --grid: the net grid)
 
 
 def workload_config(name, workload, gas, steps, warmup, dtype="fp32", offload=False, only=None, patched=None,
@@ -105,6 +116,22 @@ def workload_config(name, workload, gas, steps, warmup, dtype="fp32", offload=Fa
     if patched:
         cfg["patched"] = dict(patched)
     return cfg
+
+
+def strict_variant(cfg):
+    """The patched-only twin of workload config ``cfg`` with ``max_step_memory: "momentum_partition"`` set in the
+    Muon optimizer's params like a user sets it (the strict rule: buckets within each rank's momentum partition),
+    named ``cfg["name"] + STRICT_SUFFIX``."""
+    out = dict(cfg, name=cfg["name"] + STRICT_SUFFIX, only="patched")
+    out["patched"] = dict(cfg.get("patched", {}), **{MAX_STEP_MEMORY_KEY: STRICT_VALUE})
+    return out
+
+
+def reference_name(name):
+    """The workload a variant's row compares with on other builds and against AdamW: ``name`` without
+    ``STRICT_SUFFIX`` (the strict variant runs on patched builds only; its stock and AdamW rows are its
+    default's)."""
+    return name[:-len(STRICT_SUFFIX)] if name.endswith(STRICT_SUFFIX) else name
 
 
 def llama_and_adamw(steps, warmup):
@@ -134,18 +161,32 @@ def memory_and_zero12(steps, warmup):
     the peak of ``step()``, with the allocator's whole-engine count, ``lifetime_memory``); then
     ``decoder12`` and ``llama`` (28 matrices; one of them straddles the partition boundary at W=2,
     where decoder12's boundary falls between two matrices) with Muon at ZeRO-1 and ZeRO-2, with and
-    without ``offload_optimizer: cpu`` (Muon traffic and NS calls)."""
+    without ``offload_optimizer: cpu`` (Muon traffic and NS calls). Every decoder12 Muon row also
+    with ``max_step_memory: "momentum_partition"`` (``strict_variant``, patched builds only), for
+    the kept and peak memory of both values of the key side by side."""
     out = [
         workload_config("decoder12-gas2-fp32", "decoder12", 2, steps, warmup, optimizer="muon", lifetime_memory=True),
         workload_config("decoder12-gas2-fp32-adamw", "decoder12", 2, steps, warmup, optimizer="adamw",
                         lifetime_memory=True),
     ]
+    out.insert(1, strict_variant(out[0]))
     for wl in ("decoder12", "llama"):
         for stage in (1, 2):
             for offload in (False, True):
                 out.append(workload_config(f"{wl}-zero{stage}-gas2-fp32{'-offload' if offload else ''}", wl, 2, steps,
                                            warmup, offload=offload, stage=stage, optimizer="muon"))
+                if wl == "decoder12":
+                    out.append(strict_variant(out[-1]))
     return out
+
+
+def max_step_memory_grid(steps, warmup):
+    """``--grid max-step-memory``: sq1024 at gas 1 (fp32) on every build, and on patched builds
+    also with ``max_step_memory: "momentum_partition"``: at W=4 each 1024x1024 matrix (1M elements)
+    exceeds a rank's momentum partition (1M / 4), so the strict rule puts every matrix alone in its
+    own bucket at pipeline depth 1, while the default cap puts all four in one bucket (one per owner)."""
+    default = workload_config(MAX_STEP_MEMORY_NET[0], "sq1024", 1, steps, warmup)
+    return [default, strict_variant(default)]
 
 
 def grid(kind: str, steps: int, warmup: int):
@@ -159,12 +200,16 @@ def grid(kind: str, steps: int, warmup: int):
     ``memory_and_zero12`` (which ``default`` and ``full`` hold too); ``net`` (the grid of a
     ``--net`` run): sq1024 and rect1024 at gas 1 (fp32), and sq1024's AdamW twin (at gas 1: over
     an emulated link the parameter all-gathers of every micro-step take seconds, so gas 4 would
-    quadruple the run for the same boundary step).
+    quadruple the run for the same boundary step), sq1024's strict twin (``max_step_memory:
+    "momentum_partition"``, patched builds only); ``max-step-memory``: only sq1024 at gas 1 and its
+    strict twin (``max_step_memory_grid``; with ``--net`` or without).
     Raises ValueError for another kind."""
-    if kind not in ("default", "full", "quick", "memory", "net"):
+    if kind not in GRIDS + ("net", ):
         raise ValueError(f"unknown grid {kind!r}")
     if kind == "memory":
         return memory_and_zero12(steps, warmup)
+    if kind == "max-step-memory":
+        return max_step_memory_grid(steps, warmup)
     if kind == "net":
         points = [(w, 1, "fp32", False) for w in ("sq1024", "rect1024")]
     else:
@@ -185,6 +230,7 @@ def grid(kind: str, steps: int, warmup: int):
     if kind in ("default", "full"):
         configs += llama_and_adamw(steps, warmup) + memory_and_zero12(steps, warmup)
     if kind == "net":
+        configs.insert(1, strict_variant(configs[0]))
         configs.append(workload_config("sq1024-gas1-fp32-adamw", "sq1024", 1, steps, warmup, optimizer="adamw"))
     return configs
 
@@ -519,9 +565,12 @@ def main(argv=None):
                    help="a build's Python (dev.py bench passes patched-0.19.8 and stock-0.19.8; "
                    "with --all-bases 0.19.7's too)")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--grid", choices=("default", "full", "quick", "memory"), default="default",
-                   help="workloads (ignored with --net, which runs the net grid); memory: only the decoder12 rows "
-                   "(ZeRO-3 Muon and AdamW memory, ZeRO-1/2 Muon traffic and NS calls), which default and full hold too")
+    p.add_argument("--grid", choices=GRIDS, default="default",
+                   help="workloads (with --net: the net grid, unless max-step-memory); memory: only the decoder12 rows "
+                   "(ZeRO-3 Muon and AdamW memory, ZeRO-1/2 Muon traffic and NS calls, decoder12 Muon also with "
+                   "max_step_memory \"momentum_partition\"), which default and full hold too; max-step-memory: only "
+                   "sq1024 at gas 1 with the default max_step_memory and with \"momentum_partition\" (patched) and on "
+                   "stock, with or without --net")
     p.add_argument("--repeats", type=int, default=5,
                    help="interleaved launches per build, world size and link (medians and min-max over them); "
                    "a launch of the default grid took 50 to 65 s at W=2 on 2 shared cores, so the default run "
@@ -529,8 +578,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=1, help="measured optimizer steps per workload")
     p.add_argument("--warmup", type=int, default=1, help="optimizer steps before measuring")
     p.add_argument("--net", nargs="+", metavar="RATE|auto",
-                   help="run the net grid (sq1024, rect1024 at gas 1 and 4, sq1024 AdamW; patched-0.19.8 and "
-                   "stock-0.19.8) inside a network namespace shaped to each RATE (e.g. 1gbit); auto: the "
+                   help="run the net grid (sq1024, rect1024 at gas 1, sq1024 AdamW, sq1024 with max_step_memory "
+                   "\"momentum_partition\" (patched); or --grid max-step-memory; patched-0.19.8 and stock-0.19.8) inside a network namespace shaped to each RATE (e.g. 1gbit); auto: the "
                    "inter-node rate bench/link_rate.py derives for each W")
     p.add_argument("--no-seed", action="store_true", help="skip the seed table")
     p.add_argument("--no-overlap", action="store_true", help="skip the overlap comparison")
@@ -547,7 +596,7 @@ def main(argv=None):
     links = Links(args.net)
     if links.unavailable:
         print(f"network emulation unavailable: {links.unavailable}; running the net grid without a network limit")
-    configs = grid("net" if args.net else args.grid, args.steps, args.warmup)
+    configs = grid(args.grid if args.grid in NET_GRIDS or not args.net else "net", args.steps, args.warmup)
     extra = [] if (args.no_overlap or args.net) else overlap_grid(args.steps, args.warmup)
     seed = not (args.no_seed or args.net)
     jobs = net_jobs(links.labels, args.world_sizes, args.repeats, builds, seed)
@@ -624,6 +673,8 @@ def report(results, errors, builds, args, configs, extra, out, elapsed, links, d
             print_ratio_table(results, builds, net, w, names)
             print()
             if print_memory_table(results, builds, net, w, names):
+                print()
+            if print_step_memory_table(results, builds, net, w, names):
                 print()
             if print_zero12_table(results, builds, net, w, names):
                 print()
@@ -702,6 +753,109 @@ def print_memory_table(results, builds, net, w, names):
     return True
 
 
+def strict_pairs(results, net, build, w, names):
+    """``(name, default row, strict row)`` of every Muon workload of ``names`` whose strict variant
+    (``name + STRICT_SUFFIX``, ``max_step_memory: "momentum_partition"``) ran on ``build`` too."""
+    out = []
+    for name in names:
+        default, strict = results.get((net, build, w, name)), results.get((net, build, w, name + STRICT_SUFFIX))
+        if default and strict and is_muon(default):
+            out.append((name, default, strict))
+    return out
+
+
+def muon_bytes(row):
+    """Muon bytes received per rank per optimizer step, mean over ranks (micro-steps included): what
+    crosses each rank's link, by the worker's traffic counters."""
+    return row.get("muon_bytes_boundary_mean", 0.0) + row.get("muon_bytes_micro_mean", 0.0)
+
+
+def muon_bytes_max(row):
+    """Muon bytes received per optimizer step by the busiest rank (micro-steps included)."""
+    return row.get("muon_bytes_boundary_max", 0.0) + row.get("muon_bytes_micro_max", 0.0)
+
+
+def plan_setting(row, key):
+    """``boundary_settings[key]`` of a row (the patch's plan as it ran: ``muon_buckets``,
+    ``pipeline_depth``, ...), None where the worker recorded none (stock, AdamW)."""
+    return (row.get("boundary_settings") or {}).get(key)
+
+
+def print_step_memory_table(results, builds, net, w, names):
+    """``max_step_memory``, the default against ``"momentum_partition"`` (the strict rule), per
+    patched build and workload with a strict variant, side by side with the same workload on stock
+    0.19.8 and with AdamW where those ran: the plan (buckets, pipeline depth, the planned peak of
+    Muon's step per rank), Muon bytes received per rank per step (mean over ranks and busiest: per
+    link), the boundary micro-step and its ``step()`` (ms, median [min-max] over repeats), the
+    optimizer memory kept between steps and at the peak of ``step()`` (MiB, largest rank, median
+    [min-max]); then the paired ratios default / strict. Returns whether anything was printed."""
+    rows, ratios = [], []
+    for build in builds:
+        if not build.startswith("patched"):
+            continue
+        for name, default, strict in strict_pairs(results, net, build, w, names):
+            stock = results.get((net, REFERENCE, w, name))
+            adamw = results.get((net, build, w, name + "-adamw"))
+            for label, where, r in (("default", build, default), (STRICT_VALUE, build, strict),
+                                    ("(stock)", REFERENCE, stock), ("AdamW", build, adamw)):
+                if r is None:
+                    continue
+                muon = is_muon(r)
+                rows.append([name, where, label, fmt(plan_setting(r, "muon_buckets"), ".0f"),
+                             fmt(plan_setting(r, "pipeline_depth"), ".0f"),
+                             fmt(mib(plan_setting(r, "plan_peak_bytes")), ".2f"),
+                             f"{muon_bytes(r):.0f}" if muon else "-", f"{muon_bytes_max(r):.0f}" if muon else "-",
+                             f"{muon_traffic(r) / lower_bound(r):.3f}" if muon and is_zero3(r) else "-",
+                             fmt_spread(r, "boundary_time", 1e3), fmt_spread(r, "boundary_step_time", 1e3),
+                             fmt_spread(r, "kept_bytes", 2**-20, ".3f"),
+                             fmt_spread(r, "step_peak_bytes", 2**-20, ".3f")])
+            ratios.append([name, build, fmt_ratio(ratio_spread(default, strict, "boundary_step_time")),
+                           fmt_ratio(ratio_spread(default, strict, "boundary_time")),
+                           fmt_ratio(ratio_spread(default, strict, "step_time")),
+                           f"{muon_bytes(default) / muon_bytes(strict):.3f}" if muon_bytes(strict) else "-",
+                           f"{fmt(plan_setting(default, 'muon_buckets'), '.0f')} / "
+                           f"{fmt(plan_setting(strict, 'muon_buckets'), '.0f')}",
+                           fmt_ratio(ratio_spread(default, strict, "kept_bytes"), ".3f"),
+                           fmt_ratio(ratio_spread(default, strict, "step_peak_bytes"), ".3f")])
+    if not rows:
+        return False
+    print(f"max_step_memory at W={w}: the default (a byte cap: buckets in which every owner computes at once) against "
+          f"\"{STRICT_VALUE}\" (the strict rule: buckets within each rank's momentum partition), patched build, "
+          "with the same workload on stock and with AdamW where they ran. Plan: buckets, pipeline depth and planned "
+          "peak of Muon's step per rank (MiB) as the patch's Muon update ran them; Muon bytes received per rank per "
+          "step (mean over ranks, busiest; what crosses a rank's link), /bound: Muon elements over 2P(W-1)/W^2; "
+          "times ms, memory MiB (largest rank; kept: optimizer state + buffers kept between steps; peak: kept + "
+          "step()'s allocator peak above its start), median [min-max] over repeats:")
+    print_table(["workload", "build", "max_step_memory", "buckets", "depth", "plan peak", "Muon bytes/rank",
+                 "busiest", "/bound", "boundary ms", "step() ms", "kept MiB", "peak MiB"], rows)
+    print(f"default / \"{STRICT_VALUE}\" at W={w}, median [min-max] of the per-repeat ratios (repeat i with repeat i, "
+          "both in the same launch):")
+    print_table(["workload", "build", "step() at boundary", "boundary time", "step time", "Muon bytes/rank",
+                 "buckets", "kept", "peak"], ratios)
+    return True
+
+
+def step_memory_lines(results, builds, net, w, names, rate_text=""):
+    """Information lines (no target): per patched build and workload with a strict variant, the
+    boundary ``step()`` time default / strict (paired repeats), the Muon bytes per rank of both,
+    the buckets of both, and the kept and peak optimizer memory of both."""
+    out = []
+    for build in builds:
+        for name, default, strict in strict_pairs(results, net, build, w, names):
+            sp = ratio_spread(default, strict, "boundary_step_time")
+            both = lambda f: f"{f(default)} vs {f(strict)}"  # noqa: E731
+            out.append(f"  info max_step_memory default / \"{STRICT_VALUE}\" {build} {name} W={w}{rate_text}: "
+                       f"boundary step() time {sp.format('.2f') if sp else '-'}"
+                       f"{f' over {sp.n} repeats' if sp else ''} "
+                       f"({both(lambda r: fmt_spread(r, 'boundary_step_time', 1e3, '.0f'))} ms); "
+                       f"Muon bytes per rank per step {both(lambda r: f'{muon_bytes(r):.0f}')}; "
+                       f"buckets {both(lambda r: fmt(plan_setting(r, 'muon_buckets'), '.0f'))}, depth "
+                       f"{both(lambda r: fmt(plan_setting(r, 'pipeline_depth'), '.0f'))}; kept "
+                       f"{both(lambda r: fmt(mib(r.get('kept_bytes')), '.3f'))} MiB, peak of step() "
+                       f"{both(lambda r: fmt(mib(r.get('step_peak_bytes')), '.3f'))} MiB")
+    return out
+
+
 def paired_differences(numerator_row, denominator_row, key):
     """Median and min-max of ``numerator_row[key] - denominator_row[key]`` over paired repeats."""
     a, b = per_repeat(numerator_row, key), per_repeat(denominator_row, key)
@@ -744,7 +898,7 @@ def print_zero12_table(results, builds, net, w, names):
                  "NS/matrices", "NS model", "NS micro", "other recv", "step ms", "kept MiB"], rows)
     ratio_rows = []
     for name, build, r in zero12_rows(results, builds, net, w, names):
-        ref = results.get((net, REFERENCE, w, name))
+        ref = results.get((net, REFERENCE, w, reference_name(name)))
         if build.startswith("patched") and ref:
             ratio_rows.append([name, build, f"{muon_traffic(r) / muon_traffic(ref):.4f}" if muon_traffic(ref) else "-",
                                f"{r['ns_calls_per_step'] / ref['ns_calls_per_step']:.2f}" if ref["ns_calls_per_step"]
@@ -758,7 +912,7 @@ def print_zero12_table(results, builds, net, w, names):
 def print_ratio_table(results, builds, net, w, names):
     rows = []
     for name in names:
-        ref = results.get((net, REFERENCE, w, name))
+        ref = results.get((net, REFERENCE, w, reference_name(name)))  # a strict variant against stock's default
         for build in builds:
             r = results.get((net, build, w, name))
             if not build.startswith("patched") or r is None or ref is None:
@@ -850,6 +1004,7 @@ def target_lines(results, builds, net, w, names, links, errors=None):
             out += batch_ns_lines(results, net, build, w, names, errors)
             out += traffic_lines(mine, build, w)
     out += kept_memory_lines(results, builds, net, w, names, rate_text)
+    out += step_memory_lines(results, builds, net, w, names, rate_text)
     if net == NO_NET:
         out += zero12_lines(results, builds, net, w, names)
     return out + muon_adamw_lines(results, builds, net, w, rate_text)
@@ -863,10 +1018,10 @@ def target_with_figures(name, value, met, figures, spec=".2f"):
 
 def adamw_pairs(results, net, build, w, names):
     """``(name, Muon row, AdamW row)`` of every ZeRO-3 Muon workload of ``names`` whose
-    ``-adamw`` twin ran on ``build`` too."""
+    ``-adamw`` twin ran on ``build`` too (a strict variant's: its default's, ``reference_name``)."""
     out = []
     for name in names:
-        muon, adamw = results.get((net, build, w, name)), results.get((net, build, w, name + "-adamw"))
+        muon, adamw = results.get((net, build, w, name)), results.get((net, build, w, reference_name(name) + "-adamw"))
         if muon and adamw and is_muon(muon) and is_zero3(muon):
             out.append((name, muon, adamw))
     return out
@@ -944,7 +1099,7 @@ def zero12_lines(results, builds, net, w, names):
                                        f"exchange {exchanged:.0f} elements; {detail}", spec=".3f"))
         out.append(target_line(f"ZeRO-1/2 NS calls per step summed over ranks {where} = Muon matrices ({matrices})", ns,
                                ns == matrices and not r["ns_calls_micro_per_step"], detail, spec=".0f"))
-        ref = results.get((net, REFERENCE, w, name))
+        ref = results.get((net, REFERENCE, w, reference_name(name)))
         kept = ref and r.get("kept_bytes") is not None and ref.get("kept_bytes")
         value = r["kept_bytes"] / ref["kept_bytes"] if kept else None
         reason = (f"{mib(r['kept_bytes']):.2f} vs {mib(ref['kept_bytes']):.2f} MiB" if kept else

@@ -10,11 +10,10 @@ prints the tables (``scale-output.txt``) and draws ``muon_share_vs_w.png``.
 
 Per rank and optimizer step (ZeRO-3, data parallel over W GPUs, 8 per node):
 
-- **Muon, patched** (the owner plan ``owner_plan.plan_for_depth`` builds, loaded by ``model.py``
-  from the patch, with ``result_itemsize`` 2: on a GPU the default ``ns_method`` "gram" computes in
-  fp16, ``original_muon.ns_compute_dtype``; where even every matrix alone exceeds the momentum
-  budget, depth 1 with buckets chosen against that floor; ``old_plan_for_depth``, the planner before
-  that rule, is printed as a what-if): per bucket, the forward exchange (fp32 NS input,
+- **Muon, patched** (the owner plans ``owner_plan.plan_partitions`` builds per ZeRO-3 sub-group, loaded by
+  ``model.py`` from the patch, with ``result_itemsize`` 2: on a GPU the default ``ns_method`` "gram" computes in
+  fp16, ``original_muon.ns_compute_dtype``; under the default ``max_step_memory`` and, printed beside it, under
+  ``"momentum_partition"``, the rule before it): per bucket, the forward exchange (fp32 NS input,
   ``pipeline.EXCHANGE_DTYPE``: 4 bytes an element), Newton-Schulz on the bucket's slowest owner,
   the back exchange (the compute dtype: 2 bytes). A collective's time is its busiest rank's
   ``max(bytes sent, bytes received)`` over the link (``link_seconds``). The buckets run through
@@ -32,8 +31,9 @@ Per rank and optimizer step (ZeRO-3, data parallel over W GPUs, 8 per node):
   (matmul parameters: Muon matrices and the head; attention's own flops left out; ZeRO-3's
   parameter gathers and gradient reduction assumed hidden under compute at that MFU).
 
-Not modelled: ``sub_group_size`` (one partition, as ``model.py``), kernel launch latency, NCCL's
-start-up per collective, the gradient norm and clipping (common to both optimizers).
+Sub-groups (``sub_group_size``'s default) are planned and run one after another, as ``MuonUpdate`` runs them; an
+all-to-all's start-up is an assumption (``A2A_LATENCY_S``). Not modelled: kernel launch latency, the gradient norm
+and clipping (common to both optimizers).
 """
 
 import argparse

@@ -28,7 +28,7 @@ key of ``WORKLOADS``, ``LLAMAS`` or ``DECODERS``), ``stage``, ``gas``, ``dtype``
 ``offload``, ``micro_batch``, ``steps`` (measured), ``warmup``; optional ``reduce_bucket_size``,
 ``torch_adam`` (the optimizer's ``"torch_adam": true``: torch's Adam for AdamW and Muon's auxiliary
 Adam instead of DeepSpeed's JIT-built FusedAdam),
-``optimizer`` (``muon`` default, ``adamw``), ``pipeline_depth`` and ``batch_ns`` (the Muon
+``optimizer`` (``muon`` default, ``adamw``), ``pipeline_depth``, ``batch_ns`` and ``max_step_memory`` (the Muon
 optimizer's config keys of those names, set in its ``params`` where given and not ``None``; the
 driver passes them to patched builds only), ``memory_step`` (default True), ``lifetime_memory`` (default False: see
 ``alloc_live_bytes``), ``save_weights``, ``ns_dtype`` (``"fp32"``: upstream's ``original_muon.ns_compute_dtype``
@@ -84,7 +84,9 @@ optimizer step (all its micro-steps), times in seconds, sizes in bytes:
   ...) that delivered any, the Muon elements received per rank per step, mean over ranks.
 - ``loss_last``: rank 0's loss on the last measured boundary micro-step.
 - ``boundary_settings``: ``pipeline_depth`` / ``batch_ns`` as the patch's Muon update ran them
-  (from its pipelines; None where it has none), and ``muon_buckets``, the buckets of its plans (rank 0; None on stock or without Muon).
+  (from its pipelines; None where it has none), ``muon_buckets``, the buckets of its plans, and where the build
+  has them its plan figures (``plan_peak_bytes``, ``plan_kept_bytes``, ``plan_ns_efficiency``: ``owner_plan.PlanFigures``
+  of the update's ``figures``) (rank 0; None on stock or without Muon).
 - ``muon_stats``: the patch's ``ExchangeStats`` on rank 0 after the measured steps (None on stock);
   ``bucket_bound_bytes``: the fp32 bytes of the patch's two exchange buffers for its largest
   bucket (send and receive, from its pipelines' layouts), max over ranks (None on stock or where
@@ -392,6 +394,9 @@ OPTIMIZERS = {
 baseline Muon is compared to, on the same model and ZeRO config."""
 
 
+UPDATE_KEYS = ("pipeline_depth", "batch_ns", "max_step_memory")  # the patch's Muon keys a config may set
+
+
 def ds_config(cfg, world_size):
     zero = {"stage": cfg["stage"]}
     if cfg["stage"] == 3:
@@ -413,7 +418,7 @@ def ds_config(cfg, world_size):
         config["bf16"] = {"enabled": True}
     if cfg.get("torch_adam"):
         config["optimizer"]["params"] = dict(config["optimizer"]["params"], torch_adam=True)
-    update_keys = {k: cfg[k] for k in ("pipeline_depth", "batch_ns") if cfg.get(k) is not None}
+    update_keys = {k: cfg[k] for k in UPDATE_KEYS if cfg.get(k) is not None}
     if update_keys:
         config["optimizer"]["params"] = dict(config["optimizer"]["params"], **update_keys)
     return config
@@ -442,12 +447,18 @@ def patch_update(optimizer):
 
 def update_settings(update):
     """What the patch's Muon update runs with: ``pipeline_depth`` and ``batch_ns`` of its first
-    pipeline (None without one) and ``muon_buckets``, the buckets of its plans."""
+    pipeline (None without one), ``muon_buckets``, the buckets of its plans, and its plan figures
+    (``figures``, where the build has them: the peak of Muon's step and the kept bytes per rank it
+    planned, its NS parallel efficiency; else None)."""
     pipelines = list(update.pipelines.values())
     first = pipelines[0] if pipelines else None
+    figures = getattr(update, "figures", None)
     return dict(pipeline_depth=first.depth if first else None,
                 batch_ns=first.batch_ns if first else None,
-                muon_buckets=sum(len(p.plan.buckets) for p in pipelines))
+                muon_buckets=sum(len(p.plan.buckets) for p in pipelines),
+                plan_peak_bytes=getattr(figures, "peak_bytes", None),
+                plan_kept_bytes=getattr(figures, "kept_bytes", None),
+                plan_ns_efficiency=getattr(figures, "ns_efficiency", None))
 
 
 def bucket_exchange_bytes(update):

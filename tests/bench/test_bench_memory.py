@@ -12,8 +12,9 @@ least the full fp32 gradient of the largest matrix (the Newton-Schulz input ever
 materializes there; 0 if the profiler's events were missed), the whole micro-step at least as
 much, ``alloc_boundary_bytes`` must add the retained bytes, ``kept_bytes`` the optimizer state
 and ``step_peak_bytes`` the step's peak. On the patched build the state is the fp32 momentum
-partition and the retained bytes are the exchange buffers ``bench/model.py`` predicts from the
-patch's plan (default ``pipeline_depth`` 2 and, set by the config key, 1), and the
+partition, no exchange buffer is retained between steps (they are allocated per step), the plan
+the worker records is the one ``bench/model.py`` predicts (default ``pipeline_depth`` 2 and, set by
+the config key, 1; ``max_step_memory`` at its default and ``"momentum_partition"``), and the
 allocator's count of what ``initialize`` and the steps left alive differs from AdamW's by exactly
 the introspected difference. On stock DeepSpeed 0.19.8 (when its venv exists)
 ``retained_muon_bytes`` must equal what its all-gather cache holds for one bucket: a local buffer
@@ -33,6 +34,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import model  # noqa: E402
+from deepspeed.runtime.zero.muon import owner_plan  # noqa: E402
 from muon_testing.compare import free_port  # noqa: E402
 
 TINY = [(36, 20), (20, 36), (36, 20)]  # bench/worker.py's "tiny" workload
@@ -103,27 +105,32 @@ def check_memory_fields(row):
 
 def test_memory_fields_patched(tmp_path):
     world_size = 2
-    muon, serial, adamw = run_worker(sys.executable, tmp_path, world_size, [
+    muon, serial, strict, adamw = run_worker(sys.executable, tmp_path, world_size, [
         tiny(lifetime_memory=True),
         tiny(name="tiny-depth1", pipeline_depth=1, batch_ns=False),
+        tiny(name="tiny-strict", max_step_memory="momentum_partition"),
         tiny(name="tiny-adamw", optimizer="adamw", lifetime_memory=True)
     ])
-    for row in (muon, serial, adamw):
+    for row in (muon, serial, strict, adamw):
         check_memory_fields(row)
     assert muon["optimizer"] == "muon" and muon["ns_calls_per_step"] == muon["ns_kernel_calls_per_step"] == len(TINY)
     assert muon["ns_seconds_per_step"] > 0
     assert muon["boundary_settings"]["pipeline_depth"] == model.zero3_depth(TINY, world_size, depth=2)
     assert muon["boundary_settings"]["batch_ns"] is None
     assert serial["boundary_settings"]["pipeline_depth"] == 1 and serial["boundary_settings"]["batch_ns"] is False
-    # the fp32 momentum partition, and the exchange buffers the plan reserves (largest rank)
+    # max_step_memory as the config sets it: the plan (buckets, depth) owner_plan makes for that value
+    specs, pieces = model.specs_for(model.muon_order(TINY)), model.zero3_pieces(TINY, world_size)
+    for row, value in ((muon, owner_plan.DEFAULT_MAX_STEP_MEMORY), (strict, "momentum_partition")):
+        plan, depth = owner_plan.plan_partition(specs, pieces, world_size, value, model.DEFAULT_BUCKET, 2)
+        assert row.get("max_step_memory") == (None if row is muon else value)
+        assert (row["boundary_settings"]["muon_buckets"], row["boundary_settings"]["pipeline_depth"]) == \
+            (len(plan.buckets), depth)
+        assert row["boundary_settings"]["plan_peak_bytes"] > 0
+    # the fp32 momentum partition; no exchange buffer kept between steps (allocated per step)
     momentum = 4 * sum(math.ceil(math.prod(s) / world_size) for s in TINY)
-    for row, depth in ((muon, 2), (serial, 1)):
-        assert row["optimizer_state_bytes"] == momentum
-        assert row["retained_muon_bytes"] == 4 * max(model.zero3_reserved_numel(TINY, world_size, depth=depth))
-    if model.zero3_depth(TINY, world_size, depth=2) > 1:
-        assert serial["retained_muon_bytes"] < muon["retained_muon_bytes"]
-    else:  # depth 2 does not fit the momentum budget: the default runs at depth 1 too
-        assert serial["retained_muon_bytes"] == muon["retained_muon_bytes"]
+    for row in (muon, serial, strict):
+        assert row["optimizer_state_bytes"] == momentum and row["retained_muon_bytes"] == 0
+        assert row["kept_bytes"] == momentum
     assert adamw["retained_muon_bytes"] == 0 and adamw["optimizer_state_bytes"] >= 2 * momentum
     # the allocator: what initialize and the steps left alive, Muon against AdamW, is the introspected
     # difference, up to a few scalar tensors that live outside the state (norms, 8 bytes each) and

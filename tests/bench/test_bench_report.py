@@ -205,7 +205,13 @@ def test_default_grid_holds_llama_batched_and_one_by_one_and_adamw():
 
 def test_net_grid_and_builds():
     names = [c["name"] for c in run_bench.grid("net", 1, 1)]
-    assert names == ["sq1024-gas1-fp32", "rect1024-gas1-fp32", "sq1024-gas1-fp32-adamw"]
+    assert names == ["sq1024-gas1-fp32", "sq1024-gas1-fp32-strict", "rect1024-gas1-fp32", "sq1024-gas1-fp32-adamw"]
+    net = run_bench.grid("net", 1, 1)
+    patched = {c["name"]: c for c in run_bench.configs_for("patched-0.19.8", net)}
+    stock = {c["name"]: c for c in run_bench.configs_for("stock-0.19.8", net)}
+    assert patched["sq1024-gas1-fp32-strict"]["max_step_memory"] == "momentum_partition"
+    assert "max_step_memory" not in patched["sq1024-gas1-fp32"], "the default: the key unset, as a user leaves it"
+    assert "sq1024-gas1-fp32-strict" not in stock and not any("max_step_memory" in c for c in stock.values())
     pythons = {b: "python" for b in run_bench.BUILD_ORDER}
     assert run_bench.select_builds(pythons, ["auto"]) == ["stock-0.19.8", "patched-0.19.8"]
     assert run_bench.select_builds(pythons, None) == list(run_bench.BUILD_ORDER)
@@ -283,7 +289,8 @@ def test_net_auto_and_rate_run_the_net_grid_in_one_namespace_per_rate_and_w(monk
     assert made == [2e10, 4e10, 1e9, 1e9]  # auto at W=2, W=4, then 1gbit at W=2, W=4
     assert {s["python"] for s in seen} == {"patched-0.19.8", "stock-0.19.8"}
     assert len(seen) == 4 * 2 * 2  # (rate, W) x repeats x builds; no seed table
-    assert all(s["names"] == [c["name"] for c in run_bench.grid("net", 1, 1)] for s in seen)
+    assert all(s["names"] == [c["name"] for c in run_bench.configs_for(s["python"], run_bench.grid("net", 1, 1))]
+               for s in seen)
     assert seen[0]["prefix"] == ["ip", "netns", "exec", "ns1"] and seen[-1]["prefix"][-1] == "ns4"
     out = capsys.readouterr().out
     assert "derived for W=2" in out and "measured 18gbit" in out
@@ -461,12 +468,128 @@ def test_memory_against_adamw_and_zero12_targets():
 
 def test_memory_grid_and_pipeline_depth_variants():
     names = [c["name"] for c in run_bench.grid("memory", 1, 1)]
-    assert names[:2] == ["decoder12-gas2-fp32", "decoder12-gas2-fp32-adamw"]
+    assert names[:3] == ["decoder12-gas2-fp32", "decoder12-gas2-fp32-strict", "decoder12-gas2-fp32-adamw"]
     assert {f"{wl}-zero{s}-gas2-fp32{o}" for wl in ("decoder12", "llama") for s in (1, 2) for o in ("", "-offload")} \
         <= set(names)
     assert set(names) <= {c["name"] for c in run_bench.grid("default", 1, 1)}
+    strict = [n for n in names if n.endswith("-strict")]
+    assert strict == ["decoder12-gas2-fp32-strict"] + [f"decoder12-zero{s}-gas2-fp32{o}-strict" for s in (1, 2)
+                                                        for o in ("", "-offload")]
+    memory = run_bench.grid("memory", 1, 1)
+    patched = {c["name"]: c for c in run_bench.configs_for("patched-0.19.8", memory)}
+    assert all(patched[n]["max_step_memory"] == "momentum_partition" for n in strict)
+    assert all(patched[n[:-len("-strict")]].get("max_step_memory") is None for n in strict)
+    assert patched["decoder12-zero2-gas2-fp32-offload-strict"]["offload"] is True
+    assert not set(strict) & {c["name"] for c in run_bench.configs_for("stock-0.19.8", memory)}
     overlap = run_bench.overlap_grid(1, 1)
     patched = {c["name"]: c for c in run_bench.configs_for("patched-0.19.8", overlap)}
     assert {c["pipeline_depth"] for n, c in patched.items() if n.endswith("-overlap")} == {2}
     assert {c["pipeline_depth"] for n, c in patched.items() if n.endswith("-serial")} == {1}
     assert not run_bench.configs_for("stock-0.19.8", overlap)
+
+
+# --- max_step_memory: the default against "momentum_partition" ---------------------------------
+
+
+def strict_rows(w=4, repeats=3):
+    """sq1024 at gas 1: patched default (one bucket, depth 2), patched strict (four buckets, depth
+    1; its step() twice as slow), stock; decoder12-like memory fields on both patched rows."""
+    mib, p = 2**20, 4 * 1024 * 1024
+    wire = 4 * 2 * p * (w - 1) / w**2  # fp32 bytes per rank at the bound
+
+    def muon(name, build, step_times, buckets, depth, kept, peak):
+        r = fake_row(name, build, w, [2 * t for t in step_times], step_times=step_times, gas=1,
+                     muon_bytes_boundary_mean=wire, muon_bytes_boundary_max=wire,
+                     boundary_settings=None if buckets is None else dict(muon_buckets=buckets, pipeline_depth=depth,
+                                                                         plan_peak_bytes=peak))
+        for key, value in (("kept_bytes", kept), ("step_peak_bytes", peak)):
+            r[key], r[key + "_per_repeat"] = value, [value] * repeats
+        return r
+
+    name = "sq1024-gas1-fp32"
+    return name, {
+        ("", "patched-0.19.8", w, name): muon(name, "patched-0.19.8", [0.10, 0.11, 0.12], 1, 2, 4 * mib, 36 * mib),
+        ("", "patched-0.19.8", w, name + "-strict"): muon(name + "-strict", "patched-0.19.8", [0.20, 0.22, 0.30], 4,
+                                                          1, 4 * mib, 33 * mib),
+        ("", "stock-0.19.8", w, name): muon(name, "stock-0.19.8", [0.5, 0.5, 0.5], None, None, 8 * mib, 40 * mib),
+    }
+
+
+def test_max_step_memory_grid_runs_sq1024_default_strict_and_stock():
+    configs = run_bench.grid("max-step-memory", 1, 1)
+    assert [c["name"] for c in configs] == list(run_bench.MAX_STEP_MEMORY_NET)
+    patched = run_bench.configs_for("patched-0.19.8", configs)
+    assert [c.get("max_step_memory") for c in patched] == [None, "momentum_partition"]
+    assert all(c["workload"] == "sq1024" and c["gas"] == 1 and c["stage"] == 3 for c in patched)
+    assert [c["name"] for c in run_bench.configs_for("stock-0.19.8", configs)] == ["sq1024-gas1-fp32"]
+    assert run_bench.reference_name("decoder12-zero2-gas2-fp32-offload-strict") == "decoder12-zero2-gas2-fp32-offload"
+
+
+def test_net_with_grid_max_step_memory_runs_that_grid(monkeypatch, tmp_path, capsys):
+    stub_net(monkeypatch)
+    seen = fake_launches(monkeypatch)
+    argv = PYTHONS + ["--net", "auto", "--repeats", "3", "--world-sizes", "4", "--grid", "max-step-memory", "--out",
+                      str(tmp_path)]
+    assert run_bench.main(argv) == 0
+    assert [s["python"] for s in seen] == ["stock-0.19.8", "patched-0.19.8"] * 3
+    assert [s["names"] for s in seen[:2]] == [["sq1024-gas1-fp32"], list(run_bench.MAX_STEP_MEMORY_NET)]
+    out = capsys.readouterr().out
+    assert "max_step_memory at W=4" in out and '  info max_step_memory default / "momentum_partition"' in out
+    # without max-step-memory, --net keeps running the net grid whatever --grid says
+    seen.clear()
+    assert run_bench.main(PYTHONS + ["--net", "auto", "--repeats", "1", "--world-sizes", "4", "--grid", "memory",
+                                     "--out", str(tmp_path)]) == 0
+    assert seen[1]["names"] == [c["name"] for c in run_bench.configs_for("patched-0.19.8", run_bench.grid("net", 1, 1))]
+
+
+def test_step_memory_table_and_lines_pair_default_with_strict(capsys):
+    name, results = strict_rows()
+    builds = ["stock-0.19.8", "patched-0.19.8"]
+    names = [name, name + "-strict"]
+    assert run_bench.print_step_memory_table(results, builds, "", 4, names)
+    out = capsys.readouterr().out
+    table = [line.split() for line in out.splitlines() if line.startswith(name)]
+    default, strict, stock = table[0], table[1], table[2]
+    assert default[1:6] == ["patched-0.19.8", "default", "1", "2", "36.00"]
+    assert strict[1:6] == ["patched-0.19.8", "momentum_partition", "4", "1", "33.00"]
+    assert stock[1:5] == ["stock-0.19.8", "(stock)", "-", "-"]
+    assert default[6] == strict[6] == "6291456"  # 4 bytes x 2P(W-1)/W^2 per rank
+    ratio = table[3]  # default / strict, paired: 0.10/0.20, 0.11/0.22, 0.12/0.30
+    assert ratio[1:5] == ["patched-0.19.8", "0.50", "[0.40-0.50]", "0.50"]
+    assert " 1 / 4 " in out.splitlines()[-1]
+    lines = run_bench.step_memory_lines(results, builds, "", 4, names)
+    assert len(lines) == 1 and lines[0].startswith('  info max_step_memory default / "momentum_partition" '
+                                                   'patched-0.19.8 sq1024-gas1-fp32 W=4: ')
+    assert "boundary step() time 0.50 [0.40-0.50] over 3 repeats" in lines[0]
+    assert "Muon bytes per rank per step 6291456 vs 6291456" in lines[0] and "buckets 1 vs 4, depth 2 vs 1" in lines[0]
+    assert "kept 4.000 vs 4.000 MiB, peak of step() 36.000 vs 33.000 MiB" in lines[0]
+
+
+def test_strict_variant_is_checked_against_adamw_and_stock_like_its_default():
+    w, mib = 2, 2**20
+    name = "decoder12-gas2-fp32"
+
+    def mem(row_name, build, optimizer, kept, peak, **extra):
+        r = fake_row(row_name, build, w, [1.0, 1.0], optimizer=optimizer, stage=3, optimizer_state_bytes=kept,
+                     retained_muon_bytes=0, alloc_peak_step_bytes=peak - kept, **extra)
+        for key, value in (("kept_bytes", kept), ("step_peak_bytes", peak)):
+            r[key], r[key + "_per_repeat"] = value, [value] * 2
+        return r
+
+    results = {
+        ("", "patched-0.19.8", w, name): mem(name, "patched-0.19.8", "muon", 4 * mib, 9 * mib),
+        ("", "patched-0.19.8", w, name + "-strict"): mem(name + "-strict", "patched-0.19.8", "muon", 4 * mib, 7 * mib),
+        ("", "patched-0.19.8", w, name + "-adamw"): mem(name + "-adamw", "patched-0.19.8", "adamw", 8 * mib, 8 * mib),
+        ("", "stock-0.19.8", w, name): mem(name, "stock-0.19.8", "muon", 6 * mib, 12 * mib),
+    }
+    names = [name, name + "-strict", name + "-adamw"]
+    lines = run_bench.target_lines(results, ["stock-0.19.8", "patched-0.19.8"], "", w, names, run_bench.Links(None))
+    by_name = {TARGET.match(line)["name"]: TARGET.match(line) for line in lines if line.startswith("target ")}
+    for variant, peak in ((name, ("1.125", "MISSED")), (name + "-strict", ("0.875", "met"))):
+        kept = by_name[f"optimizer memory kept between steps Muon/AdamW patched-0.19.8 {variant} W=2 <= 1"]
+        assert (kept["value"], kept["verdict"]) == ("0.500", "met")
+        top = by_name[f"optimizer memory at the peak of step() Muon/AdamW patched-0.19.8 {variant} W=2 <= 1"]
+        assert (top["value"], top["verdict"]) == peak
+    # the boundary-time targets stay patched default / stock: the strict row has no stock row of its name
+    assert all("-strict" not in (m["reason"] or "") for n, m in by_name.items() if n.startswith("boundary"))
+    assert run_bench.print_memory_table(results, ["stock-0.19.8", "patched-0.19.8"], "", w, names)

@@ -30,9 +30,22 @@ def test_gpu_plans_are_the_patch_plans_per_sub_group():
     specs = model.specs_for(model.muon_order(shapes))
     for w in (8, 256):
         plans = scale.gpu_plans(shapes, w)
-        parts = op.plan_partitions(specs, w, 3, scale.SUB_GROUP_SIZE, model.DEFAULT_BUCKET,
-                                   model.DEFAULT_MAX_STEP_MEMORY, 2, 2)
-        assert [(p.owners, p.buckets, d) for p, d, _ in plans] == [(p.owners, p.buckets, d) for _, p, d, *_ in parts]
+        # the sub-groups built here: consecutive matrices until a rank's partition reaches sub_group_size
+        groups, current, held = [], [], 0
+        for j, s in enumerate(specs):
+            current.append(j)
+            held += math.ceil(s.numel / w)
+            if held >= scale.SUB_GROUP_SIZE:
+                groups, current, held = groups + [current], [], 0
+        groups += [current] if current else []
+        load, expected = [0.0] * w, []
+        for g in groups:
+            plan, d = op.plan_partition([specs[j] for j in g], [op.Uniform(math.ceil(specs[j].numel / w), w) for j in g],
+                                        w, model.DEFAULT_MAX_STEP_MEMORY, model.DEFAULT_BUCKET, 2, initial_load=load,
+                                        result_itemsize=2)
+            load = [a + b for a, b in zip(load, plan.load())]
+            expected.append((plan.owners, plan.buckets, d))
+        assert [(p.owners, p.buckets, d) for p, d, _ in plans] == expected
         assert len(plans) == math.ceil(sum(math.ceil(s.numel / w) for s in specs) / scale.SUB_GROUP_SIZE)
     with pytest.raises(ValueError, match="sub-groups"):
         scale.gpu_plan(shapes, 8)

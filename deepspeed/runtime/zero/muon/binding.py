@@ -37,7 +37,7 @@ from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings, is_muon_optimizer
 from deepspeed.runtime.zero.muon.newton_schulz import SPLIT_KEY, matrix_spec, split_of
 from deepspeed.runtime.zero.muon.owner_exchange import ExchangeBuffers, ExchangeStats
-from deepspeed.runtime.zero.muon.owner_plan import DEFAULT_MAX_STEP_MEMORY, CapBelowFloor, plan_figures
+from deepspeed.runtime.zero.muon.owner_plan import DEFAULT_MAX_STEP_MEMORY, STRICT, CapBelowFloor, plan_figures
 from deepspeed.runtime.zero.muon.owner_state import (MUON, VARIANT_KEY, check_same_kind, load_checkpoint_form,
                                                      variant_of)
 from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline
@@ -105,7 +105,7 @@ class MuonUpdate:
     Attributes:
         stats: ``ExchangeStats``, cumulative on this rank.
         pipelines: per partition key its ``MuonPipeline`` (owner plan, layouts, owner state).
-        buffers: the ``ExchangeBuffers`` of the partition being updated, None between updates: the device memory
+        buffers: the ``ExchangeBuffers`` of the pipeline being run, None between runs: the device memory
             goes back to the allocator for the next forward and backward (pinned host staging, for optimizer
             offload, is kept: host memory, and slow to pin).
         figures: the plans' ``owner_plan.PlanFigures`` (every rank's).
@@ -127,15 +127,21 @@ class MuonUpdate:
         self.spread_pipelines: Dict[int, MuonPipeline] = {}
         loads = {}  # NS cost owned per rank so far, per process group
         spread = self._spread_matrices()
+        refused = []  # (needed bytes, partition label, cap) of every partition no plan fits
         for key, part in self.partitions.items():
             sharded = spread.get(key)
             local = [j for j in range(len(part.params)) if sharded is None or j not in sharded.indices]
-            if local:
-                self.pipelines[key] = self._build_pipeline(part, local, [part.pieces[j] for j in local],
-                                                           [tuple(part.shapes[j]) for j in local], loads)
-            if sharded is not None:
-                self.spread_pipelines[key] = self._build_pipeline(part, sharded.indices, sharded.pieces,
-                                                                  sharded.shapes, loads, sharded)
+            try:
+                if local:
+                    self.pipelines[key] = self._build_pipeline(part, local, [part.pieces[j] for j in local],
+                                                               [tuple(part.shapes[j]) for j in local], loads)
+                if sharded is not None:
+                    self.spread_pipelines[key] = self._build_pipeline(part, sharded.indices, sharded.pieces,
+                                                                      sharded.shapes, loads, sharded)
+            except CapBelowFloor as e:
+                refused.append((4 * e.needed_numel, part.label, 4 * e.cap_numel))
+        if refused:
+            self._refuse_cap(refused)
         self._check_plans_agree()
         warm = {id(p.exchange.group): p.exchange for _, p in self._every_pipeline() if p.exchange.world_size > 1}
         for exchange in warm.values():  # every rank of a group meets its pipelines in the same order
@@ -144,9 +150,41 @@ class MuonUpdate:
         self._staging = ExchangeBuffers.covering([p.buffer_demand for _, p in self._every_pipeline()],
                                                  self.device,
                                                  device_buffers=False)
-        self.figures = plan_figures([(p.plan, p.depth, p.pieces, p.result_itemsize, p.state_numels)
-                                     for _, p in self._every_pipeline()], self._world_size())
+        self.figures = self._plan_figures()
         self._log_plan()
+
+    @staticmethod
+    def _refuse_cap(refused):
+        """Refuse ``max_step_memory`` on every rank (each plans the same) with the most any partition needs.
+
+        Raises:
+            ValueError: always."""
+        needed, label, cap = max(refused)
+        raise ValueError(
+            f"{MAX_STEP_MEMORY_KEY} (optimizer.params or the Muon parameter group): {cap} bytes is below what Muon's "
+            f"step needs on a rank for {label}: at least {needed} bytes ({needed / 2**30:.2f} GiB), the largest matrix "
+            "whole on its owner rank with its Newton-Schulz working set and one bucket's exchange buffers (every matrix "
+            f"alone, pipeline depth 1){f', the most of {len(refused)} partitions' if len(refused) > 1 else ''}. Set "
+            f"{MAX_STEP_MEMORY_KEY} to at least {needed}, or to \"momentum_partition\" (within each rank's momentum "
+            "partition where possible, else that least need).")
+
+    def _plan_figures(self):
+        """``owner_plan.plan_figures`` of the pipelines of each process group, merged: buckets summed, the least
+        depth, the largest peak and kept bytes; NS efficiency of the group with the most matrices."""
+        groups = {}
+        for _, p in self._every_pipeline():
+            groups.setdefault(p.exchange.world_size, []).append(p)
+        figures = [(sum(len(p.specs) for p in ps),
+                    plan_figures([(p.plan, p.depth, p.pieces, p.result_itemsize, p.state_numels) for p in ps], w))
+                   for w, ps in groups.items()]
+        if not figures:
+            return plan_figures([], 1)
+        main = max(figures, key=lambda f: f[0])[1]
+        return dataclasses.replace(main,
+                                   buckets=sum(f.buckets for _, f in figures),
+                                   depth=min(f.depth for _, f in figures),
+                                   peak_bytes=max(f.peak_bytes for _, f in figures),
+                                   kept_bytes=max(f.kept_bytes for _, f in figures))
 
     @classmethod
     def create(cls, optimizer, partitions: Callable[[], Sequence[MuonPartition]]) -> Optional["MuonUpdate"]:
@@ -207,38 +245,28 @@ class MuonUpdate:
         process_group = part.process_group if sharded is None else sharded.process_group
         world_size = dist.get_world_size(group=process_group)
         max_step_memory = group.get(MAX_STEP_MEMORY_KEY)
-        max_step_memory = DEFAULT_MAX_STEP_MEMORY if max_step_memory is None else max_step_memory
+        max_step_memory = DEFAULT_MAX_STEP_MEMORY if max_step_memory is None else (
+            max_step_memory if max_step_memory == STRICT else int(max_step_memory))
         # every rank meets its partitions in the same order: keyed by the group, the same ones pool
         load = loads.setdefault(id(process_group), [0.0] * world_size)
         held = [[r for r, n in enumerate(p) if n] for p in pieces]
         holders = None if all(len(h) == world_size for h in held) else held
-        try:
-            pipeline = MuonPipeline.for_process_group(
-                specs,
-                pieces, [part.slices[j] for j in indices],
-                process_group,
-                self.stats,
-                self.device,
-                part.flat.device,
-                part.bucket_numel,
-                group.get(PIPELINE_DEPTH_KEY, DEFAULT_DEPTH),
-                group.get(BATCH_NS_KEY),
-                variant=variant_of(group),
-                placements=sharded and sharded.placements,
-                assemblies=sharded and sharded.assemblies,
-                max_step_memory=max_step_memory,
-                initial_load=load,
-                holders=holders,
-                result_itemsize=original_muon.ns_compute_dtype(ns_method).itemsize)
-        except CapBelowFloor as e:
-            needed = 4 * e.needed_numel
-            raise ValueError(
-                f"optimizer.params.{MAX_STEP_MEMORY_KEY}: {max_step_memory} bytes is below what Muon's step needs "
-                f"on a rank for {part.label}: at least {needed} bytes ({needed / 2**30:.2f} GiB), the largest "
-                f"matrix whole on its owner rank with its Newton-Schulz working set and one bucket's exchange buffers "
-                f"(every matrix alone, pipeline depth 1). Set {MAX_STEP_MEMORY_KEY} to at least {needed}, or to "
-                "\"momentum_partition\" (within each rank's momentum partition where possible, else that least "
-                "need).") from None
+        pipeline = MuonPipeline.for_process_group(specs,
+                                                  pieces, [part.slices[j] for j in indices],
+                                                  process_group,
+                                                  self.stats,
+                                                  self.device,
+                                                  part.flat.device,
+                                                  part.bucket_numel,
+                                                  group.get(PIPELINE_DEPTH_KEY, DEFAULT_DEPTH),
+                                                  group.get(BATCH_NS_KEY),
+                                                  variant=variant_of(group),
+                                                  placements=sharded and sharded.placements,
+                                                  assemblies=sharded and sharded.assemblies,
+                                                  max_step_memory=max_step_memory,
+                                                  initial_load=load,
+                                                  holders=holders,
+                                                  result_itemsize=original_muon.ns_compute_dtype(ns_method).itemsize)
         for r, cost in enumerate(pipeline.plan.load()):
             load[r] += cost
         return pipeline
@@ -273,9 +301,6 @@ class MuonUpdate:
             for pipelines in (self.pipelines, self.spread_pipelines):
                 if key in pipelines:
                     yield key, pipelines[key]
-
-    def _world_size(self) -> int:
-        return max((p.exchange.world_size for _, p in self._every_pipeline()), default=1)
 
     def _log_plan(self):
         if not self.partitions or dist.get_rank() != 0:
@@ -354,17 +379,18 @@ class MuonUpdate:
         variant = variant_of(group)
         settings = MuonSettings.of(group)
         momentum = self.momentum(key, grad_partition.device)
-        self.buffers = ExchangeBuffers.covering([p.buffer_demand for p in pipelines], self.device, self._staging)
-        try:
-            for pipeline in pipelines:
-                check_same_kind(pipeline.owner_state and pipeline.owner_state.variant, variant, part.label)
-                if pipeline.owner_state is not None:
-                    # A checkpoint form state_dict() left here has served its save.
-                    self._state(part).pop(pipeline.owner_state.variant.state_key, None)
+        for pipeline in pipelines:
+            check_same_kind(pipeline.owner_state and pipeline.owner_state.variant, variant, part.label)
+            if pipeline.owner_state is not None:
+                # A checkpoint form state_dict() left here has served its save.
+                self._state(part).pop(pipeline.owner_state.variant.state_key, None)
+            # one pipeline's buffers at a time: each was planned within max_step_memory on its own
+            self.buffers = ExchangeBuffers.covering([pipeline.buffer_demand], self.device, self._staging)
+            try:
                 pipeline.run(grad_partition, momentum, settings, original_muon.ns_compute_dtype(settings.ns_method),
                              self.buffers, variant)
-        finally:
-            self.buffers = None
+            finally:
+                self.buffers = None
         if key == next(iter(self.partitions)):
             self.stats.optimizer_steps += 1
 

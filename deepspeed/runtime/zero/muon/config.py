@@ -90,7 +90,7 @@ UPDATE_KEYS: Mapping[str, str] = {
     "or where it pays (null, the default)",
     MAX_STEP_MEMORY_KEY:
     f"bytes Muon's step may add on a rank's accelerator: exchange buffers, owner matrices, Newton-Schulz working "
-    f"set (a positive integer; null or unset: {DEFAULT_MAX_STEP_MEMORY} = {DEFAULT_MAX_STEP_MEMORY / 2**30:g} GiB), or "
+    f"set, a variant's owner state (a positive integer; null or unset: {DEFAULT_MAX_STEP_MEMORY} = {DEFAULT_MAX_STEP_MEMORY / 2**30:g} GiB), or "
     f"\"{STRICT}\" to stay within each rank's momentum partition where any plan can",
     SPLIT_KEY:
     "orthogonalize each part of a fused projection DeepSpeed recognizes (gate_up_proj, qkv_proj, c_attn) on its own "
@@ -193,7 +193,8 @@ def _is_step_memory(value) -> bool:
 
 
 def _update_value_problems(settings: Mapping[str, Any], where: str) -> List[str]:
-    """What is wrong with ``pipeline_depth`` / ``batch_ns`` in a config block or group (``where``)."""
+    """What is wrong with ``pipeline_depth`` / ``batch_ns`` / ``max_step_memory`` / ``split_fused_muon`` in a config
+    block or group (``where``)."""
     problems = []
     depth = settings.get(PIPELINE_DEPTH_KEY, 1)
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
@@ -235,7 +236,8 @@ def check_muon_keys(optimizer_parameters: Mapping[str, Any], model_parameters) -
             for ``per_head_muon`` on a DeepSpeed without per-head Muon, that this base lacks it;
             then each value it cannot use: an ``ns_method`` that is not one of ``ns_methods()``,
             with the accepted values, a ``pipeline_depth`` that is not an integer >= 1, a
-            ``batch_ns`` that is not true, false or null.
+            ``batch_ns`` that is not true, false or null, a ``max_step_memory`` that is not a positive
+            whole number of bytes, null or "momentum_partition".
     """
     accepted, accepted_in_groups = config_keys(), group_keys()
     problems, values = [], []

@@ -29,6 +29,7 @@ shrinks as 1/W while a whole matrix and its NS working set do not, so from some 
 computing while the others wait; hence the cap of its own.
 """
 
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ class MatrixSpec:
         split, parts: a fused parameter's ``(dim, sizes)`` (``newton_schulz.SPLIT_ATTR``) and the
             ``(batch, rows, cols)`` of its parts per distinct shape; None and () for one matrix.
         extra_numel: elements the owner allocates around NS besides (a spread matrix's storage and whole copy).
+        travels: False where its one holder orthogonalizes it in place (its pieces on the NS device): it takes no
+            exchange buffer.
 
     Raises:
         ValueError: ``ns_problem`` omitted for a tensor that is not 2-D or has ``num_heads``.
@@ -63,6 +66,7 @@ class MatrixSpec:
     split: Optional[Tuple[int, Tuple[int, ...]]] = None
     parts: Tuple[Tuple[int, int, int], ...] = ()
     extra_numel: int = 0
+    travels: bool = True
 
     def __post_init__(self):
         if self.ns_problem is None:
@@ -136,12 +140,14 @@ class OwnerPlan:
         owners: owner rank per matrix.
         buckets: each a tuple of matrix indices; every matrix in exactly one.
         costs, workspaces: per matrix, ``newton_schulz_cost`` and ``ns_workspace_numel``.
+        travels: per matrix ``MatrixSpec.travels`` (empty: every matrix travels).
     """
     world_size: int
     owners: Tuple[int, ...]
     buckets: Tuple[Tuple[int, ...], ...]
     costs: Tuple[float, ...]
     workspaces: Tuple[int, ...] = ()
+    travels: Tuple[bool, ...] = ()
 
     def workspace(self, rank: int) -> int:
         """NS working set (elements) ``rank`` needs as owner: its largest matrix's (calls are batched
@@ -199,7 +205,11 @@ class Uniform(Sequence):
         return iter([self.value] * self.n)
 
     def __eq__(self, other):
+        if not isinstance(other, Sequence):
+            return NotImplemented
         return list(self) == list(other)
+
+    __hash__ = None
 
     def __repr__(self):
         return f"Uniform({self.value}, {self.n})"
@@ -266,6 +276,7 @@ def plan_owners(specs: Sequence[MatrixSpec],
         raise ValueError(f"initial_load has {len(initial_load)} entries for {world_size} ranks.")
     costs = tuple(newton_schulz_cost(spec, ns_steps) for spec in specs)
     workspaces = tuple(spec.ns_workspace(ns_itemsize) for spec in specs)
+    travels = tuple(spec.travels for spec in specs)
     if buckets is None:
         buckets = make_buckets([spec.numel for spec in specs], bucket_numel) if specs else ()
     buckets = tuple(tuple(b) for b in buckets)
@@ -278,7 +289,7 @@ def plan_owners(specs: Sequence[MatrixSpec],
             for j in sorted(bucket, key=lambda j: (-costs[j], j)):
                 owners[j] = min(holders[j], key=lambda r: (total_load[r], r))
                 total_load[owners[j]] += costs[j]
-        return OwnerPlan(world_size, tuple(owners), buckets, costs, workspaces)
+        return OwnerPlan(world_size, tuple(owners), buckets, costs, workspaces, travels)
     ranks = [(load, r) for r, load in enumerate(total_load)]
     heapq.heapify(ranks)
     for bucket in buckets:
@@ -301,16 +312,17 @@ def plan_owners(specs: Sequence[MatrixSpec],
             heapq.heappush(ranks, (load + bin_load[b], r))
         for j in bucket:
             owners[j] = rank_of_bin[bin_of[j]]
-    return OwnerPlan(world_size, tuple(owners), buckets, costs, workspaces)
+    return OwnerPlan(world_size, tuple(owners), buckets, costs, workspaces, travels)
 
 
 def _largest_buffers(plan: OwnerPlan, pieces: Sequence[Sequence[int]]) -> Tuple[List[int], List[int]]:
-    """Per rank, the elements of its largest outgoing and of its largest incoming bucket buffer (O(n + W) where
-    every matrix's pieces are ``Uniform``, else O(n W))."""
+    """Per rank, the elements of its largest outgoing and of its largest incoming bucket buffer, of the matrices that
+    travel (O(n + W) where every matrix's pieces are ``Uniform``, else O(n W))."""
     w = plan.world_size
     uniform = all(isinstance(p, Uniform) for p in pieces)
     most_out, most_in = [0] * w, [0] * w
     for bucket in plan.buckets:
+        bucket = [j for j in bucket if not plan.travels or plan.travels[j]]  # in place: no buffer
         incoming = {}
         for j in bucket:
             whole = pieces[j].value * w if uniform else sum(pieces[j])
@@ -540,8 +552,10 @@ def plan_within_cap(specs: Sequence[MatrixSpec],
 
     Raises:
         CapBelowFloor: no plan fits (``needed_numel``: every matrix alone at depth 1, the least any plan needs).
-        ValueError: see ``plan_owners``.
+        ValueError: ``depth`` below 1; see ``plan_owners``.
     """
+    if depth < 1:
+        raise ValueError(f"the Muon pipeline depth must be at least 1, got {depth}")
     pieces = [Uniform.of(p) for p in pieces]
     costs = [newton_schulz_cost(spec, ns_steps) for spec in specs]
     fitting, seen = [], {}
@@ -605,7 +619,8 @@ class PlanFigures:
     initialization log's figures).
 
     Attributes:
-        world_size, buckets, depth: ranks, buckets over all partitions, the least pipeline depth among them.
+        world_size, buckets, depth: ranks, buckets over all partitions, the least pipeline depth among them (a
+            partition of one bucket counts as depth 1: nothing overlaps).
         peak_bytes: the largest need of any rank in any partition (``rank_numels``; one partition's buffers live at
             a time).
         kept_bytes: the largest, over ranks, of what Muon keeps between steps: its fp32 momentum (the pieces it
@@ -634,8 +649,9 @@ def plan_figures(entries: Sequence[tuple], world_size: int) -> PlanFigures:
         path += critical_path(plan)
         costs += plan.costs
     ideal = ideal_path(costs, world_size)
-    return PlanFigures(world_size, sum(len(e[0].buckets) for e in entries), min((e[1] for e in entries), default=0),
-                       4 * peak, 4 * max(kept, default=0), ideal / path if path > 0 else 1.0)
+    depth = min((min(e[1], max(1, len(e[0].buckets))) for e in entries), default=0)  # one bucket overlaps nothing
+    return PlanFigures(world_size, sum(len(e[0].buckets) for e in entries), depth, 4 * peak, 4 * max(kept, default=0),
+                       ideal / path if path > 0 else 1.0)
 
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
@@ -694,7 +710,8 @@ def plan_partitions(specs: Sequence,
         specs, world_size)
     load, out = [0.0] * world_size, []
     for indices, pieces, holders in parts:
-        chosen = [specs[j] for j in indices]
+        # one holder orthogonalizes in place (pieces on the NS device: no optimizer offload)
+        chosen = [dataclasses.replace(specs[j], travels=sum(map(bool, p)) > 1) for j, p in zip(indices, pieces)]
         state = [variant.state_numel(s) for s in chosen] if variant is not None else None
         plan, d = plan_partition(chosen,
                                  pieces,

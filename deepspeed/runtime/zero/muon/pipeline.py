@@ -16,6 +16,7 @@ another's compute). A matrix one rank holds whole on the NS device skips the exc
 place.
 """
 
+import dataclasses
 from collections import deque
 from typing import Sequence, Tuple
 
@@ -79,10 +80,7 @@ class MuonPipeline:
         self.depth = depth
         self.batch_ns = batch_ns
         self.assemblies = list(assemblies or [None] * len(self.specs))
-        whole = [
-            sum(map(bool, p)) == 1 and self.piece_device == torch.device(device) and a is None
-            for p, a in zip(pieces, self.assemblies)
-        ]
+        whole = [stays_home(p, self.piece_device, device, a) for p, a in zip(pieces, self.assemblies)]
 
         def layout(bucket, local):  # BucketLayout(matrices, owners, numels, pieces, rank, placements)
             b = [j for j in bucket if whole[j] == local and (not local or plan.owners[j] == exchange.rank)]
@@ -125,6 +123,10 @@ class MuonPipeline:
             owner_plan.CapBelowFloor: no plan fits ``max_step_memory``."""
         from deepspeed import comm as dist
         rank, world_size = dist.get_rank(group=group), dist.get_world_size(group=group)
+        specs = [
+            dataclasses.replace(s, travels=not stays_home(p, piece_device, device, a))
+            for s, p, a in zip(specs, pieces, assemblies or [None] * len(specs))
+        ]
         if variant is not None:
             plan_args["state_numels"] = [variant.state_numel(spec) for spec in specs]
         plan, depth = plan_partition(specs, pieces, world_size, max_step_memory, max_bucket_numel, depth,
@@ -282,6 +284,12 @@ class MuonPipeline:
             start, _ = self.slices[layout.matrices[k]]
             grad_flat.narrow(0, start, numel).copy_(update.narrow(0, offset, numel))
         return slot
+
+
+def stays_home(pieces: Sequence[int], piece_device, device, assembly=None) -> bool:
+    """Whether a matrix of ``pieces`` (elements per rank) is orthogonalized in place by its one holder: its pieces on
+    the NS ``device`` and no tensor-parallel ``assembly``; it then takes no exchange buffer."""
+    return sum(map(bool, pieces)) == 1 and torch.device(piece_device) == torch.device(device) and assembly is None
 
 
 def _wait(handle) -> None:

@@ -138,8 +138,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--ds-config",
                         type=Path,
                         help="a DeepSpeed config (JSON): zero_optimization.stage, sub_group_size, "
-                        "reduce_bucket_size and the Muon keys of optimizer.params are read (default: ZeRO-3, "
-                        "default keys)")
+                        "reduce_bucket_size and the Muon keys of optimizer.params are read (without it, or where it "
+                        "sets no stage: ZeRO-3; the default keys)")
     parser.add_argument("--ns-dtype",
                         choices=sorted(NS_ITEMSIZE),
                         help="the dtype Newton-Schulz runs in (default: as on a GPU, fp16 for ns_method "
@@ -166,7 +166,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cap = params.get("max_step_memory")
     cap = DEFAULT_MAX_STEP_MEMORY if cap is None else (cap if cap == STRICT else int(cap))
     model = model_on_meta(args.config)
-    named = muon_specs(model, ns_method, params.get("split_fused_muon") is not False)
+    from deepspeed.runtime.zero.muon.newton_schulz import SPLIT_KEY
+    named = muon_specs(model, ns_method, params.get(SPLIT_KEY) is not False)
     specs = [s for _, s in named]
     sub_group = zero.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)
     bucket = zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_SIZE)

@@ -406,8 +406,8 @@ class TestUpdateSettingsReachTheUpdate(DistributedTest):
         with pytest.raises(ValueError) as refused:
             initialize(64)
         message = str(refused.value)
-        assert message.startswith("optimizer.params.max_step_memory: 64 bytes is below what Muon's step needs on a "
-                                  "rank for "), message
+        assert message.startswith("max_step_memory (optimizer.params or the Muon parameter group): 64 bytes is below "
+                                  "what Muon's step needs on a rank for "), message
         needed = int(re.search(r"at least (\d+) bytes \(", message).group(1))
         assert f"Set max_step_memory to at least {needed}, or to \"momentum_partition\"" in message
         engine = initialize(needed)

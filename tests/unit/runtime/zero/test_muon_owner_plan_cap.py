@@ -36,10 +36,10 @@ def _zero3(shapes, world_size, uniform=True):
     return specs, [make(math.ceil(s.numel / world_size)) for s in specs]
 
 
-def _scan_lpt_plan(specs, world_size, buckets):
+def _scan_lpt_plan(specs, world_size, buckets, initial_load=None):
     """The LPT of ``plan_owners`` by scans over the W bins and ranks (the least ``(load, index)`` each time)."""
     costs = [newton_schulz_cost(s) for s in specs]
-    owners, total = [0] * len(specs), [0.0] * world_size
+    owners, total = [0] * len(specs), list(initial_load or [0.0] * world_size)
     for bucket in buckets:
         bin_of, bin_load = {}, [0.0] * world_size
         for j in sorted(bucket, key=lambda j: (-costs[j], j)):
@@ -60,13 +60,15 @@ def _scan_lpt_plan(specs, world_size, buckets):
 @pytest.mark.parametrize("seed", range(4))
 def test_heap_lpt_equals_a_scan_over_the_bins(world_size, seed):
     rng = random.Random(seed)
-    shapes = [(rng.choice([8, 16, 64, 96]), rng.choice([8, 32, 64])) for _ in range(50)]  # many ties
+    shapes = [(rng.choice([0, 8, 16, 64, 96]), rng.choice([8, 32, 64])) for _ in range(50)]  # ties, zero costs
     specs = [MatrixSpec(s) for s in shapes]
+    loads = [None, [float(rng.choice([0, 1e5, 2e5])) for _ in range(world_size)]]  # earlier partitions' NS, tied
     for factor in BUCKET_FACTORS:
         buckets = make_cost_buckets([newton_schulz_cost(s) for s in specs], world_size, factor)
-        plan = plan_owners(specs, world_size, 0, buckets=buckets)
-        assert plan.buckets == buckets
-        assert plan.owners == _scan_lpt_plan(specs, world_size, buckets), factor
+        for load in loads:
+            plan = plan_owners(specs, world_size, 0, initial_load=load, buckets=buckets)
+            assert plan.buckets == buckets
+            assert plan.owners == _scan_lpt_plan(specs, world_size, buckets, load), (factor, load)
 
 
 def test_cost_buckets_cover_in_order_and_close_at_the_factor():
@@ -118,6 +120,18 @@ def test_a_cap_below_the_floor_is_refused_with_the_least_need():
     assert refused.value.needed_numel == floor and str(4 * floor) in str(refused.value)
     plan, depth = plan_within_cap(specs, pieces, 8, floor, 2, result_itemsize=2)
     assert depth == 1 and max(rank_numels(plan, pieces, 1, 2)[0]) <= floor
+
+
+def test_matrices_that_stay_home_take_no_buffer():
+    """A matrix one holder orthogonalizes in place (``travels`` False) adds no exchange buffer, only its working
+    set: at W = 1 the plan needs the largest working set alone."""
+    specs = [MatrixSpec(s, travels=False) for s in LLAMA3_8B[:7]]
+    pieces = [(s.numel, ) for s in specs]
+    plan, depth = plan_within_cap(specs, pieces, 1, DEFAULT_MAX_STEP_MEMORY // 4, 2, result_itemsize=2)
+    assert max(rank_numels(plan, pieces, slots_for_depth(depth), 2)[0]) == max(s.ns_workspace(2) for s in specs)
+    travelling = [MatrixSpec(s) for s in LLAMA3_8B[:7]]
+    assert max(rank_numels(plan_owners(travelling, 1, 0, buckets=plan.buckets), pieces, 3, 2)[0]) > max(
+        s.ns_workspace(2) for s in specs)
 
 
 def test_the_cap_lowers_the_depth_before_the_buckets():
