@@ -124,7 +124,7 @@ def text_report(name: str, named_specs: Sequence, partitions: list, world_size: 
         sizes = [len(b) for b in plan.buckets]
         owners = [len({plan.owners[k] for k in b}) for b in plan.buckets]
         lines.append(f"  partition {p}: {len(indices)} matrices, {len(plan.buckets)} bucket(s) of {min(sizes)}-"
-                     f"{max(sizes)} matrices on {min(owners)}-{max(owners)} owners, depth {d}")
+                     f"{max(sizes)} matrices on {min(owners)}-{max(owners)} owners, depth {min(d, len(sizes))}")
     return lines
 
 
