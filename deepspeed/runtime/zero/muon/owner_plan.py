@@ -415,7 +415,12 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
     """
 
     def plan(bucket_numel):
-        return plan_owners(specs, world_size, bucket_numel, ns_steps, initial_load, holders,
+        return plan_owners(specs,
+                           world_size,
+                           bucket_numel,
+                           ns_steps,
+                           initial_load,
+                           holders,
                            ns_itemsize=result_itemsize)
 
     def needs(candidate):
@@ -600,8 +605,8 @@ def floor_numel(specs: Sequence[MatrixSpec],
     return max(rank_numels(alone, pieces, 1, result_itemsize, state_numels)[0], default=0)
 
 
-def plan_partition(specs: Sequence[MatrixSpec], pieces: Sequence[Sequence[int]], world_size: int,
-                   max_step_memory, max_bucket_numel: int, depth: int, **plan_args) -> Tuple[OwnerPlan, int]:
+def plan_partition(specs: Sequence[MatrixSpec], pieces: Sequence[Sequence[int]], world_size: int, max_step_memory,
+                   max_bucket_numel: int, depth: int, **plan_args) -> Tuple[OwnerPlan, int]:
     """``(plan, depth)`` of one partition under ``max_step_memory``: bytes (``plan_within_cap`` at ``bytes // 4``
     elements) or ``STRICT`` (``plan_for_depth`` with buckets of at most ``max_bucket_numel``).
     ``plan_args``: as for ``plan_for_depth``.
@@ -692,22 +697,21 @@ def zero12_partition(specs: Sequence, world_size: int) -> List[list]:
 
 
 def plan_partitions(specs: Sequence,
-               world_size: int,
-               stage: int = 3,
-               sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
-               reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE,
-               max_step_memory=DEFAULT_MAX_STEP_MEMORY,
-               depth: int = 2,
-               ns_itemsize: int = 2,
-               variant=None) -> list:
+                    world_size: int,
+                    stage: int = 3,
+                    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE,
+                    reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET_SIZE,
+                    max_step_memory=DEFAULT_MAX_STEP_MEMORY,
+                    depth: int = 2,
+                    ns_itemsize: int = 2,
+                    variant=None) -> list:
     """Per partition ``(indices, plan, depth, pieces, ns_itemsize, state_numels, holders)``, planned as
     ``binding.MuonUpdate`` plans them (NS cost carried over from one partition to the next).
 
     Raises:
         owner_plan.CapBelowFloor: ``max_step_memory`` below what a partition needs with every matrix alone.
     """
-    parts = zero3_sub_groups(specs, world_size, sub_group_size) if stage == 3 else zero12_partition(
-        specs, world_size)
+    parts = zero3_sub_groups(specs, world_size, sub_group_size) if stage == 3 else zero12_partition(specs, world_size)
     load, out = [0.0] * world_size, []
     for indices, pieces, holders in parts:
         # one holder orthogonalizes in place (pieces on the NS device: no optimizer offload)

@@ -129,8 +129,7 @@ class MuonPipeline:
         ]
         if variant is not None:
             plan_args["state_numels"] = [variant.state_numel(spec) for spec in specs]
-        plan, depth = plan_partition(specs, pieces, world_size, max_step_memory, max_bucket_numel, depth,
-                                     **plan_args)
+        plan, depth = plan_partition(specs, pieces, world_size, max_step_memory, max_bucket_numel, depth, **plan_args)
         exchange = OwnerExchange(group, rank, world_size, dist.all_to_all_single, stats)
         pipeline = cls(plan, specs, pieces, slices, exchange, device, piece_device, depth, batch_ns, variant,
                        placements, assemblies)

@@ -192,8 +192,7 @@ class TestEachKeyReachesItsHalf(DistributedTest):
         assert "- optimizer.params.muon_momentum: not a key of the Muon optimizer" in message
         assert "- optimizer.params.lr_muon: not a key of the Muon optimizer" in message
         assert ("Accepted: adam_lr, adam_w_mode, batch_ns, betas, eps, foreach, fp32_optimizer_states, lr, "
-                "max_step_memory, momentum"
-                in message), message
+                "max_step_memory, momentum" in message), message
 
     def test_group_keys_refused_at_initialize(self):
 

@@ -85,16 +85,18 @@ def test_uniform_pieces_give_the_needs_of_their_lists(world_size):
     specs, uniform = _zero3(shapes, world_size)
     _, lists = _zero3(shapes, world_size, uniform=False)
     for factor in (0.0, 1.0, math.inf):
-        plan = plan_owners(specs, world_size, 0, buckets=make_cost_buckets([newton_schulz_cost(s) for s in specs],
-                                                                           world_size, factor))
+        plan = plan_owners(specs,
+                           world_size,
+                           0,
+                           buckets=make_cost_buckets([newton_schulz_cost(s) for s in specs], world_size, factor))
         for slots in (1, 3):
-            assert rank_numels(plan, uniform, slots, 2, [7] * len(specs)) == rank_numels(
-                plan, lists, slots, 2, [7] * len(specs))
+            assert rank_numels(plan, uniform, slots, 2,
+                               [7] * len(specs)) == rank_numels(plan, lists, slots, 2, [7] * len(specs))
     assert Uniform.of((5, 5, 5)) == Uniform(5, 3) and Uniform.of((5, 4)) == (5, 4)
 
 
-@pytest.mark.parametrize("shapes,world_size", [(LLAMA3_8B, 8), (LLAMA3_8B, 32), (LLAMA3_8B, 1024),
-                                               (LLAMA3_70B, 32), (LLAMA3_70B, 256), (LLAMA3_70B, 4096)],
+@pytest.mark.parametrize("shapes,world_size", [(LLAMA3_8B, 8), (LLAMA3_8B, 32), (LLAMA3_8B, 1024), (LLAMA3_70B, 32),
+                                               (LLAMA3_70B, 256), (LLAMA3_70B, 4096)],
                          ids=["8b-w8", "8b-w32", "8b-w1024", "70b-w32", "70b-w256", "70b-w4096"])
 def test_default_cap_every_owner_computes_at_once(shapes, world_size):
     """Under the default cap (NS in fp16, a GPU's "gram"): every rank within it, NS parallel efficiency at least
@@ -130,8 +132,8 @@ def test_matrices_that_stay_home_take_no_buffer():
     plan, depth = plan_within_cap(specs, pieces, 1, DEFAULT_MAX_STEP_MEMORY // 4, 2, result_itemsize=2)
     assert max(rank_numels(plan, pieces, slots_for_depth(depth), 2)[0]) == max(s.ns_workspace(2) for s in specs)
     travelling = [MatrixSpec(s) for s in LLAMA3_8B[:7]]
-    assert max(rank_numels(plan_owners(travelling, 1, 0, buckets=plan.buckets), pieces, 3, 2)[0]) > max(
-        s.ns_workspace(2) for s in specs)
+    assert max(rank_numels(plan_owners(travelling, 1, 0, buckets=plan.buckets), pieces, 3,
+                           2)[0]) > max(s.ns_workspace(2) for s in specs)
 
 
 def test_the_cap_lowers_the_depth_before_the_buckets():

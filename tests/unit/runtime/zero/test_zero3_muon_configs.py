@@ -87,9 +87,11 @@ STRICT = "momentum_partition"
 BUCKET_RUNS = {
     2: {
         "buckets": DEFAULT.with_(zero=(("reduce_bucket_size", BUCKET), ), max_step_memory=STRICT),
-        "buckets_serial": DEFAULT.with_(zero=(("reduce_bucket_size", BUCKET), ), pipeline_depth=1,
+        "buckets_serial": DEFAULT.with_(zero=(("reduce_bucket_size", BUCKET), ),
+                                        pipeline_depth=1,
                                         max_step_memory=STRICT),
-        "buckets_depth3": DEFAULT.with_(zero=(("reduce_bucket_size", BUCKET), ), pipeline_depth=3,
+        "buckets_depth3": DEFAULT.with_(zero=(("reduce_bucket_size", BUCKET), ),
+                                        pipeline_depth=3,
                                         max_step_memory=STRICT),
     },
     3: {
