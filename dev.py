@@ -427,8 +427,9 @@ def cmd_test(args, extra):
     with every JIT op it loads compiling beside it: the shm comm op and FusedAdam, which nearly every
     distributed test loads, at normal priority (the first such test waits for them, a few minutes at
     most), CPU Adam and async I/O, which only the offload and NVMe tests load (they run late), at nice
-    10. A selection of tests (pytest arguments) gets the first two built before it starts, the
-    offload ops beside it."""
+    10. A selection of tests (pytest arguments) gets the first two built before it starts; a selected
+    test that loads another op builds it when it needs it (nothing is built beside a selection, so it
+    ends when its tests do)."""
     whole_suite = not extra
     venv = setup(args.base, ops=() if whole_suite else TEST_OPS_FIRST)
     env = venv.env(TORCHDYNAMO_DISABLE="1")
@@ -436,8 +437,8 @@ def cmd_test(args, extra):
     if sdist is not None:
         env["DS_ZERO3MUON_SDIST"] = str(sdist)
         log(f"DS_ZERO3MUON_SDIST={sdist} (the release's muon_update, for the bit-identity tests)")
-    builders = [b for b in ((start_ops(venv, TEST_OPS_FIRST, nice=0) if whole_suite else None),
-                            start_ops(venv, TEST_OPS_BESIDE)) if b is not None]
+    builders = [b for b in (start_ops(venv, TEST_OPS_FIRST, nice=0), start_ops(venv, TEST_OPS_BESIDE))
+                if b is not None] if whole_suite else []
     log(f"pytest {' '.join(extra)}".rstrip())
     try:
         rc = subprocess.run([str(venv.python), "-m", "pytest", *extra], cwd=ROOT, env=env).returncode

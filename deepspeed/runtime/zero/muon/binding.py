@@ -318,10 +318,19 @@ class MuonUpdate:
         logger.info(f"{next(iter(self.partitions.values())).label.split(',')[0]}: owner-centric update at the "
                     f"accumulation boundary for {sum(len(p.specs) for p in pipelines)} matrices ({travel} held by "
                     f"more than one rank, {spread} over all ranks: tensor-parallel) in {len(pipelines)} "
-                    f"pipeline(s) over {f.world_size} ranks: {f.buckets} bucket(s), pipeline depth {f.depth}, "
+                    f"pipeline(s) over {f.world_size} ranks, Newton-Schulz in {self._ns_dtypes()}: {f.buckets} "
+                    f"bucket(s), pipeline depth {f.depth}, "
                     f"peak of Muon's step {f.peak_bytes} bytes per rank at most, kept between steps "
                     f"{f.kept_bytes} bytes per rank at most, NS parallel efficiency {f.ns_efficiency:.2f}; owner NS "
                     f"cost max/mean {max(p.plan.imbalance() for p in pipelines):.3f}")
+
+    def _ns_dtypes(self) -> str:
+        """The dtypes Newton-Schulz runs in for the partitions' groups (``original_muon.ns_compute_dtype``)."""
+        dtypes = {
+            original_muon.ns_compute_dtype(MuonSettings.of(self._group(p)).ns_method)
+            for p in self.partitions.values()
+        }
+        return ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
 
     def reserved_bytes(self) -> int:
         """Bytes of exchange buffer this rank holds on its device now: 0 between steps (``buffers``)."""

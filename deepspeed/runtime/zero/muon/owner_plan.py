@@ -598,10 +598,12 @@ def floor_numel(specs: Sequence[MatrixSpec],
                 ns_steps: int = NS_STEPS_DEFAULT,
                 holders: Optional[Sequence[Sequence[int]]] = None,
                 result_itemsize: int = 4,
-                state_numels: Optional[Sequence[int]] = None) -> int:
-    """The least any plan needs on its busiest rank, fp32 elements: every matrix alone at depth 1."""
+                state_numels: Optional[Sequence[int]] = None,
+                initial_load: Optional[Sequence[float]] = None) -> int:
+    """What every matrix alone at depth 1 needs on its busiest rank, fp32 elements: the least of the plans
+    ``plan_within_cap`` considers, the figure ``CapBelowFloor`` gives (same arguments, same figure)."""
     pieces = [Uniform.of(p) for p in pieces]
-    alone = plan_owners(specs, world_size, 1, ns_steps, None, holders, ns_itemsize=result_itemsize)
+    alone = plan_owners(specs, world_size, 1, ns_steps, initial_load, holders, ns_itemsize=result_itemsize)
     return max(rank_numels(alone, pieces, 1, result_itemsize, state_numels)[0], default=0)
 
 
@@ -705,8 +707,9 @@ def plan_partitions(specs: Sequence,
                     depth: int = 2,
                     ns_itemsize: int = 2,
                     variant=None) -> list:
-    """Per partition ``(indices, plan, depth, pieces, ns_itemsize, state_numels, holders)``, planned as
-    ``binding.MuonUpdate`` plans them (NS cost carried over from one partition to the next).
+    """Per partition ``(indices, plan, depth, pieces, ns_itemsize, state_numels, holders, floor)``, planned as
+    ``binding.MuonUpdate`` plans them (NS cost carried over from one partition to the next; ``floor``:
+    ``floor_numel``, what a cap below it is refused with).
 
     Raises:
         owner_plan.CapBelowFloor: ``max_step_memory`` below what a partition needs with every matrix alone.
@@ -727,6 +730,7 @@ def plan_partitions(specs: Sequence,
                                  holders=holders,
                                  result_itemsize=ns_itemsize,
                                  state_numels=state)
+        floor = floor_numel(chosen, pieces, world_size, NS_STEPS_DEFAULT, holders, ns_itemsize, state, load)
         load = [a + b for a, b in zip(load, plan.load())]
-        out.append((indices, plan, d, pieces, ns_itemsize, state, holders))
+        out.append((indices, plan, d, pieces, ns_itemsize, state, holders, floor))
     return out

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from deepspeed.runtime.zero.muon.owner_plan import (DEFAULT_MAX_STEP_MEMORY, DEFAULT_REDUCE_BUCKET_SIZE,
-                                                    DEFAULT_SUB_GROUP_SIZE, STRICT, CapBelowFloor, floor_numel,
-                                                    plan_figures, plan_partitions)
+                                                    DEFAULT_SUB_GROUP_SIZE, STRICT, CapBelowFloor, plan_figures,
+                                                    plan_partitions)
 
 NS_ITEMSIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
 
@@ -71,7 +71,7 @@ def muon_specs(model, ns_method: str, split_fused: bool = True) -> list:
 
 
 def _figures(partitions: list, world_size: int):
-    return plan_figures([(plan, d, pieces, itemsize, state) for _, plan, d, pieces, itemsize, state, _ in partitions],
+    return plan_figures([(plan, d, pieces, itemsize, state) for _, plan, d, pieces, itemsize, state, *_ in partitions],
                         world_size)
 
 
@@ -100,7 +100,7 @@ def _gib(n: float) -> str:
 
 
 def text_report(name: str, named_specs: Sequence, partitions: list, world_size: int, stage: int,
-                max_step_memory, floor: int) -> List[str]:
+                max_step_memory, floor: int, ns_dtype: str) -> List[str]:
     """The report's lines (``main``)."""
     specs = [s for _, s in named_specs]
     figures = _figures(partitions, world_size)
@@ -109,8 +109,8 @@ def text_report(name: str, named_specs: Sequence, partitions: list, world_size: 
            f"\"{STRICT}\" (within each rank's momentum partition where any plan fits, buckets of at most "
            "reduce_bucket_size)")
     lines = [
-        f"Muon owner plan: {name}, {len(specs)} Muon matrices ({muon / 1e9:.3f}e9 elements), ZeRO stage {stage}, "
-        f"W={world_size}, max_step_memory {cap}",
+        f"Muon owner plan: {name}, {len(specs)} Muon matrices ({muon:,} elements), ZeRO stage {stage}, "
+        f"W={world_size}, Newton-Schulz in {ns_dtype}, max_step_memory {cap}",
         f"  partitions: {len(partitions)} ({'sub-groups' if stage == 3 else 'flat partition of the Muon group'}); "
         f"buckets: {figures.buckets}; pipeline depth: {figures.depth}",
         f"  peak of Muon's step per rank: {figures.peak_bytes} bytes ({_gib(figures.peak_bytes)}); least any plan "
@@ -143,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--ns-dtype",
                         choices=sorted(NS_ITEMSIZE),
                         help="the dtype Newton-Schulz runs in (default: as on a GPU, fp16 for ns_method "
-                        "\"gram\", bf16 otherwise)")
+                        "\"gram\", bf16 otherwise; fp32 for a CPU without fp16 and bf16)")
     parser.add_argument("--json", type=Path, help="also write the plan as one JSON object to this file")
     args = parser.parse_args(argv)
     if args.world_size < 1:
@@ -178,16 +178,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         partitions = plan_partitions(specs, args.world_size, stage, sub_group, bucket, cap, params.get("pipeline_depth", 2),
                                 itemsize, variant)
-    except CapBelowFloor as e:
+    except CapBelowFloor:
+        # every partition's least need (the strict rule plans them all), the most of them as at initialize
+        strict = plan_partitions(specs, args.world_size, stage, sub_group, bucket, STRICT,
+                                 params.get("pipeline_depth", 2), itemsize, variant)
+        needed = 4 * max(entry[-1] for entry in strict)
         print(f"optimizer.params.max_step_memory: {cap} bytes is below what Muon's step needs on a rank: at least "
-              f"{4 * e.needed_numel} bytes ({_gib(4 * e.needed_numel)}); deepspeed.initialize would refuse it.",
+              f"{needed} bytes ({_gib(needed)}); deepspeed.initialize would refuse it. Set max_step_memory to at "
+              "least that, or to \"momentum_partition\".",
               file=sys.stderr)
         return 2
-    floor = 4 * max(
-        floor_numel([specs[j] for j in indices], pieces, args.world_size, holders=holders, result_itemsize=itemsize,
-                    state_numels=state) for indices, _, _, pieces, _, state, holders in partitions)
+    floor = 4 * max(entry[-1] for entry in partitions)
     name = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
-    print("\n".join(text_report(name, named, partitions, args.world_size, stage, cap, floor)))
+    print("\n".join(text_report(name, named, partitions, args.world_size, stage, cap, floor, ns_dtype)))
     if args.json:
         args.json.write_text(json.dumps(plan_json(partitions, specs, args.world_size)) + "\n")
     return 0

@@ -14,8 +14,8 @@ import pytest
 from deepspeed.runtime.zero.muon.owner_plan import (BUCKET_FACTORS, DEFAULT_MAX_STEP_MEMORY, STRICT, CapBelowFloor,
                                                     MatrixSpec, OwnerPlan, Uniform, critical_path, floor_numel,
                                                     ideal_path, make_cost_buckets, newton_schulz_cost, plan_figures,
-                                                    plan_for_depth, plan_owners, plan_partition, plan_within_cap,
-                                                    rank_numels, slots_for_depth)
+                                                    plan_for_depth, plan_owners, plan_partition, plan_partitions,
+                                                    plan_within_cap, rank_numels, slots_for_depth)
 
 
 def llama3(layers, hidden, kv, mlp):
@@ -161,3 +161,17 @@ def test_plan_figures_count_every_rank():
     assert figures.peak_bytes == 4 * max(need) and figures.buckets == 1 and figures.depth == 1
     assert figures.kept_bytes == 4 * max(budget[0] + 10, budget[1] + 20)
     assert figures.ns_efficiency == pytest.approx(ideal_path(plan.costs, 2) / max(plan.costs))
+
+
+@pytest.mark.parametrize("stage,world_size", [(3, 1), (3, 4), (2, 2), (1, 4)])
+def test_the_least_need_reported_is_the_refusals(stage, world_size):
+    """``plan_partitions``' least need per partition (what the plan report prints) is the figure a cap below it is
+    refused with, and that cap fits: ZeRO-3 and the ZeRO-1/2 flat partition, matrices held whole (no buffer) too."""
+    specs = [MatrixSpec(s) for s in llama3(2, 96, 32, 160)]
+    parts = plan_partitions(specs, world_size, stage, 10**9, 10**9, DEFAULT_MAX_STEP_MEMORY, 2, 2)
+    least = max(entry[-1] for entry in parts)
+    with pytest.raises(CapBelowFloor) as refused:
+        plan_partitions(specs, world_size, stage, 10**9, 10**9, 4 * least - 4, 2, 2)
+    assert refused.value.needed_numel == least
+    fits = plan_partitions(specs, world_size, stage, 10**9, 10**9, 4 * least, 2, 2)
+    assert plan_figures([e[1:6] for e in fits], world_size).peak_bytes <= 4 * least
