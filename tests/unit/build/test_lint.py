@@ -260,7 +260,7 @@ def test_each_pull_requests_files(lint_bin, tmp_path, monkeypatch):
     # the seed fix: 0004 patches original_muon.py, 0001 stage3.py; the core modules and their tests are new files
     seed = by_stem["1-zero3-muon"]
     assert sorted(seed.patched) == [f"{muon}/original_muon.py", stage3]
-    assert [p for p in seed.ours if p.startswith("deepspeed/")] == [
+    assert [p for p in seed.ours if p.startswith("deepspeed/")] == ["deepspeed/runtime/rank_agreement.py"] + [
         f"{muon}/{m}.py"
         for m in ("binding", "momentum", "newton_schulz", "owner_exchange", "owner_plan", "owner_state", "pipeline")
     ]
