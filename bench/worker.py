@@ -719,6 +719,10 @@ def run_workload(cfg, ns, comm, peak):
         if step >= cfg["warmup"]:
             steps.append(rec)
         if lifetime is not None and step == cfg["warmup"] - 1:
+            # A backend may drop a finished asynchronous collective's tensors on its own thread after wait()
+            # returned (gloo's worker thread): a barrier, queued behind them, lets those frees happen while the
+            # profiler still records them.
+            torch.distributed.barrier()
             lifetime.__exit__(None, None, None)
             alloc_live, lifetime = live_bytes(lifetime, (INIT_MARK, WARMUP_STEP_MARK)), None
             live_kept = kept_now(engine.optimizer)
