@@ -4,8 +4,8 @@
 # DeepSpeed Team
 """The Muon update of every ZeRO stage, run once per optimizer step at the accumulation boundary.
 
-Each stage describes its rank's share of every Muon ZeRO-3 sub-group or ZeRO-1/2 parameter group
-(``MuonPartition``: the matrices, each rank's piece of each, where this rank's lies in the flat
+Each stage describes its rank's share of every ZeRO-3 sub-group or ZeRO-1/2 parameter group once
+(``MuonPartition``: the parameters, each rank's piece of each, where this rank's lies in the flat
 fp32 partition); ``MuonUpdate`` serves every stage from that description alone:
 
 - ``update(key, grad_partition)`` in ``step()``, right after the gradient partition was divided by
@@ -15,18 +15,22 @@ fp32 partition); ``MuonUpdate`` serves every stage from that description alone:
   matrix, and the pieces of the update come back in place of the gradient (``pipeline``). Under
   ZeRO-3 every rank holds a piece of every matrix; under ZeRO-1/2 most matrices lie whole in one
   partition and never travel. The momentum never travels; nothing runs on micro-steps.
-- ``state_dict()`` / ``load_state_dict()`` from the stage's own: the momentum is optimizer state of
-  the flat partition, in its layout (as Adam's ``exp_avg``), so every checkpoint path carries it; a
-  variant's owner state (``owner_state``) goes there in its checkpoint form at save and is taken
-  back at load.
+- ``after_inner_step(key)`` right after the inner optimizer stepped the partition: what the engine
+  registered runs there on the same description (``add_after_inner_step``; MuonClip's QK-clip scales
+  its pieces of the query and key weights).
+- ``save_owner_state()`` / ``load_saved_state()`` from the stage's ``state_dict()`` /
+  ``load_state_dict()``: the momentum is optimizer state of the flat partition, in its layout (as
+  Adam's ``exp_avg``), so every checkpoint path carries it; a variant's owner state
+  (``owner_state``) goes there in its checkpoint form at save and is taken back at load.
 
 ``MuonWithAuxAdam`` then applies weight decay and ``-lr * update``; the update is not rescaled.
 """
 
 import dataclasses
 import hashlib
+import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -62,14 +66,17 @@ matrix (False), or where it pays (null, the default; ``newton_schulz.batches``).
 
 @dataclass(frozen=True)
 class MuonPartition:
-    """The Muon matrices of one ZeRO-3 sub-group or ZeRO-1/2 parameter group as this rank holds them,
-    built by the stage (``_muon_partitions`` in ``stage3.py``, ``stage_1_and_2.py``).
+    """The parameters of one ZeRO-3 sub-group or ZeRO-1/2 parameter group as this rank holds them,
+    built once by the stage (``_muon_partitions`` in ``stage3.py``, ``stage_1_and_2.py``).
 
     Attributes:
-        key, label: the stage's index (passed to ``update``) and its name in messages.
+        key, label: the stage's index (passed to ``update`` and ``after_inner_step``) and its name in
+            messages.
         group_index: its group in the optimizer's ``param_groups`` (read at each step: a loaded
             checkpoint replaces the groups).
-        params, shapes: the Muon parameters in partition order and their full shapes.
+        muon: whether the group is a Muon group (its parameters are matrices Muon orthogonalizes); the
+            others are described for what runs after the inner step.
+        params, shapes: the parameters in partition order and their full shapes.
         pieces: per matrix, the elements every rank of ``process_group`` holds of it; in rank order
             the matrix flattened (ZeRO-3 zero-pads past its end).
         slices: per matrix, ``(offset, numel)`` of this rank's piece in the flat partition.
@@ -92,8 +99,22 @@ class MuonPartition:
     flat: torch.Tensor
     numel: int
     bucket_numel: int
+    muon: bool = True
     allocate_momentum: Optional[Callable[[], None]] = None
     agree_finite: bool = False
+
+    def held_pieces(self) -> List[Tuple[torch.nn.Parameter, int, int, int]]:
+        """``(param, start, offset, numel)`` of every parameter this rank holds elements of: elements
+        ``[start, start + numel)`` of the flattened parameter lie at ``offset`` of ``flat``; ZeRO-3's
+        zero padding past a parameter's end left out."""
+        rank = dist.get_rank(group=self.process_group)
+        held = []
+        for param, shape, piece, (offset, numel) in zip(self.params, self.shapes, self.pieces, self.slices):
+            start = sum(piece[:rank])
+            numel = max(0, min(numel, math.prod(shape) - start))
+            if numel:
+                held.append((param, start, offset, numel))
+        return held
 
 
 class MuonUpdate:
@@ -122,7 +143,9 @@ class MuonUpdate:
         self.optimizer = optimizer
         self.stats = ExchangeStats()
         self.device = torch.device(get_accelerator().current_device_name())
-        self.partitions: Dict[int, MuonPartition] = {p.key: p for p in partitions if p.params}
+        self.described: Dict[int, MuonPartition] = {p.key: p for p in partitions}
+        self.partitions: Dict[int, MuonPartition] = {p.key: p for p in partitions if p.muon and p.params}
+        self._after_inner_step: List[Callable[[MuonPartition], None]] = []
         self.pipelines: Dict[int, MuonPipeline] = {}
         self.spread_pipelines: Dict[int, MuonPipeline] = {}
         loads = {}  # NS cost owned per rank so far, per process group
@@ -332,6 +355,17 @@ class MuonUpdate:
         }
         return ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
 
+    def add_after_inner_step(self, hook: Callable[[MuonPartition], None]) -> None:
+        """Run ``hook(partition)`` right after the inner optimizer stepped each described partition (every
+        group, Muon or not), on every rank in the stage's order, in the order hooks were added."""
+        self._after_inner_step.append(hook)
+
+    def after_inner_step(self, key: int) -> None:
+        """The stage's call right after its inner optimizer stepped partition ``key`` (fp32 ``flat`` updated,
+        not yet copied to the low-precision parameters)."""
+        for hook in self._after_inner_step:
+            hook(self.described[key])
+
     def reserved_bytes(self) -> int:
         """Bytes of exchange buffer this rank holds on its device now: 0 between steps (``buffers``)."""
         return 0 if self.buffers is None else self.buffers.reserved_bytes()
@@ -391,7 +425,7 @@ class MuonUpdate:
         for pipeline in pipelines:
             check_same_kind(pipeline.owner_state and pipeline.owner_state.variant, variant, part.label)
             if pipeline.owner_state is not None:
-                # A checkpoint form state_dict() left here has served its save.
+                # A checkpoint form save_owner_state() left here has served its save.
                 self._state(part).pop(pipeline.owner_state.variant.state_key, None)
             # one pipeline's buffers at a time: each was planned within max_step_memory on its own
             self.buffers = ExchangeBuffers.covering([pipeline.buffer_demand], self.device, self._staging)
@@ -410,7 +444,7 @@ class MuonUpdate:
         return bool(flag.item())
 
     @torch.no_grad()
-    def state_dict(self) -> None:
+    def save_owner_state(self) -> None:
         """Put each variant's owner state in its checkpoint form (``OwnerState.to_partition``) into the
         optimizer state under the variant's ``state_key`` for the stage's ``state_dict()`` (dropped at
         the next ``update``); collective over each variant partition's group, nothing for plain Muon."""
@@ -422,7 +456,7 @@ class MuonUpdate:
                 part.pieces, part.slices, exchange.rank, part.numel, exchange.group, exchange.world_size)
 
     @torch.no_grad()
-    def load_state_dict(self) -> None:
+    def load_saved_state(self) -> None:
         """Take over the Muon state the stage has just loaded (regular or universal checkpoint); on every
         rank, collective over each variant partition's group.
 
