@@ -154,7 +154,8 @@ GROUPS = numbered(
           "plans and exchange tested at every layout",
           _patches(12, 19) + _in(MUON, "zero12_checkpoints.py", "tensor_parallel.py") +
           _in(ZERO_TESTS, "test_zero12_*.py", "zero12_muon_helpers.py", "test_muon_owner_plan_configs.py",
-              "test_muon_pipeline*.py", "test_muon_autotp.py", "test_muon_tensor_parallel.py") +
+              "test_muon_pipeline*.py", "test_muon_autotp.py", "test_muon_tensor_parallel.py",
+              "test_muon_non_finite_step.py") +
           _in(TESTING, "causal_lm.py", "threaded_exchange.py"),
           needs=("zero3-muon", "zero3-configurations")),
     Group("universal-checkpoints",
