@@ -18,36 +18,20 @@ runs see the same gradients bit for bit: the reported norms and the weights must
 weights drift apart.
 
 fp16 on the CPU accelerator: DeepSpeed refuses fp16 where ``is_fp16_supported()`` is false,
-although fp16 tensors work on the CPU; the test claims support while the engine is built there
-(and changes nothing on other accelerators).
+although fp16 tensors work on the CPU; the test claims support while the engine is built
+(``fp16_allowed_on_cpu``; other accelerators have it).
 """
-
-import contextlib
 
 import pytest
 import torch
 
 import deepspeed
-from deepspeed.accelerator import get_accelerator
 from unit.common import DistributedTest
+from unit.runtime.zero.zero3_muon_helpers import fp16_allowed_on_cpu
 
 STEPS = 5
 SAMPLES = 16
 INITIAL_SCALE_POWER = 8
-
-
-@contextlib.contextmanager
-def fp16_allowed():
-    accelerator = get_accelerator()
-    if accelerator.device_name() != "cpu":
-        yield
-        return
-    original = accelerator.is_fp16_supported
-    accelerator.is_fp16_supported = lambda: True
-    try:
-        yield
-    finally:
-        accelerator.is_fp16_supported = original
 
 
 def new_model():
@@ -80,7 +64,7 @@ def train(fp16_section, gas):
         },
     }
     model = new_model()
-    with fp16_allowed():
+    with fp16_allowed_on_cpu():
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     device = engine.device
     scales, norms = [], []
