@@ -49,9 +49,7 @@ class TestMuonNonFiniteStep(DistributedTest):
             groups = engine.optimizer.optimizer.param_groups
             pieces = _muon_pieces(engine.optimizer.muon_update)
             unchanged = [m.clone() for m, _ in pieces]
-            decayed = [
-                m.clone().mul_(1 - groups[g]["lr"] * groups[g]["weight_decay"]) for m, g in pieces
-            ]
+            decayed = [m.clone().mul_(1 - groups[g]["lr"] * groups[g]["weight_decay"]) for m, g in pieces]
         skipped = engine.skipped_steps
         before = momentum_tensors(engine)
         assert before and all(torch.isfinite(m).all() and m.abs().sum() > 0 for m in before), "a good first step"

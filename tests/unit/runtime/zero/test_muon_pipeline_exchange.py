@@ -17,9 +17,9 @@ from deepspeed.runtime.zero.muon.newton_schulz import orthogonalize_each
 from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeBuffers, ExchangeStats, OwnerExchange
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, plan_for_depth, plan_owners, reserved_numel, within_budget
 from deepspeed.runtime.zero.muon.pipeline import MuonPipeline, slots_for_depth
-from muon_testing.threaded_exchange import (FakeAllToAll, LAYOUTS, reference_updates as _reference,
-                                            run_pipelines as _run, scatter as _scatter, settings, specs_of as _specs,
-                                            zero12_layout as _zero12_layout, zero3_layout as _zero3_layout)
+from muon_testing.threaded_exchange import (FakeAllToAll, LAYOUTS, reference_updates as _reference, run_pipelines as
+                                            _run, scatter as _scatter, settings, specs_of as _specs, zero12_layout as
+                                            _zero12_layout, zero3_layout as _zero3_layout)
 
 SETTINGS = settings()
 
