@@ -144,12 +144,13 @@ def test_six_pull_requests_each_file_once(case):
         f"{ZERO_TESTS}/test_zero3_muon_configs.py"
     } <= set(configurations)
     # the tests' package goes with the first pull request whose tests import it, as tests/muon_testing/ (the
-    # causal language models and their attention reference with the tensor-parallel tests of zero12-muon, the
-    # threaded ranks with the pipeline's tests there)
-    later = ("causal_lm.py", "attention.py", "threaded_exchange.py")
-    package = sorted(p for p in sources if p.startswith("testing/") and not p.endswith(later))
+    # causal language models with the tensor-parallel tests of zero12-muon, the threaded ranks with the pipeline's
+    # tests there, the attention reference with the MuonClip tests of muon-variants)
+    later = ("causal_lm.py", "threaded_exchange.py")
+    package = sorted(p for p in sources if p.startswith("testing/") and not p.endswith(later + ("attention.py", )))
     assert package and set(package) <= set(configurations)
     assert {f"testing/muon_testing/{name}" for name in later} <= set(by_key["zero12-muon"].sources)
+    assert "testing/muon_testing/attention.py" in by_key["muon-variants"].sources
     assert {ze.exported_path(p) for p in package} <= set(by_key["zero3-configurations"].paths)
     assert all(ze.exported_path(p).startswith("tests/muon_testing/") for p in package)
 

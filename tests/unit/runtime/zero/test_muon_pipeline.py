@@ -5,7 +5,8 @@
 """The distributed Muon core (``pipeline.MuonPipeline``), W ranks simulated by threads
 (``muon_testing.threaded_exchange``), on pieces of ZeRO-3's layout (``ceil(numel / W)`` of each matrix, zero padded)
 or ZeRO-1/2's (the flat buffer cut in W). Every rank's pieces must become its pieces of upstream ``muon_update`` of
-the whole matrix, update and momentum, bit for bit, at depths 1 and 2, on the CPU and on the accelerator.
+the whole matrix, update and momentum, bit for bit, at depths 1 to 3 (three buckets in flight: five slots), on the
+CPU and on the accelerator.
 """
 
 import pytest
@@ -14,7 +15,7 @@ from deepspeed.accelerator import get_accelerator
 from muon_testing.threaded_exchange import LAYOUTS, device_check, mismatches, run_pipelines
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [1, 2, 3])
 @pytest.mark.parametrize("bucket_numel", [1, 100, 10**9], ids=["one-per-bucket", "buckets", "one-bucket"])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -3,8 +3,8 @@
 
 # DeepSpeed Team
 """The distributed Muon core's exchange in detail, W ranks simulated by threads
-(``muon_testing.threaded_exchange``): upstream's update at pipeline depth 3; the collectives in the
-documented order; the traffic (the owner-centric bound under ZeRO-3, only straddling matrices under
+(``muon_testing.threaded_exchange``; upstream's update at every depth: ``test_muon_pipeline``): the collectives in
+the documented order; the traffic (the owner-centric bound under ZeRO-3, only straddling matrices under
 ZeRO-1/2); the buffers reserved, and the depth lowered where they would not fit the momentum's
 memory; the owner's reassembly, in-place views, bf16 back exchange and batched Newton-Schulz calls.
 """
@@ -17,19 +17,11 @@ from deepspeed.runtime.zero.muon.newton_schulz import orthogonalize_each
 from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeBuffers, ExchangeStats, OwnerExchange
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, plan_for_depth, plan_owners, reserved_numel, within_budget
 from deepspeed.runtime.zero.muon.pipeline import MuonPipeline, slots_for_depth
-from muon_testing.threaded_exchange import (FakeAllToAll, LAYOUTS, mismatches, reference_updates as _reference,
-                                            run_pipelines as _run, scatter as _scatter, settings, specs_of as _specs,
-                                            zero12_layout as _zero12_layout, zero3_layout as _zero3_layout)
+from muon_testing.threaded_exchange import (FakeAllToAll, LAYOUTS, reference_updates as _reference, run_pipelines as
+                                            _run, scatter as _scatter, settings, specs_of as _specs, zero12_layout as
+                                            _zero12_layout, zero3_layout as _zero3_layout)
 
 SETTINGS = settings()
-
-
-@pytest.mark.parametrize("bucket_numel", [1, 100, 10**9], ids=["one-per-bucket", "buckets", "one-bucket"])
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_depth_3_gives_upstreams_update(layout, world_size, bucket_numel):
-    """``test_muon_pipeline``'s check (depths 1 and 2 there) with three buckets in flight, five slots."""
-    assert not mismatches(_run(LAYOUTS[layout], world_size, bucket_numel, 3))
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])

@@ -646,7 +646,7 @@ def max_relative_error(pairs):
     return worst
 
 
-# A step whose inputs hold a nan (test_zero3_muon_non_finite_step.py, test_zero12_muon_non_finite_step.py)
+# A step whose inputs hold a nan (test_muon_non_finite_step.py)
 
 
 def momentum_tensors(engine):
