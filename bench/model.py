@@ -89,13 +89,12 @@ def zero3_depth(shapes,
 
 
 def zero3_owner_floor_numel(shapes, world_size) -> int:
-    """The least the Muon update can add to a rank's memory at ZeRO-3, in fp32 elements: the
-    owner of the largest matrix holds it whole, so at depth 1 with that matrix alone in its bucket
-    it keeps its own piece and the whole matrix (the exchange buffers) plus the matrix's
-    Newton-Schulz working set (``MatrixSpec.ns_workspace_numel``). Where this exceeds the rank's
-    momentum partition, Muon's peak in ``step()`` cannot stay at AdamW's on this model at this W."""
-    return max((math.ceil(s.numel / world_size) + s.numel + s.ns_workspace_numel for s in specs_for(shapes)),
-               default=0)
+    """The least the Muon update can add to a rank's memory at ZeRO-3, in fp32 elements (``owner_plan.floor_numel``,
+    the figure of the patch's ``CapBelowFloor``): every matrix alone at depth 1, so the owner of the largest matrix
+    keeps its own piece and the whole matrix (the exchange buffers, padding included) plus the matrix's Newton-Schulz
+    working set (``MatrixSpec.ns_workspace_numel``). Where this exceeds the rank's momentum partition, Muon's peak in
+    ``step()`` cannot stay at AdamW's on this model at this W."""
+    return owner_plan.floor_numel(specs_for(muon_order(shapes)), zero3_pieces(shapes, world_size), world_size)
 
 
 def specs_for(shapes: Sequence[Tuple[int, ...]], ns_method: str = "gram") -> List:

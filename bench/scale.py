@@ -532,16 +532,14 @@ def emulated_prediction(workload: str, m: Measured) -> Dict[str, float]:
     specs = model.specs_for(model.muon_order(shapes))
     plan = owner_plan.plan_owners(specs, w, model.DEFAULT_BUCKET)
     pieces = model.zero3_pieces(shapes, w)
-    forward, compute = [], []
+    forward, compute, bucket_numels = [], [], []
     for b, bucket in enumerate(plan.buckets):
         one = owner_plan.OwnerPlan(w, plan.owners, (bucket, ), plan.costs)
         forward.append(sum(model.exchange_traffic(one, pieces)) / 2 * 4 / rate)  # half goes out, half back; fp32
         compute.append(max(_bucket_loads(plan, b)) / flops)
+        bucket_numels.append(max(owner_plan.reserved_numel(one, pieces, 1)))  # one slot: its send and receive buffers
     patched = pipeline_seconds(forward, compute, forward, model.DEFAULT_DEPTH)
-    bucket_bytes = max(
-        max(sum(pieces[j][r] for j in bucket)
-            for r in range(w)) + max(sum(sum(pieces[j]) for j in bucket if plan.owners[j] == r) for r in range(w))
-        for bucket in plan.buckets) * 4
+    bucket_bytes = max(bucket_numels) * 4
     stock = (model.stock_0198_traffic(shapes, w) * w * 4 / rate + stock_round_costs(shapes, w) / flops)
     return dict(patched=patched,
                 stock=stock,
