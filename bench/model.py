@@ -9,13 +9,13 @@ Newton-Schulz cost so every owner computes at once, within the cap; ``"momentum_
 largest bucket size up to ``reduce_bucket_size`` whose buffers fit the rank's momentum partition).
 
 Traffic is counted as elements received by one rank per optimizer step, the convention of
-``bench/worker.py`` (ring algorithms; a rank's own chunk is not received):
+``bench/worker.py`` (ring algorithms; a rank's own split is not received):
 
 - patched ZeRO-3 (owner-centric): every rank holds ``ceil(numel / W)`` elements of every matrix;
   per bucket, the owner of a matrix receives every other rank's piece of it and each rank gets
   its piece of the update back. Averaged over ranks that is ``2 P (W - 1) / W^2``, the lower bound
   (no flags travel: a non-finite step is skipped before the update).
-- patched ZeRO-1/2, with or without optimizer offload: each rank holds the slice of the flat
+- patched ZeRO-1/2, with or without optimizer offload: each rank holds the part of the flat
   buffer its partition covers; a matrix's owner is one of its holders, so only a matrix that
   straddles a partition boundary travels (its other pieces to the owner, the update's pieces
   back), plus one flag all-reduced per Muon group (``MuonPartition.agree_finite``: the binding
