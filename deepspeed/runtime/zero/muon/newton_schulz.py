@@ -143,7 +143,8 @@ def orthogonalize_parts(update: torch.Tensor, split: Split, ns_steps: int, ns_me
                         dtype: Optional[torch.dtype]) -> torch.Tensor:
     """Upstream's ``muon_orthogonalize`` on each part of a fused ``update`` (2-D, or 3-D: a batch of experts) along
     ``split = (dim, sizes)`` (``check_split``'s), each part with its own aspect-ratio scale, the parts of one shape
-    in one batched call; the result in ``dtype`` (None: the kernel's) and ``update``'s shape, each part where it lies in ``update``."""
+    in one batched call; the result in ``dtype`` (None: the kernel's) and ``update``'s shape, each part where it
+    lies in ``update``."""
     dim, sizes = split
     parts = update.split(list(sizes), dim=dim)
     shapes = {}
