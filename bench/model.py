@@ -9,13 +9,13 @@ Newton-Schulz cost so every owner computes at once, within the cap; ``"momentum_
 largest bucket size up to ``reduce_bucket_size`` whose buffers fit the rank's momentum partition).
 
 Traffic is counted as elements received by one rank per optimizer step, the convention of
-``bench/worker.py`` (ring algorithms; a rank's own chunk is not received):
+``bench/worker.py`` (ring algorithms; a rank's own split is not received):
 
 - patched ZeRO-3 (owner-centric): every rank holds ``ceil(numel / W)`` elements of every matrix;
   per bucket, the owner of a matrix receives every other rank's piece of it and each rank gets
   its piece of the update back. Averaged over ranks that is ``2 P (W - 1) / W^2``, the lower bound
   (no flags travel: a non-finite step is skipped before the update).
-- patched ZeRO-1/2, with or without optimizer offload: each rank holds the slice of the flat
+- patched ZeRO-1/2, with or without optimizer offload: each rank holds the part of the flat
   buffer its partition covers; a matrix's owner is one of its holders, so only a matrix that
   straddles a partition boundary travels (its other pieces to the owner, the update's pieces
   back), plus one flag all-reduced per Muon group (``MuonPartition.agree_finite``: the binding
@@ -89,13 +89,12 @@ def zero3_depth(shapes,
 
 
 def zero3_owner_floor_numel(shapes, world_size) -> int:
-    """The least the Muon update can add to a rank's memory at ZeRO-3, in fp32 elements: the
-    owner of the largest matrix holds it whole, so at depth 1 with that matrix alone in its bucket
-    it keeps its own piece and the whole matrix (the exchange buffers) plus the matrix's
-    Newton-Schulz working set (``MatrixSpec.ns_workspace_numel``). Where this exceeds the rank's
-    momentum partition, Muon's peak in ``step()`` cannot stay at AdamW's on this model at this W."""
-    return max((math.ceil(s.numel / world_size) + s.numel + s.ns_workspace_numel for s in specs_for(shapes)),
-               default=0)
+    """The least the Muon update can add to a rank's memory at ZeRO-3, in fp32 elements (``owner_plan.floor_numel``,
+    the figure of the patch's ``CapBelowFloor``): every matrix alone at depth 1, so the owner of the largest matrix
+    keeps its own piece and the whole matrix (the exchange buffers, padding included) plus the matrix's Newton-Schulz
+    working set (``MatrixSpec.ns_workspace_numel``). Where this exceeds the rank's momentum partition, Muon's peak in
+    ``step()`` cannot stay at AdamW's on this model at this W."""
+    return owner_plan.floor_numel(specs_for(muon_order(shapes)), zero3_pieces(shapes, world_size), world_size)
 
 
 def specs_for(shapes: Sequence[Tuple[int, ...]], ns_method: str = "gram") -> List:

@@ -13,7 +13,7 @@ Per rank and optimizer step (ZeRO-3, data parallel over W GPUs, 8 per node):
 - **Muon, patched** (the owner plans ``owner_plan.plan_partitions`` builds per ZeRO-3 sub-group, loaded by
   ``model.py`` from the patch, with ``result_itemsize`` 2: on a GPU the default ``ns_method`` "gram" computes in
   fp16, ``original_muon.ns_compute_dtype``; under the default ``max_step_memory`` and, printed beside it, under
-  ``"momentum_partition"``, the rule before it): per bucket, the forward exchange (fp32 NS input,
+  ``"momentum_partition"``, within each rank's momentum partition): per bucket, the forward exchange (fp32 NS input,
   ``pipeline.EXCHANGE_DTYPE``: 4 bytes an element), Newton-Schulz on the bucket's slowest owner,
   the back exchange (the compute dtype: 2 bytes). A collective's time is its busiest rank's
   ``max(bytes sent, bytes received)`` over the link (``link_seconds``). The buckets run through
@@ -142,7 +142,7 @@ ARCHS = (LLAMA3_8B, LLAMA3_70B, QWEN3_30B_A3B)
 # --- the plan: the patch's own ---------------------------------------------------------------------
 
 SUB_GROUP_SIZE = owner_plan.DEFAULT_SUB_GROUP_SIZE  # zero_optimization.sub_group_size's default
-STRICT = owner_plan.STRICT  # max_step_memory's strict value: within the momentum partition (the rule before)
+STRICT = owner_plan.STRICT  # max_step_memory's strict value: within each rank's momentum partition
 
 
 def zero3_pieces(shapes, world_size) -> List["owner_plan.Uniform"]:
@@ -157,8 +157,8 @@ def gpu_plans(shapes,
               depth=model.DEFAULT_DEPTH,
               budget=True):
     """Per ZeRO-3 sub-group ``(plan, depth, pieces)``: the patch's plan on a GPU (``owner_plan.plan_partitions``
-    with NS in fp16, ``result_itemsize`` 2, as ``MuonUpdate`` plans them) under ``max_step_memory`` (``STRICT``: the
-    rule before this default). ``budget=False``: a what-if, ``plan_owners`` at ``reduce_bucket_size`` and depth
+    with NS in fp16, ``result_itemsize`` 2, as ``MuonUpdate`` plans them) under ``max_step_memory`` (``STRICT``: within
+    each rank's momentum partition). ``budget=False``: a what-if, ``plan_owners`` at ``reduce_bucket_size`` and depth
     kept, whatever the memory."""
     specs = model.specs_for(model.muon_order(shapes))
     if not budget:
@@ -354,7 +354,7 @@ class Row:
     partition_bytes: int  # a rank's fp32 momentum partition (the strict rule's budget)
     nobudget: float  # what-if: no memory limit (depth 2, reduce_bucket_size buckets)
     split8: float  # what-if: no limit and the costliest matrices' NS split over 8 ranks
-    strict_depth: int  # max_step_memory "momentum_partition": the rule before this default
+    strict_depth: int  # max_step_memory "momentum_partition": within each rank's momentum partition
     strict_buckets: int
     strict_patched: float
     strict_efficiency: float
@@ -431,7 +431,7 @@ def saturation(arch: Arch, world_sizes=WORLD_SIZES) -> Dict[str, Optional[int]]:
     return out
 
 
-# Targets of the issue that set this default (H100 rates, 16,384 tokens per GPU): Muon's step over fwd+bwd at most
+# Targets of max_step_memory's default (H100 rates, 16,384 tokens per GPU): Muon's step over fwd+bwd at most
 # the share, from the first W on; NS parallel efficiency at least EFFICIENCY_TARGET at TARGET_WORLD_SIZES; the peak
 # of Muon's step at most PEAK_TARGETS.
 SHARE_TARGETS = {
@@ -532,16 +532,14 @@ def emulated_prediction(workload: str, m: Measured) -> Dict[str, float]:
     specs = model.specs_for(model.muon_order(shapes))
     plan = owner_plan.plan_owners(specs, w, model.DEFAULT_BUCKET)
     pieces = model.zero3_pieces(shapes, w)
-    forward, compute = [], []
+    forward, compute, bucket_numels = [], [], []
     for b, bucket in enumerate(plan.buckets):
         one = owner_plan.OwnerPlan(w, plan.owners, (bucket, ), plan.costs)
         forward.append(sum(model.exchange_traffic(one, pieces)) / 2 * 4 / rate)  # half goes out, half back; fp32
         compute.append(max(_bucket_loads(plan, b)) / flops)
+        bucket_numels.append(max(owner_plan.reserved_numel(one, pieces, 1)))  # one slot: its send and receive buffers
     patched = pipeline_seconds(forward, compute, forward, model.DEFAULT_DEPTH)
-    bucket_bytes = max(
-        max(sum(pieces[j][r] for j in bucket)
-            for r in range(w)) + max(sum(sum(pieces[j]) for j in bucket if plan.owners[j] == r) for r in range(w))
-        for bucket in plan.buckets) * 4
+    bucket_bytes = max(bucket_numels) * 4
     stock = (model.stock_0198_traffic(shapes, w) * w * 4 / rate + stock_round_costs(shapes, w) / flops)
     return dict(patched=patched,
                 stock=stock,

@@ -20,7 +20,7 @@ on the CPU, ``max_memory_allocated`` on an accelerator; see ``allocator_memory_s
 
 Received elements per collective, for a group of W ranks (the ring algorithms' counts):
 all-gather ``(W-1)/W`` of the output; reduce-scatter ``(W-1)`` times the output; all-reduce
-``2(W-1)/W`` of the tensor; all-to-all everything but the rank's own chunk; broadcast the tensor on
+``2(W-1)/W`` of the tensor; all-to-all everything but the rank's own split; broadcast the tensor on
 non-source ranks.
 
 Config keys (one dict per workload; ``run_bench.grid`` builds them): ``name``, ``workload`` (a

@@ -43,7 +43,7 @@ def agreed_errors(what, detail=None, group=None, enabled=True):
     Raises:
         RankAgreedError: on every rank of ``group`` where the block raised an ``Exception`` on some rank:
             "<what> failed on rank <r> of <W>: <detail>: <type>: <message>" (each failed rank, "; "
-            between); chained to the local exception on a rank where it failed. A rank whose block
+            between); on a rank where it failed, chained to that rank's exception. A rank whose block
             returns or raises nothing leaves the ``with`` normally when no rank failed.
     """
     failure = error = None

@@ -6,7 +6,7 @@
 
 Upstream ``original_muon.muon_update`` (Keller Jordan et al., 2024, "Muon: An optimizer for hidden layers in neural
 networks", https://kellerjordan.github.io/posts/muon/) is an elementwise momentum step followed by Newton-Schulz on the
-whole matrix (``newton_schulz``). The elementwise step gives the same result on any slice of a matrix, so every ZeRO
+whole matrix (``newton_schulz``). The elementwise step gives the same result on any piece of a matrix, so every ZeRO
 stage runs it on its partition and the momentum never travels. It assumes a finite gradient: the stages skip, or the
 binding holds back, a step whose gradients are not finite.
 """
@@ -53,7 +53,7 @@ def momentum_step(grad: torch.Tensor, momentum: torch.Tensor, settings: MuonSett
     """Upstream ``muon_momentum_step_`` on a finite gradient, bit for bit: ``momentum.lerp_(grad, 1 -
     beta)`` in place, then the Nesterov blend ``grad.lerp(momentum, beta)`` (or the momentum) into
     ``out`` (``grad`` itself, or a send buffer of as many elements on ``grad``'s device). ``grad``
-    and ``momentum``: fp32 slices of one shape, the gradient unscaled and clipped."""
+    and ``momentum``: fp32, one shape (a rank's piece of a matrix in each), the gradient unscaled and clipped."""
     momentum.lerp_(grad, 1 - settings.momentum)
     out = out.view(grad.shape)
     if settings.nesterov:

@@ -143,15 +143,16 @@ def orthogonalize_parts(update: torch.Tensor, split: Split, ns_steps: int, ns_me
                         dtype: Optional[torch.dtype]) -> torch.Tensor:
     """Upstream's ``muon_orthogonalize`` on each part of a fused ``update`` (2-D, or 3-D: a batch of experts) along
     ``split = (dim, sizes)`` (``check_split``'s), each part with its own aspect-ratio scale, the parts of one shape
-    in one batched call; the result in ``dtype`` (None: the kernel's), ``update``'s shape, parts in place."""
+    in one batched call; the result in ``dtype`` (None: the kernel's) and ``update``'s shape, each part where it
+    lies in ``update``."""
     dim, sizes = split
-    pieces = update.split(list(sizes), dim=dim)
+    parts = update.split(list(sizes), dim=dim)
     shapes = {}
-    for i, piece in enumerate(pieces):
-        shapes.setdefault(tuple(piece.shape), []).append(i)
+    for i, part in enumerate(parts):
+        shapes.setdefault(tuple(part.shape), []).append(i)
     out = None
     for shape, members in shapes.items():
-        stack = torch.stack([pieces[i] for i in members]).reshape(-1, shape[-2], shape[-1])
+        stack = torch.stack([parts[i] for i in members]).reshape(-1, shape[-2], shape[-1])
         results = original_muon.muon_orthogonalize(stack, ns_steps, ns_method, True, None, dtype)
         if out is None:
             out = torch.empty(update.shape, dtype=results.dtype, device=results.device)

@@ -6,15 +6,15 @@
 
 NorMuon (Zichong Li, Liming Liu, Chen Liang, Weizhu Chen, Tuo Zhao, 2025, "NorMuon: Making Muon
 more efficient and scalable", arXiv:2510.05491, Algorithm 1) keeps a second moment per output row
-of the orthogonalized update and normalizes each row by it. A sharded implementation that
-normalizes each shard's rows approximates it; here the owner rank holds the whole Newton-Schulz
+of the orthogonalized update and normalizes each row by it. An implementation that normalizes
+the rows of each rank's piece approximates it; here the owner rank holds the whole Newton-Schulz
 result, so the statistic is exact and costs no communication.
 
 Selected per Muon parameter group (or for all, in ``optimizer.params``) by ``"variant":
 "normuon"``, with ``normuon_beta2`` and ``normuon_eps``; the keys are prefixed because
 ``optimizer.params`` is shared with the auxiliary Adam, whose ``betas`` / ``eps`` mean something
 else. Importing this module registers the variant with ``owner_state`` (``register_variant``);
-the engine imports it where it checks Muon's variant keys (patch 0018).
+the package ``deepspeed.runtime.zero.muon`` imports it, so the variant is known wherever Muon runs.
 """
 
 import math

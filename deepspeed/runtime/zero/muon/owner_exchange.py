@@ -5,8 +5,8 @@
 """The two all-to-alls of one bucket: Newton-Schulz-input pieces to their owner, results back. ``BucketLayout``: one
 rank's bookkeeping of a bucket; ``OwnerExchange``: the collectives, counted; ``ExchangeBuffers``: the buffers, allocated
 for one step. Layout: order the bucket's matrices ``j`` by ``(owner(j), position)``. Every rank's send buffer holds its piece
-of each matrix in that order, so the chunk for rank ``d`` is its pieces of the matrices ``d`` owns; the owner receives
-one chunk per source rank and rebuilds matrix ``j`` as the concatenation of its pieces in rank order, cut to its numel
+of each matrix in that order, so its split for rank ``d`` is its pieces of the matrices ``d`` owns; the owner receives
+one split per source rank and rebuilds matrix ``j`` as the concatenation of its pieces in rank order, cut to its numel
 (ZeRO-3 pads). The results go back in the same layout, so every rank receives exactly its send layout and unpacks in
 reverse. Under ZeRO-3 with a balanced plan a rank receives ``2 P (W - 1) / W^2`` elements on average for ``P`` Muon
 elements, the owner-centric lower bound.
@@ -41,8 +41,9 @@ class BucketLayout:
     Args:
         matrices: the bucket's matrix indices (partition order). owners, numels: per matrix.
         pieces: per matrix, the elements every rank holds of it. rank: this rank in the group.
-        placements: per matrix, None (its pieces in rank order are the matrix flattened), or per holder ``(offset,
-            numel)`` of its piece's elements in the matrix's storage (the rest of the piece is padding).
+        placements: per matrix, None (its pieces in rank order are the matrix flattened), or its tensor-parallel
+            layout: per holder, ``(offset, numel)`` of its piece's elements in the shards' storage (the rest of the
+            piece is padding).
 
     Attributes:
         send_order: bucket positions by (owner, position), the send buffer's order.
@@ -94,16 +95,16 @@ class BucketLayout:
                 pieces.append((k, offset, n))
             offset += n
         set_(self, "send_pieces", tuple(pieces))
-        chunk_starts = [sum(recv_splits[:s]) for s in range(world_size)]
+        split_starts = [sum(recv_splits[:s]) for s in range(world_size)]
         filled, spans = [0] * world_size, []
         for k in self.owned:
-            spans.append(tuple((chunk_starts[s] + filled[s], n) for s, n in enumerate(self.pieces[k]) if n))
+            spans.append(tuple((split_starts[s] + filled[s], n) for s, n in enumerate(self.pieces[k]) if n))
             filled = [f + n for f, n in zip(filled, self.pieces[k])]
         set_(self, "owned_spans", tuple(spans))
 
     @property
     def send_numel(self) -> int:
-        """Elements this rank sends forward (and receives back), its own chunk included."""
+        """Elements this rank sends forward (and receives back), its own split included."""
         return sum(self.send_splits)
 
     @property
@@ -111,7 +112,7 @@ class BucketLayout:
         """Elements this rank receives forward as owner (and sends back)."""
         return sum(self.recv_splits)
 
-    def _placed(self, position: int):
+    def _tensor_parallel_spans(self, position: int):
         return self.placements[self.owned[position]] if self.placements else None
 
     def owned_matrix(self, recv: torch.Tensor, position: int, shape: Tuple[int, ...]) -> torch.Tensor:
@@ -119,7 +120,7 @@ class BucketLayout:
         ``recv`` (1-D, ``recv_numel``): a view where its pieces lie back to back, else a copy; with
         ``placements``, its storage (1-D, a copy) instead."""
         spans = self.owned_spans[position]
-        placed = self._placed(position)
+        placed = self._tensor_parallel_spans(position)
         if placed:
             storage = recv.new_empty(self.numels[self.owned[position]])
             for (a, _), (offset, numel) in zip(spans, placed):
@@ -136,7 +137,7 @@ class BucketLayout:
         back send buffer ``out`` (1-D, ``recv_numel``) in the layout ``owned_matrix`` reads (with ``placements``:
         ``result`` is the storage), padding zero."""
         flat, start, numel = result.reshape(-1), 0, self.numels[self.owned[position]]
-        placed = self._placed(position) or [None] * len(self.owned_spans[position])
+        placed = self._tensor_parallel_spans(position) or [None] * len(self.owned_spans[position])
         for (a, n), where in zip(self.owned_spans[position], placed):
             dest = out.narrow(0, a, n)
             if where is not None:

@@ -13,7 +13,7 @@ per ``cols`` consecutive elements of the flattened parameter) and ``apply(update
 ``MatrixSpec``'s NS result, its 1-D fp32 ``state`` advanced in place; returns the update in the result's shape and
 dtype). A variant's module registers it when imported; plain Muon (``"muon"``) has none, and nothing of this runs.
 
-Checkpoint form: per parameter, not per owner, so any owner plan takes it back: a tensor of the flat partition's layout
+Checkpoint form: per parameter, not per owner, so any owner plan takes it back: a tensor shaped like the flat partition,
 whose every element holds its row's state (NorMuon's V_t broadcast over the row), under ``state_key`` in the optimizer
 state, which every checkpoint path carries like the momentum (``OwnerState.to_partition`` / ``from_partition``).
 """
@@ -156,7 +156,7 @@ class OwnerState:
 
     def from_partition(self, loaded: torch.Tensor, pieces: Sequence[Sequence[int]], slices: Sequence[Tuple[int, int]],
                        rank: int, group, world_size: int) -> None:
-        """Take a checkpoint form (``to_partition``'s layout, any device or dtype; each rank its own
+        """Take a checkpoint form (shaped as ``to_partition``'s, any device or dtype; each rank its own
         partition's) back into the owners' state; collective over ``group``.
 
         Raises:

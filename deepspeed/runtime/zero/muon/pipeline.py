@@ -12,8 +12,9 @@ Newton-Schulz (depth 1: serial); every rank issues the same collectives in the s
 buffer slots busy. Beyond the exchange buffers an owner holds one call's tensors: results overwrite, as each call
 returns, the pieces it has read (half-precision results wait for the bucket's calls). After torchtitan's
 DistributedMuon (prepare/compute/finalize over a reserved layout) and microsoft/dion (one batch's exchange overlapping
-another's compute). A matrix one rank holds whole on the NS device skips the exchange: its holder orthogonalizes it in
-place.
+another's compute). A matrix that stays home (one holder, its piece on the NS device, no tensor-parallel layout)
+skips the exchange: its holder owns it and orthogonalizes it where it lies. Terms: docs/design.md, "Where a matrix
+lives".
 """
 
 import dataclasses
@@ -42,14 +43,15 @@ class MuonPipeline:
     Args:
         plan, specs: the owner plan and each matrix's ``MatrixSpec``. pieces, slices: as
             ``binding.MuonPartition``'s. exchange: the group's ``OwnerExchange``.
-        device: where Newton-Schulz runs and the buffers live; piece_device: where the pieces live.
+        device: where Newton-Schulz runs and the buffers are; piece_device: where the pieces are.
         depth: at least 1. batch_ns: for ``orthogonalize_each``. variant: a Muon variant, or None.
-        placements, assemblies: per matrix, None, or where its pieces lie in its shards' storage and the
-            ``tensor_parallel.ShardAssembly`` that makes the whole matrix of it (a tensor-parallel matrix).
+        placements, assemblies: per matrix, None, or its tensor-parallel layout: where each holder's piece lies in
+            the shards' storage, and the ``tensor_parallel.ShardAssembly`` that makes the whole matrix of it.
 
     Attributes:
-        layouts: per bucket with a matrix held by more than one rank, its ``BucketLayout``.
-        in_place: per bucket, the matrices this rank holds whole on the NS device (ZeRO-1/2, W=1).
+        layouts: per bucket with a matrix that travels, the ``BucketLayout`` of those matrices.
+        in_place: per bucket with a matrix that stays home and this rank owns, the ``BucketLayout`` of those
+            matrices (ZeRO-1/2, W=1).
         owner_state: the variant's ``OwnerState`` of the matrices this rank owns, or None.
 
     Raises:
@@ -80,10 +82,10 @@ class MuonPipeline:
         self.depth = depth
         self.batch_ns = batch_ns
         self.assemblies = list(assemblies or [None] * len(self.specs))
-        whole = [stays_home(p, self.piece_device, device, a) for p, a in zip(pieces, self.assemblies)]
+        home = [stays_home(p, self.piece_device, device, a) for p, a in zip(pieces, self.assemblies)]
 
-        def layout(bucket, local):  # BucketLayout(matrices, owners, numels, pieces, rank, placements)
-            b = [j for j in bucket if whole[j] == local and (not local or plan.owners[j] == exchange.rank)]
+        def layout(bucket, at_home):  # BucketLayout(matrices, owners, numels, pieces, rank, placements)
+            b = [j for j in bucket if home[j] == at_home and (not at_home or plan.owners[j] == exchange.rank)]
             return b and BucketLayout(tuple(b), tuple(plan.owners[j] for j in b), tuple(specs[j].numel for j in b),
                                       tuple(tuple(pieces[j]) for j in b), exchange.rank,
                                       tuple(placements[j] for j in b) if placements else ())
@@ -174,18 +176,18 @@ class MuonPipeline:
         for b in range(len(self.layouts)):
             preparing.append(self._prepare(b, free.popleft(), grad_flat, momentum_flat, settings, buffers))
             if b == 0:  # while the first exchange is on its way
-                self._run_in_place(grad_flat, momentum_flat, settings, update_dtype)
+                self._run_home(grad_flat, momentum_flat, settings, update_dtype)
             if len(preparing) == self.depth:
                 compute_oldest()
         if not self.layouts:
-            self._run_in_place(grad_flat, momentum_flat, settings, update_dtype)
+            self._run_home(grad_flat, momentum_flat, settings, update_dtype)
         while preparing:
             compute_oldest()
         while returning:
             self._finalize(*returning.popleft(), grad_flat, update_dtype, buffers)
 
-    def _run_in_place(self, grad_flat, momentum_flat, settings: MuonSettings, update_dtype: torch.dtype) -> None:
-        """The matrices this rank holds whole: the NS input and each call's results are written over
+    def _run_home(self, grad_flat, momentum_flat, settings: MuonSettings, update_dtype: torch.dtype) -> None:
+        """The matrices that stay home with this rank: the NS input and each call's results are written over
         the gradient in place."""
         for layout in self.in_place:
             starts = []
@@ -277,7 +279,7 @@ class MuonPipeline:
         host = buffers.staging(slot, layout.send_numel, self.piece_device, update_dtype)
         if host is None:
             _wait(handle)
-        else:  # offloaded pieces: the bucket in one copy, not one per piece
+        else:  # pieces on the host (optimizer offload): the bucket in one copy, not one per piece
             update = buffers.to_host(update, host, handle)
         for k, offset, numel in layout.send_pieces:
             start, _ = self.slices[layout.matrices[k]]
@@ -286,8 +288,9 @@ class MuonPipeline:
 
 
 def stays_home(pieces: Sequence[int], piece_device, device, assembly=None) -> bool:
-    """Whether a matrix of ``pieces`` (elements per rank) is orthogonalized in place by its one holder: its pieces on
-    the NS ``device`` and no tensor-parallel ``assembly``; it then takes no exchange buffer."""
+    """Whether a matrix of ``pieces`` (elements per rank) stays home: one holder, its piece on the NS ``device``
+    (``piece_device`` is), no tensor-parallel ``assembly``; its holder then owns it and orthogonalizes it where it
+    lies, and it takes no exchange buffer."""
     return sum(map(bool, pieces)) == 1 and torch.device(piece_device) == torch.device(device) and assembly is None
 
 

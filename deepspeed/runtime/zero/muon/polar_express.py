@@ -24,7 +24,7 @@ singular values converge to 1. Everything else is as for "standard": the same nu
 products per iteration, the same compute dtype (``original_muon.ns_compute_dtype``: bf16 where the
 accelerator supports it, as the authors' code runs it, else fp32), the same aspect-ratio scale
 applied by upstream's ``muon_orthogonalize`` (per head, per expert, convolution filters flattened),
-which dispatches ``ns_method == "polar_express"`` to ``zeropower_via_polar_express`` (patch 0017).
+which dispatches ``ns_method == "polar_express"`` to ``zeropower_via_polar_express``.
 """
 
 from typing import List, Tuple
