@@ -211,7 +211,9 @@ class MuonGroupConfig(MuonSettings):
     name: Optional[StrictStr] = Field(
         None,
         description="the group's name (its halves are named <name>-muon-params, <name>-adam-params)",
-        json_schema_extra={"reaches": "the group's name (its halves are named <name>-muon-params, <name>-adam-params)"})
+        json_schema_extra={
+            "reaches": "the group's name (its halves are named <name>-muon-params, <name>-adam-params)"
+        })
     moe: Any = Field(None,
                      description="set by DeepSpeed's MoE helpers",
                      json_schema_extra={

@@ -258,7 +258,8 @@ def test_update_settings_values_refused_naming_the_key():
                            f"{bad!r} is invalid; buckets of the boundary update in flight"):
             config.check_muon_keys({"pipeline_depth": bad}, None)
     for bad in (1, "yes", 0.5):
-        with pytest.raises(ValueError, match=rf"- model_parameters\[0\]\.batch_ns: {bad!r} is invalid; same-shape Newton-Schulz"):
+        with pytest.raises(ValueError,
+                           match=rf"- model_parameters\[0\]\.batch_ns: {bad!r} is invalid; same-shape Newton-Schulz"):
             config.check_muon_keys({}, [{"params": [], "batch_ns": bad}])
 
 
@@ -466,8 +467,9 @@ def test_qk_clip_threshold_value_refused_naming_the_key():
     if not config.has_qk_clip():
         pytest.skip("this DeepSpeed has no QK-clip")
     for bad in (0, -1.0, "100", True, float("inf")):
-        with pytest.raises(ValueError, match=re.escape(f"optimizer.params.qk_clip_threshold: {bad!r} is invalid; "
-                                                       "the largest attention logit")):
+        with pytest.raises(ValueError,
+                           match=re.escape(f"optimizer.params.qk_clip_threshold: {bad!r} is invalid; "
+                                           "the largest attention logit")):
             config.check_muon_keys({"qk_clip_threshold": bad}, None)
     config.check_muon_keys({"qk_clip_threshold": 100}, None)
 
