@@ -132,10 +132,11 @@ GROUPS = numbered(
     Group(
         "zero3-muon",
         "Muon under ZeRO-3: momentum and Newton-Schulz once per optimizer step, on one owner rank per matrix",
+        # config.py: the typed Muon configuration every module reads its key names from (a leaf; support.py beside it)
         # rank_agreement: errors every rank agrees on, general (the checkpoints pull request's engine patch uses it)
         _patches(4, 1) + ("deepspeed/runtime/rank_agreement.py", ) +
         _in(MUON, "momentum.py", "newton_schulz.py", "owner_plan.py", "owner_exchange.py", "pipeline.py",
-            "owner_state.py", "binding.py") +
+            "owner_state.py", "binding.py", "config.py", "support.py") +
         # The core's tests, lean: the seam bit for bit, one ZeRO-3 run.
         _in(ZERO_TESTS, "test_muon_update_split.py", "test_zero3_muon_boundary.py")),
     Group(
@@ -165,7 +166,7 @@ GROUPS = numbered(
     Group("muon-config",
           "Muon's configuration: parameter selection with fused projections split, its two learning rates under "
           "schedulers, every key checked",
-          _patches(10, 11, 14, 15, 16) + _in(MUON, "param_selection.py", "lr_groups.py", "config.py") +
+          _patches(10, 11, 14, 15, 16) + _in(MUON, "param_selection.py", "lr_groups.py") +
           _in(ZERO_TESTS, "test_muon_param_selection.py", "test_muon_lr_groups.py", "test_muon_config*.py",
               "test_muon_fused_projections.py"),
           needs=("zero3-muon", "zero3-configurations", "zero12-muon")),

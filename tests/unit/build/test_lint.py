@@ -262,7 +262,8 @@ def test_each_pull_requests_files(lint_bin, tmp_path, monkeypatch):
     assert sorted(seed.patched) == [f"{muon}/original_muon.py", stage3]
     assert [p for p in seed.ours if p.startswith("deepspeed/")] == ["deepspeed/runtime/rank_agreement.py"] + [
         f"{muon}/{m}.py"
-        for m in ("binding", "momentum", "newton_schulz", "owner_exchange", "owner_plan", "owner_state", "pipeline")
+        for m in ("binding", "config", "momentum", "newton_schulz", "owner_exchange", "owner_plan", "owner_state",
+                  "pipeline", "support")
     ]
     assert {f"{zero_tests}/test_muon_update_split.py", f"{zero_tests}/test_zero3_muon_boundary.py"} <= set(seed.ours)
     configurations = by_stem["2-zero3-configurations"]

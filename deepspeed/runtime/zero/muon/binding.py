@@ -38,8 +38,9 @@ from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.rank_agreement import agreed_errors
 from deepspeed.runtime.zero.muon import original_muon
+from deepspeed.runtime.zero.muon.config import BATCH_NS_KEY, MAX_STEP_MEMORY_KEY, PIPELINE_DEPTH_KEY, SPLIT_KEY
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings, is_muon_optimizer
-from deepspeed.runtime.zero.muon.newton_schulz import SPLIT_KEY, matrix_spec, split_of
+from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec, split_of
 from deepspeed.runtime.zero.muon.owner_exchange import ExchangeBuffers, ExchangeStats
 from deepspeed.runtime.zero.muon.owner_plan import DEFAULT_MAX_STEP_MEMORY, STRICT, CapBelowFloor, plan_figures
 from deepspeed.runtime.zero.muon.owner_state import (MUON, VARIANT_KEY, check_same_kind, load_checkpoint_form,
@@ -47,21 +48,12 @@ from deepspeed.runtime.zero.muon.owner_state import (MUON, VARIANT_KEY, check_sa
 from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline
 from deepspeed.utils import logger
 
-PIPELINE_DEPTH_KEY = "pipeline_depth"
-"""Muon group key: buckets in flight ahead of the one being orthogonalized (``pipeline``; default 2)."""
 SPREAD_ATTR = "muon_spread"
 """Parameter attribute: the layout of a matrix whose pieces lie over more ranks than the stage's group (AutoTP's,
 ``tensor_parallel``). ``spread({key: (partition, {index: layout})})``, once on every rank, gives per key ``indices``,
 ``shapes`` (whole), ``pieces`` (over ``process_group``), ``placements``, ``assemblies``, ``num_heads``."""
-MAX_STEP_MEMORY_KEY = "max_step_memory"
-"""Muon group key: bytes Muon's step may add on a rank's accelerator (exchange buffers, owner matrices, Newton-Schulz
-working set, a variant's state), default ``owner_plan.DEFAULT_MAX_STEP_MEMORY``; or ``"momentum_partition"``
-(``owner_plan.STRICT``): within the rank's momentum partition, buckets bounded by ``reduce_bucket_size``."""
 LOW_EFFICIENCY = 0.5
 """Below this NS parallel efficiency rank 0 warns at initialization that the cap serializes Newton-Schulz."""
-BATCH_NS_KEY = "batch_ns"
-"""Muon group key: same-shape Newton-Schulz problems of a bucket in one call (True), one call per
-matrix (False), or where it pays (null, the default; ``newton_schulz.batches``)."""
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,11 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from deepspeed.runtime.zero.muon import original_muon
+from deepspeed.runtime.zero.muon.config import SPLIT_KEY
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec
 
 SPLIT_ATTR = "muon_split"
 """Parameter attribute: ``(dim, sizes)``, the matrices a fused parameter holds."""
-SPLIT_KEY = "split_fused_muon"
-"""Muon group key: apply the splits DeepSpeed recognized (True, the default) or orthogonalize those tensors whole."""
 RECOGNIZED_ATTR = "_muon_split_recognized"
 """Parameter attribute: the split ``tag_fused_projections`` set (a user's own ``muon_split`` lacks it)."""
 

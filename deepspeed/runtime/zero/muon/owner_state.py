@@ -23,10 +23,9 @@ from typing import Dict, Iterable, Sequence, Tuple
 import torch
 
 from deepspeed.runtime.rank_agreement import agreed_errors
+from deepspeed.runtime.zero.muon.config import VARIANT_KEY
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY
 
-VARIANT_KEY = "variant"
-"""Muon parameter-group (and ``optimizer.params``) key choosing the variant."""
 MUON = "muon"
 """The default ``variant``: plain Muon, no owner state."""
 

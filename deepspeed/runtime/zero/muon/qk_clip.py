@@ -325,8 +325,8 @@ class QKClip:
         threshold = check_threshold((engine.optimizer_params() or {}).get(THRESHOLD_KEY))
         if threshold is None:
             return None
-        from deepspeed.runtime.zero.muon.config import _where_no_owner_runs
-        where = _where_no_owner_runs(engine)
+        from deepspeed.runtime.zero.muon.support import where_no_owner_runs
+        where = where_no_owner_runs(engine)
         if where is not None or type(
                 engine.optimizer).__name__ not in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3"):
             raise ValueError(f"{_WHERE}: QK-clip runs at ZeRO stages 1 to 3 (it scales the fp32 partitions in the "

@@ -22,9 +22,7 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed.runtime.zero.muon.binding import SPREAD_ATTR
-
-TP_KEY = "tensor_parallel.autotp_size"
-"""The config key every refusal of this module names."""
+from deepspeed.runtime.zero.muon.config import AUTOTP_SIZE_KEY as TP_KEY  # the key every refusal here names
 
 _UC_META = "ds_autotp_universal_checkpoint_meta"  # deepspeed.checkpoint.constants.DS_AUTOTP_UC_META
 _TP_FLAG = "tensor_model_parallel"  # deepspeed.module_inject.layers.DS_TENSOR_MODEL_PARALLEL

@@ -217,10 +217,15 @@ class TestEachKeyReachesItsHalf(DistributedTest):
 
 
 def test_check_muon_keys_accepts_every_key_it_lists():
+    """Every key ``config_keys`` / ``group_keys`` lists is accepted with a value its field accepts (its default, or
+    one set here where the default is unset)."""
     from deepspeed.runtime.zero.muon import config
-    valid = {"ns_method": "gram", "pipeline_depth": 2, "batch_ns": None, "variant": "muon"}
-    params = {key: None for key in config.config_keys()} | valid
-    group = {key: None for key in config.group_keys()} | valid | {"ns_method": "standard"}
+    valid = {"ns_method": "gram", "pipeline_depth": 2, "batch_ns": None, "variant": "muon", "lr": 0.01}
+    fields = config.MuonConfig.model_fields | config.MuonGroupConfig.model_fields
+    defaults = {key: fields[key].default if key in fields else None for key in config.config_keys()}
+    params = defaults | valid
+    group = {key: fields[key].default if key in fields else None for key in config.group_keys()} | valid
+    group["ns_method"] = "standard"
     assert {"pipeline_depth", "batch_ns", "variant"} <= set(params) & set(group)
     config.check_muon_keys(params, [group, torch.zeros(1)])
     with pytest.raises(ValueError, match=r"optimizer\.params\.a_variant_key: not a key of the Muon optimizer"):
@@ -250,10 +255,11 @@ def test_update_settings_values_refused_naming_the_key():
     for bad in (0, -1, 2.0, True, "2", None):
         with pytest.raises(ValueError,
                            match=r"values it cannot use:\n- optimizer\.params\.pipeline_depth: "
-                           f"{bad!r}; buckets of the boundary update in flight"):
+                           f"{bad!r} is invalid; buckets of the boundary update in flight"):
             config.check_muon_keys({"pipeline_depth": bad}, None)
     for bad in (1, "yes", 0.5):
-        with pytest.raises(ValueError, match=rf"- model_parameters\[0\]\.batch_ns: {bad!r}; same-shape Newton-Schulz"):
+        with pytest.raises(ValueError,
+                           match=rf"- model_parameters\[0\]\.batch_ns: {bad!r} is invalid; same-shape Newton-Schulz"):
             config.check_muon_keys({}, [{"params": [], "batch_ns": bad}])
 
 
@@ -416,3 +422,115 @@ class TestUpdateSettingsReachTheUpdate(DistributedTest):
         engine = initialize("momentum_partition")
         assert engine.optimizer.muon_update.pipelines
         engine.destroy()
+
+
+BAD_VALUES = {
+    "lr": ("0.01", -0.1, True, float("nan"), "auto"),
+    "muon_lr": ("0.02", -1, False),
+    "adam_lr": ("3e-4", -1e-3),
+    "momentum": ("0.9", 1.0, -0.5, None),
+    "weight_decay": ("0.1", -0.1, None),
+    "betas": ("0.9,0.95", [0.9], [0.9, 1.5], ["0.9", 0.95], 0.9),
+    "eps": ("1e-8", -1e-8, True),
+    "adam_w_mode": ("false", 0, None),
+    "torch_adam": ("yes", 1),
+    "foreach": ("true", 0),
+    "fp32_optimizer_states": (1, "no"),
+    "pipeline_depth": (0, 2.0, True, "2", None),
+    "batch_ns": (1, "yes"),
+    "max_step_memory": (0, 1.5, True, "8GB"),
+    "split_fused_muon": ("yes", 0),
+    "variant": (5, None),
+}
+"""Per key of ``MuonConfig``: values its field refuses (a string where a number or a bool belongs, out of range)."""
+
+
+@pytest.mark.parametrize("key", sorted(BAD_VALUES))
+def test_each_bad_value_refused_naming_the_key(key):
+    """The message names the block and the key, repeats the value, and says what the key accepts (the field's
+    description); in a parameter group too, where the key is a group key."""
+    from deepspeed.runtime.zero.muon import config
+    description = config.MuonConfig.model_fields[key].description
+    for bad in BAD_VALUES[key]:
+        with pytest.raises(ValueError) as info:
+            config.check_muon_keys({key: bad}, None)
+        expected = f"- optimizer.params.{key}: {bad!r} is invalid; {description}."
+        assert str(info.value).startswith("The Muon optimizer's configuration has values it cannot use:\n"), key
+        assert expected in str(info.value), (expected, str(info.value))
+        if key in config.MuonGroupConfig.model_fields:
+            with pytest.raises(ValueError, match=re.escape(f"- model_parameters[0].{key}: {bad!r} is invalid; ")):
+                config.check_muon_keys({}, [{"params": [], key: bad}])
+
+
+def test_qk_clip_threshold_value_refused_naming_the_key():
+    from deepspeed.runtime.zero.muon import config
+    if not config.has_qk_clip():
+        pytest.skip("this DeepSpeed has no QK-clip")
+    for bad in (0, -1.0, "100", True, float("inf")):
+        with pytest.raises(ValueError,
+                           match=re.escape(f"optimizer.params.qk_clip_threshold: {bad!r} is invalid; "
+                                           "the largest attention logit")):
+            config.check_muon_keys({"qk_clip_threshold": bad}, None)
+    config.check_muon_keys({"qk_clip_threshold": 100}, None)
+
+
+def test_defaults_are_the_ones_the_update_uses():
+    """The model's defaults are those of the code that reads each key when it is unset."""
+    import inspect
+    from deepspeed.runtime.zero.muon import config, original_muon, owner_state
+    from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH
+    defaults = config.MuonConfig()
+    assert defaults.pipeline_depth == DEFAULT_DEPTH
+    assert defaults.variant == owner_state.MUON
+    upstream = inspect.signature(original_muon.Muon.__init__).parameters
+    assert defaults.momentum == upstream["momentum"].default and defaults.ns_method == upstream["ns_method"].default
+    assert defaults.weight_decay == upstream["weight_decay"].default
+    assert defaults.max_step_memory is None and defaults.batch_ns is None and defaults.split_fused_muon is None
+    assert defaults.adam_w_mode is True and defaults.lr is None
+
+
+def test_group_keys_come_from_the_same_model():
+    """The keys a group shares with ``optimizer.params`` are one set of fields (``MuonSettings``); the engine's
+    keys of each half, the update's keys and the key names other modules read are among them."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.muon import binding, config, newton_schulz, owner_state
+    shared = config.MuonSettings.model_fields
+    for model in (config.MuonConfig, config.MuonGroupConfig):
+        assert all(model.model_fields[k].description == shared[k].description for k in shared)
+    assert set(shared) <= set(config.group_keys()) and set(shared) <= set(config.config_keys())
+    assert set(DeepSpeedEngine._MUON_HALF_KEYS) | set(DeepSpeedEngine._ADAM_HALF_KEYS) <= set(shared)
+    variant_keys = {k for v in owner_state.registered().values() for k in v.defaults}
+    assert set(config.muon_group_keys()) <= set(shared) | variant_keys
+    for name in (binding.PIPELINE_DEPTH_KEY, binding.BATCH_NS_KEY, binding.MAX_STEP_MEMORY_KEY,
+                 newton_schulz.SPLIT_KEY, owner_state.VARIANT_KEY):
+        assert name in shared, name
+    assert config.QK_CLIP_KEY in config.MuonConfig.model_fields and config.QK_CLIP_KEY not in shared
+
+
+def _module_imports(module) -> set:
+    """The modules ``module`` imports at import time (its top-level ``import`` / ``from`` statements)."""
+    import ast
+    import inspect
+    tree = ast.parse(inspect.getsource(module))
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def test_config_imports_only_leaf_modules():
+    """``config`` imports, of Muon's modules, only leaves (which import no Muon module themselves), so that the
+    binding, the stages and the features may import it; ``support`` imports none at import time."""
+    import importlib
+    from deepspeed.runtime.zero.muon import config, support
+    package = "deepspeed.runtime.zero.muon"
+    muon = lambda names: {n for n in names if n.startswith(package + ".") and n.count(".") == 4}  # noqa: E731
+    leaves = muon(_module_imports(config))
+    assert leaves == {f"{package}.momentum", f"{package}.owner_plan", f"{package}.support"}, leaves
+    for leaf in leaves:
+        assert not muon(_module_imports(importlib.import_module(leaf))), leaf
+    assert not muon(_module_imports(support))

@@ -3,7 +3,7 @@
 
 # DeepSpeed Team
 """Configurations ZeRO-3 with Muon cannot serve fail at ``deepspeed.initialize``, naming the key
-(``deepspeed.runtime.zero.muon.config.refuse_unsupported_zero3``).
+(``deepspeed.runtime.zero.muon.support.refuse_unsupported_zero3``).
 
 Each of these would otherwise train wrongly or fail later: ZenFlow's selective step skips the
 Muon boundary update; torch autocast's fp16 GradScaler unscales gradients after Muon has fed them
@@ -71,13 +71,13 @@ class TestZero3MuonErrors(DistributedTest):
 
     @pytest.mark.world_size(1)
     def test_nvme_offload_without_async_io_is_refused(self, tmp_path):
-        from deepspeed.runtime.zero.muon import config
-        available = config._async_io_available
-        config._async_io_available = lambda: False
+        from deepspeed.runtime.zero.muon import support
+        available = support.async_io_available
+        support.async_io_available = lambda: False
         try:
             message = initialize_error(RUN.with_(offload="nvme"), nvme_dir=tmp_path)
         finally:
-            config._async_io_available = available
+            support.async_io_available = available
         assert message is not None and "zero_optimization.offload_optimizer.device 'nvme'" in message
         assert "libaio" in message
 
@@ -89,7 +89,7 @@ def test_half_precision_master_weights_are_refused(dtype, key):
     import types
 
     import torch
-    from deepspeed.runtime.zero.muon.config import refuse_unsupported_zero3
+    from deepspeed.runtime.zero.muon.support import refuse_unsupported_zero3
     optimizer = types.SimpleNamespace(use_muon=True, master_weights_and_grads_dtype=getattr(torch, dtype))
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         refuse_unsupported_zero3(optimizer)
