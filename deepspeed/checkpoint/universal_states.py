@@ -382,9 +382,9 @@ class Zero3SubGroup:
     fp32_partition: torch.Tensor
 
 
-LoadPartition = Callable[[str, str, torch.nn.Parameter], torch.Tensor]
-"""``(folder, state name, parameter) -> this rank's partition`` of that state (1-D), read from the
-parameter's folder: the stage's ``load_hp_checkpoint_state``."""
+LoadPartition = Callable[..., torch.Tensor]
+"""``load_partition(folder, state name, param=parameter)`` -> this rank's partition of that state of the
+parameter (1-D), read from the parameter's folder: the stage's ``load_hp_checkpoint_state``."""
 
 
 def restore_zero3_optimizer_state(sub_groups: Sequence[Zero3SubGroup], optimizer_state: MutableMapping,
@@ -436,7 +436,7 @@ def restore_zero3_optimizer_state(sub_groups: Sequence[Zero3SubGroup], optimizer
             flat = torch.zeros_like(fp32_partition)
             offset = 0
             for param, name in zip(sub_group.params, sub_group.names):
-                part = load_partition(folders[name], key, param)
+                part = load_partition(folders[name], key, param=param)
                 flat.narrow(0, offset, part.numel()).copy_(part)
                 offset += part.numel()
             if key == FP32:
