@@ -53,7 +53,6 @@ def model_states_files(checkpoint_dir: str, mp_placeholder: str = "*", partition
     return sorted(glob.glob(os.path.join(checkpoint_dir, name)))
 
 
-
 def resize_error(saved_dp_world_size, current_dp_world_size, load_dir, tag):
     """The error for loading a regular ZeRO checkpoint at another data-parallel world size, naming
     the way out: convert the checkpoint to a universal one and load that.

@@ -191,7 +191,8 @@ def test_merge_writes_the_logical_shape_without_padding(tmp_path):
     assert torch.equal(torch.load(tmp_path / "zero" / "w" / "exp_avg.pt")["param"], -weight)
     assert torch.load(tmp_path / "zero" / "w" / "step.pt") == 4
     with pytest.raises(ValueError, match=r"hold 15 elements, the parameter's shape \(4, 5\) 20"):
-        merge_zero3_param_states(str(tmp_path / "tmp" / "w"), str(tmp_path / "zero" / "w2"), [4, 5], _merge_zero_shards)
+        merge_zero3_param_states(str(tmp_path / "tmp" / "w"), str(tmp_path / "zero" / "w2"), [4, 5],
+                                 _merge_zero_shards)
 
 
 class _OneRankZero3:
@@ -269,10 +270,7 @@ def test_restore_per_sub_group(tmp_path):
             "momentum": 0.9
         }],
     }
-    opt.restore(str(zero), {
-        "optimizer_state_dict": saved,
-        "param_groups": saved["param_groups"]
-    })
+    opt.restore(str(zero), {"optimizer_state_dict": saved, "param_groups": saved["param_groups"]})
     adam = opt.optimizer.state[opt.fp32_partitioned_groups_flat[0]]
     assert torch.equal(opt.fp32_partitioned_groups_flat[0], torch.tensor([1.0] * 6 + [4.0] * 4))
     assert torch.equal(adam["exp_avg"], torch.tensor([2.0] * 6 + [5.0] * 4)) and adam["step"] == 9
