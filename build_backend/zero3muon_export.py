@@ -161,7 +161,7 @@ GROUPS = numbered(
           needs=("zero3-muon", "zero3-configurations")),
     Group("universal-checkpoints",
           "Checkpoints of Muon runs: every optimizer state in universal checkpoints at every stage, Muon's checked",
-          _patches(6, 7, 8, 9, 13, 21) + ("deepspeed/checkpoint/*.py", "tests/unit/checkpoint/*"),
+          _patches(6, 7, 8, 9, 13) + ("deepspeed/checkpoint/*.py", "tests/unit/checkpoint/*"),
           needs=("zero3-muon", "zero3-configurations", "zero12-muon")),
     Group("muon-config",
           "Muon's configuration: parameter selection with fused projections split, its two learning rates under "

@@ -4,8 +4,8 @@
 # DeepSpeed Team
 """Universal checkpoints of any optimizer at every ZeRO stage: what one holds per parameter, every
 optimizer state converted (ZeRO-1/2 and ZeRO-3), loaded per sub-group at any data-parallel world
-size under ZeRO-3 (and a ZeRO-3 one at ZeRO-1/2), and the error that points a regular checkpoint
-loaded at another world size to the conversion.
+size under ZeRO-3 (and a ZeRO-3 one at ZeRO-1/2). Which files a load reads, and the error that points
+a regular checkpoint loaded at another world size to the conversion, are ``checkpoint_files``'.
 
 A universal checkpoint (``python -m deepspeed.checkpoint.ds_to_universal``) stores every
 parameter in a folder of its own, ``<output>/zero/<parameter name>/``, independent of the number
@@ -42,15 +42,14 @@ import glob
 import math
 import os
 import re
-import shlex
-from typing import Dict, List, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Callable, Dict, List, MutableMapping, Optional, Sequence, Union
 
 import torch
 
 from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, DS_VERSION, FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT,
                                             PARAM, PARAM_GROUPS, PARAM_SLICE_MAPPINGS, SINGLE_PARTITION_OF_FP32_GROUPS,
                                             ZERO_STAGE)
-from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
 FP32 = "fp32"
 """State name of the fp32 master weights in a universal checkpoint."""
@@ -118,7 +117,8 @@ def zero3_sub_group_states(optim_sd: dict, sub_group_id: int) -> Dict[str, State
     return _partition_states(state, partition, (partition.numel(), ), f"ZeRO-3 sub-group {sub_group_id}")
 
 
-def merge_zero3_param_states(fragment_dir: str, output_dir: str, logical_shape: Sequence[int]) -> List[str]:
+def merge_zero3_param_states(fragment_dir: str, output_dir: str, logical_shape: Sequence[int],
+                             merge_shards: Callable[[str, str, int], List]) -> List[str]:
     """Merge one parameter's per-rank fragments into its universal-checkpoint files.
 
     Args:
@@ -127,6 +127,10 @@ def merge_zero3_param_states(fragment_dir: str, output_dir: str, logical_shape: 
         output_dir: ``<output>/zero/<parameter name>``, created if missing.
         logical_shape: the parameter's shape (``ds_shape``); the fragments hold its elements
             without ZeRO padding, in data-parallel rank order.
+        merge_shards: the converter's ``_merge_zero_shards(fragment_dir, state, tp_degree)``, which
+            concatenates one state's fragments in rank order (a list with one tensor per
+            tensor-parallel rank). Passed in by the converter, which imports this module, so that
+            this module does not import the converter back.
 
     Writes ``<state>.pt`` for every state found: tensors as ``{"param": tensor}`` in the logical
     shape and the fragments' dtype, ``step`` as the value itself (equal on every rank). Returns
@@ -135,12 +139,11 @@ def merge_zero3_param_states(fragment_dir: str, output_dir: str, logical_shape: 
     Raises:
         ValueError: the fragments of a tensor state do not hold ``prod(logical_shape)`` elements.
     """
-    from deepspeed.checkpoint.ds_to_universal import _merge_zero_shards  # not at the top: ds_to_universal imports us
     found = {re.sub(r"\.[0-9]+$", "", os.path.basename(p)) for p in glob.glob(os.path.join(fragment_dir, "0", "*.*"))}
     os.makedirs(output_dir, exist_ok=True)
     numel = math.prod(logical_shape)
     for state in sorted(found):
-        merged = _merge_zero_shards(fragment_dir, state, 1)[0]
+        merged = merge_shards(fragment_dir, state, 1)[0]
         if state == STEP:
             torch.save(merged, os.path.join(output_dir, f"{state}.pt"))
             continue
@@ -362,19 +365,41 @@ def _restore_param_groups(param_groups: List[dict], saved_groups: List[dict]) ->
                 group[key] = value
 
 
-def restore_zero3_optimizer_state(optimizer, zero_dir: str, optim_sd: dict) -> None:
+@dataclass
+class Zero3SubGroup:
+    """One ZeRO-3 sub-group as the universal loader needs it, built by the stage.
+
+    Attributes:
+        params: the sub-group's parameters, in the order their partitions follow each other in
+            ``fp32_partition``.
+        names: each parameter's name in the model (its folder under ``zero/``), None for one
+            the model does not name.
+        fp32_partition: this rank's flat fp32 master weights of the sub-group (1-D); the inner
+            optimizer keeps its states under this tensor (``optimizer.state[fp32_partition]``).
+    """
+    params: Sequence[torch.nn.Parameter]
+    names: Sequence[Optional[str]]
+    fp32_partition: torch.Tensor
+
+
+LoadPartition = Callable[..., torch.Tensor]
+"""``load_partition(folder, state name, param=parameter)`` -> this rank's partition of that state of the
+parameter (1-D), read from the parameter's folder: the stage's ``load_hp_checkpoint_state``."""
+
+
+def restore_zero3_optimizer_state(sub_groups: Sequence[Zero3SubGroup], optimizer_state: MutableMapping,
+                                  param_groups: List[dict], load_partition: LoadPartition, zero_dir: str,
+                                  optim_sd: dict) -> None:
     """Load the fp32 partitions, the optimizer states and the group settings of a universal
     checkpoint into a ZeRO-3 optimizer at its own world size.
 
     Per sub-group, the flat fp32 partition and each state its parameters' folders hold are
-    rebuilt from those folders, partitioned for this rank by the optimizer's
-    ``load_hp_checkpoint_state``, and put in the optimizer's state of the flat partition: copied
-    into the tensor already there where it has the flat partition's size, so that it keeps its
-    dtype and device and every other reference to it (stage 3's
-    ``muon_momentum_buffer_partitioned_groups_flat`` under
-    ``save_muon_momentum_buffer_in_memory``) stays valid; else as a new fp32 tensor. The step is
-    set where the checkpoint has one. Each optimizer parameter group gets the settings of the
-    saved group with the same index.
+    rebuilt from those folders, partitioned for this rank by ``load_partition``, and put in
+    ``optimizer_state[fp32_partition]``: copied into the tensor already there where it has the
+    flat partition's size, so that it keeps its dtype and device and every other reference to it
+    (a momentum buffer the stage keeps in memory) stays valid; else as a new fp32 tensor. The
+    step is set where the checkpoint has one. Each optimizer parameter group gets the settings
+    of the saved group with the same index.
 
     A checkpoint without per-parameter ``step.pt`` (converted by a ``ds_to_universal`` that kept
     only ``exp_avg`` and ``exp_avg_sq``) holds the step only in ``optimizer_state.pt``, rank 0's
@@ -382,7 +407,10 @@ def restore_zero3_optimizer_state(optimizer, zero_dir: str, optim_sd: dict) -> N
     states, so Adam's moments get theirs and a state saved without a step (a momentum) gets none.
 
     Args:
-        optimizer: ``DeepSpeedZeroOptimizer_Stage3``.
+        sub_groups: the stage's sub-groups (``Zero3SubGroup``), in sub-group order.
+        optimizer_state: the inner optimizer's ``state`` (``{fp32 partition: {key: value}}``).
+        param_groups: the inner optimizer's ``param_groups``; their settings are replaced.
+        load_partition: reads this rank's partition of one state of one parameter (``LoadPartition``).
         zero_dir: the checkpoint's ``zero/`` folder.
         optim_sd: the checkpoint's ``zero/optimizer_state.pt``.
 
@@ -396,26 +424,25 @@ def restore_zero3_optimizer_state(optimizer, zero_dir: str, optim_sd: dict) -> N
     for state in saved.get("state", {}).values():
         if STEP in state:
             saved_steps.setdefault(frozenset(state) - {STEP}, state[STEP])
-    for sub_group_id, params in enumerate(optimizer.fp16_groups):
-        missing = [p for p in params if p not in optimizer.param_names]
+    for sub_group_id, sub_group in enumerate(sub_groups):
+        missing = sum(name is None for name in sub_group.names)
         if missing:
-            raise ValueError(f"ZeRO-3 universal checkpoint load: {len(missing)} parameter(s) of sub-group "
+            raise ValueError(f"ZeRO-3 universal checkpoint load: {missing} parameter(s) of sub-group "
                              f"{sub_group_id} have no name in the model.")
-        names = [optimizer.param_names[p] for p in params]
-        folders = {name: os.path.join(zero_dir, name) for name in names}
+        folders = {name: os.path.join(zero_dir, name) for name in sub_group.names}
         keys, step = _sub_group_plan(folders)
-        fp32_partition = optimizer.fp32_partitioned_groups_flat[sub_group_id]
+        fp32_partition = sub_group.fp32_partition
         for key in (FP32, *keys):
             flat = torch.zeros_like(fp32_partition)
             offset = 0
-            for param, name in zip(params, names):
-                part = optimizer.load_hp_checkpoint_state(folders[name], key, param=param)
+            for param, name in zip(sub_group.params, sub_group.names):
+                part = load_partition(folders[name], key, param=param)
                 flat.narrow(0, offset, part.numel()).copy_(part)
                 offset += part.numel()
             if key == FP32:
                 fp32_partition.data.copy_(flat)
                 continue
-            state = optimizer.optimizer.state.setdefault(fp32_partition, {})
+            state = optimizer_state.setdefault(fp32_partition, {})
             current = state.get(key)
             if torch.is_tensor(current) and current.shape == flat.shape:
                 current.copy_(flat)
@@ -424,35 +451,11 @@ def restore_zero3_optimizer_state(optimizer, zero_dir: str, optim_sd: dict) -> N
         if step is None and keys:
             step = saved_steps.get(frozenset(keys))
         if step is not None:
-            optimizer.optimizer.state.setdefault(fp32_partition, {})[STEP] = step
-    _restore_param_groups(optimizer.optimizer.param_groups, optim_sd[PARAM_GROUPS])
+            optimizer_state.setdefault(fp32_partition, {})[STEP] = step
+    _restore_param_groups(param_groups, optim_sd[PARAM_GROUPS])
 
 
 # Loading a universal checkpoint converted from ZeRO-3 at ZeRO stage 1 or 2
-
-
-def model_states_files(checkpoint_dir: str, mp_placeholder: str = "*", partitioned: bool = False) -> List[str]:
-    """The model-states files an engine reads from a universal checkpoint another ZeRO stage wrote.
-
-    The conversion copies the saving run's model-states files: a ZeRO-3 run's
-    ``zero_pp_rank_<r>_mp_rank_<m>_model_states.pt``, a ZeRO-1/2 run's
-    ``mp_rank_<m>_model_states.pt``. An engine of the other kind finds none of its own and fails
-    with a bare ``AssertionError`` (``SDLoaderBase.check_ckpt_list``). Universal loading takes the
-    weights from ``zero/`` and only metadata (``dp_world_size``, lr scheduler, step counters,
-    client state) from these files, which data-parallel rank 0's file holds like every other.
-
-    Args:
-        checkpoint_dir: ``<load_dir>/<tag>``.
-        mp_placeholder: the model-parallel rank, or ``*`` for every one.
-        partitioned: the loading engine partitions its weights (ZeRO-3): it reads a ZeRO-1/2 run's
-            files; else a ZeRO-3 run's (data-parallel rank 0's).
-
-    Returns:
-        the files, one per model-parallel rank, sorted; empty if the folder has none.
-    """
-    name = f"mp_rank_{mp_placeholder}_model_states.pt" if partitioned else \
-        f"zero_pp_rank_0_mp_rank_{mp_placeholder}_model_states.pt"
-    return sorted(glob.glob(os.path.join(checkpoint_dir, name)))
 
 
 def checkpoint_version(state: dict) -> Optional[str]:
@@ -473,105 +476,3 @@ def checkpoint_version(state: dict) -> Optional[str]:
     if int(state.get(ZERO_STAGE, 0)) == 3:
         return version
     return None
-
-
-# Regular checkpoints at another world size
-
-
-def resize_error(saved_dp_world_size, current_dp_world_size, load_dir, tag):
-    """The error for loading a regular ZeRO checkpoint at another data-parallel world size, naming
-    the way out: convert the checkpoint to a universal one and load that.
-
-    A regular checkpoint keeps each rank's partition of the flat fp32 master weights and optimizer
-    states (``*_optim_states.pt``, one file per rank; under ZeRO-3 also one model-states file per
-    rank); the partition boundaries depend on the world size that wrote it, so an engine cannot
-    take the states over at another one. A universal checkpoint does not depend on the world size,
-    and ``ds_to_universal`` writes ``<load_dir>/latest_universal``, so after the conversion
-    ``load_checkpoint(load_dir)`` with ``"checkpoint": {"load_universal": true}`` finds it without
-    a tag.
-
-    Args:
-        saved_dp_world_size (int): the data-parallel world size that saved the checkpoint.
-        current_dp_world_size (int): the data-parallel world size of the loading engine.
-        load_dir (str or os.PathLike): the ``load_dir`` passed to ``load_checkpoint``.
-        tag (str): the checkpoint's tag (its folder under ``load_dir``).
-
-    Returns:
-        ZeRORuntimeException: for the caller to raise. Its message keeps the engine's text (both
-        world sizes) and adds the conversion command with this checkpoint's folders (shell-quoted;
-        with ``--inject_missing_state`` for a ZeRO-1/2 checkpoint without
-        ``universal_checkpoint_info``) and the config setting that loads the result.
-    """
-    input_folder = os.path.join(os.fspath(load_dir), str(tag))
-    output_folder = f"{input_folder}_universal"
-    command = (f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {shlex.quote(input_folder)} "
-               f"--output_folder {shlex.quote(output_folder)}")
-    if _needs_injected_state(input_folder):
-        command += (" --inject_missing_state\n(at ZeRO stage 1/2 the converter needs the model's "
-                    "universal_checkpoint_info, which this checkpoint's model did not set; the flag supplies it)")
-    return ZeRORuntimeException(
-        f"The checkpoint being loaded used a DP world size of {saved_dp_world_size} but the current world size is "
-        f"{current_dp_world_size}. Automatic adjustment of ZeRO's optimizer state partitioning with a new world "
-        f"size is not currently supported for a regular checkpoint. To resume at DP world size "
-        f"{current_dp_world_size}, convert it to a universal checkpoint once:\n    {command}\n"
-        f"then load that with \"checkpoint\": {{\"load_universal\": true}} in the DeepSpeed config: "
-        f"load_checkpoint({os.fspath(load_dir)!r}) finds it through the latest_universal file the conversion "
-        f"writes (or pass tag={os.path.basename(output_folder)!r}).")
-
-
-def _needs_injected_state(checkpoint_folder) -> bool:
-    """Whether ``ds_to_universal`` needs ``--inject_missing_state`` for this regular checkpoint: a
-    ZeRO-1/2 one (no per-rank ``zero_pp_rank_*_model_states.pt``) whose
-    ``mp_rank_00_model_states.pt`` has no ``universal_checkpoint_info`` (Megatron-style clients set
-    it; a plain ``nn.Module``, as under the Hugging Face Trainer, does not). The file is read
-    memory-mapped, so no tensor is read."""
-    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
-    model_states = os.path.join(checkpoint_folder, "mp_rank_00_model_states.pt")
-    if saved_zero3_dp_world_size(checkpoint_folder) is not None or not os.path.isfile(model_states):
-        return False
-    saved = torch.load(model_states, map_location="cpu", weights_only=False, mmap=True)
-    return saved.get(UNIVERSAL_CHECKPOINT_INFO) is None
-
-
-def saved_zero3_dp_world_size(checkpoint_folder):
-    """The data-parallel world size that wrote a regular ZeRO-3 checkpoint, from its file names.
-
-    ZeRO-3 writes one model-states file per data-parallel rank r (and model-parallel rank m),
-    ``zero_pp_rank_<r>_mp_rank_<m>_model_states.pt``; the world size is the number of distinct r.
-    Counting names needs no ``torch.load`` of a file that may not be this rank's to read.
-
-    Args:
-        checkpoint_folder (str or os.PathLike): ``<load_dir>/<tag>``.
-
-    Returns:
-        int, or None where the folder does not exist or holds no such file (not a ZeRO-3
-        checkpoint, or a universal one).
-    """
-    if not os.path.isdir(checkpoint_folder):
-        return None
-    pattern = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_model_states\.pt")
-    ranks = {int(match.group(1)) for match in map(pattern.fullmatch, os.listdir(checkpoint_folder)) if match}
-    return len(ranks) or None
-
-
-def raise_if_saved_at_another_world_size(load_dir, tag, current_dp_world_size):
-    """For a ZeRO-3 rank that finds no model-states file of its own in a regular checkpoint: raise
-    ``resize_error`` if the checkpoint was written at another data-parallel world size.
-
-    A rank whose data-parallel rank the saving run did not have (the world size grew) has no
-    ``zero_pp_rank_<r>_*_model_states.pt`` to read, and would otherwise fail in the state-dict
-    loader on an empty file list (``AssertionError``) before reaching the world-size check that
-    names the way out, while the other ranks get that check's error.
-
-    Args:
-        load_dir (str or os.PathLike), tag (str): as given to (or resolved by) ``load_checkpoint``.
-        current_dp_world_size (int): the loading engine's data-parallel world size.
-
-    Raises:
-        ZeRORuntimeException: ``resize_error``'s, where the checkpoint's ZeRO-3 model-states files
-            show another world size. Otherwise returns None (e.g. a wrong tag, left to the
-            engine's own error).
-    """
-    saved = saved_zero3_dp_world_size(os.path.join(os.fspath(load_dir), str(tag)))
-    if saved is not None and saved != current_dp_world_size:
-        raise resize_error(saved, current_dp_world_size, load_dir, tag)

@@ -175,6 +175,7 @@ def test_sub_group_states_keep_every_state_upcast_and_the_step():
 
 
 def test_merge_writes_the_logical_shape_without_padding(tmp_path):
+    from deepspeed.checkpoint.ds_to_universal import _merge_zero_shards
     from deepspeed.checkpoint.universal_states import merge_zero3_param_states
     weight = torch.arange(15, dtype=torch.float32).reshape(3, 5)  # 15 elements on 2 ranks: 8 + 7 (1 padding)
     fragments = tmp_path / "tmp" / "w" / "0"
@@ -183,25 +184,31 @@ def test_merge_writes_the_logical_shape_without_padding(tmp_path):
         torch.save(part.clone(), fragments / f"fp32.{rank:02d}")
         torch.save(part.clone() * -1, fragments / f"exp_avg.{rank:02d}")
         torch.save(4, fragments / f"step.{rank:02d}")
-    written = merge_zero3_param_states(str(tmp_path / "tmp" / "w"), str(tmp_path / "zero" / "w"), [3, 5])
+    written = merge_zero3_param_states(str(tmp_path / "tmp" / "w"), str(tmp_path / "zero" / "w"), [3, 5],
+                                       _merge_zero_shards)
     assert written == ["exp_avg", "fp32", "step"]
     assert torch.equal(torch.load(tmp_path / "zero" / "w" / "fp32.pt")["param"], weight)
     assert torch.equal(torch.load(tmp_path / "zero" / "w" / "exp_avg.pt")["param"], -weight)
     assert torch.load(tmp_path / "zero" / "w" / "step.pt") == 4
     with pytest.raises(ValueError, match=r"hold 15 elements, the parameter's shape \(4, 5\) 20"):
-        merge_zero3_param_states(str(tmp_path / "tmp" / "w"), str(tmp_path / "zero" / "w2"), [4, 5])
+        merge_zero3_param_states(str(tmp_path / "tmp" / "w"), str(tmp_path / "zero" / "w2"), [4, 5],
+                                 _merge_zero_shards)
 
 
 class _OneRankZero3:
-    """What ``restore_zero3_optimizer_state`` reads of a ZeRO-3 optimizer, at W = 1: one sub-group
-    per entry of ``sub_groups`` (lists of parameters), each with a flat fp32 partition, and a
-    ``load_hp_checkpoint_state`` that reads a state file whole. ``names``: the parameters' names in
-    sub-group order."""
+    """What stage 3 hands ``restore_zero3_optimizer_state``, at W = 1: one ``Zero3SubGroup`` per entry of
+    ``sub_groups`` (lists of parameters), each with a flat fp32 partition, the inner optimizer's state and
+    groups, and a ``load_hp_checkpoint_state`` that reads a state file whole. ``names``: the parameters'
+    names in sub-group order."""
 
     def __init__(self, sub_groups, names, param_groups):
-        self.fp16_groups = sub_groups
-        self.param_names = dict(zip((p for group in sub_groups for p in group), names))
+        from deepspeed.checkpoint.universal_states import Zero3SubGroup
+        named = dict(zip((p for group in sub_groups for p in group), names))
         self.fp32_partitioned_groups_flat = [torch.zeros(sum(p.numel() for p in group)) for group in sub_groups]
+        self.sub_groups = [
+            Zero3SubGroup(group, [named[p] for p in group], fp32)
+            for group, fp32 in zip(sub_groups, self.fp32_partitioned_groups_flat)
+        ]
         self.optimizer = SimpleNamespace(state={}, param_groups=param_groups)
 
     def load_hp_checkpoint_state(self, folder, key, param=None):
@@ -210,6 +217,11 @@ class _OneRankZero3:
         loaded = stored["param"].flatten()
         check_loaded_state(param, folder, key, loaded, stored)
         return loaded
+
+    def restore(self, zero_dir, optim_sd):
+        from deepspeed.checkpoint.universal_states import restore_zero3_optimizer_state
+        restore_zero3_optimizer_state(self.sub_groups, self.optimizer.state, self.optimizer.param_groups,
+                                      self.load_hp_checkpoint_state, zero_dir, optim_sd)
 
 
 def _param(*shape):
@@ -228,7 +240,6 @@ def test_restore_per_sub_group(tmp_path):
     """Two sub-groups with different states (Adam's moments and a momentum without step), a
     checkpoint without per-parameter ``step.pt``: each sub-group gets its own states in place,
     the step of the saved sub-group with the same states, and each group its own settings."""
-    from deepspeed.checkpoint.universal_states import restore_zero3_optimizer_state
     zero = tmp_path / "zero"
     a, b, m = _param(2, 3), _param(4), _param(5)
     _write(zero, "a", fp32=torch.ones(2, 3), exp_avg=torch.full((2, 3), 2.0), exp_avg_sq=torch.full((2, 3), 3.0))
@@ -259,10 +270,7 @@ def test_restore_per_sub_group(tmp_path):
             "momentum": 0.9
         }],
     }
-    restore_zero3_optimizer_state(opt, str(zero), {
-        "optimizer_state_dict": saved,
-        "param_groups": saved["param_groups"]
-    })
+    opt.restore(str(zero), {"optimizer_state_dict": saved, "param_groups": saved["param_groups"]})
     adam = opt.optimizer.state[opt.fp32_partitioned_groups_flat[0]]
     assert torch.equal(opt.fp32_partitioned_groups_flat[0], torch.tensor([1.0] * 6 + [4.0] * 4))
     assert torch.equal(adam["exp_avg"], torch.tensor([2.0] * 6 + [5.0] * 4)) and adam["step"] == 9
@@ -274,4 +282,4 @@ def test_restore_per_sub_group(tmp_path):
 
     os.remove(zero / "b" / "exp_avg.pt")
     with pytest.raises(ValueError, match="parameters of one ZeRO-3 sub-group hold different optimizer states"):
-        restore_zero3_optimizer_state(opt, str(zero), {"optimizer_state_dict": saved})
+        opt.restore(str(zero), {"optimizer_state_dict": saved})

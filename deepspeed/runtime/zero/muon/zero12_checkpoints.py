@@ -17,6 +17,7 @@ layout before the Muon update takes it over (``MuonUpdate.load_state_dict``).
 
 import torch
 
+from deepspeed import comm as dist
 from deepspeed.runtime.rank_agreement import agreed_errors
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY
 
@@ -50,9 +51,7 @@ def from_older_layout(update, cpu_offload: bool) -> None:
         state, rank = update.optimizer.state.get(part.flat, {}), exchange.rank
         held = [(j, sum(p[:rank]), part.slices[j]) for j, p in enumerate(part.pieces) if p[rank]]
         rows = state.pop(owner.variant.state_key, None) if owner is not None else None
-        present = owner is not None and bool(
-            owner._all_reduce(torch.tensor([rows is not None], device=owner.flat.device), "MAX", exchange.group,
-                              exchange.world_size))
+        present = owner is not None and _any_rank(rows is not None, owner.flat.device, exchange)
         with agreed_errors(f"loading the Muon state of {part.label}", group=exchange.group):
             momentum = state.get(MOMENTUM_KEY)
             if momentum is not None:
@@ -74,6 +73,15 @@ def from_older_layout(update, cpu_offload: bool) -> None:
         if present:
             state[owner.variant.state_key] = owner.to_partition(part.pieces, part.slices, rank, part.numel,
                                                                 exchange.group, exchange.world_size)
+
+
+def _any_rank(value: bool, device, exchange) -> bool:
+    """Whether ``value`` is true on some rank of ``exchange.group`` (its ``world_size`` ranks): one
+    all-reduce (MAX) of one element on ``device``; collective over the group, none at one rank."""
+    flag = torch.tensor([value], dtype=torch.int32, device=device)
+    if exchange.world_size > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=exchange.group)
+    return bool(flag.item())
 
 
 def _take_apart(part, pipeline, held, whole: torch.Tensor) -> torch.Tensor:
