@@ -84,11 +84,11 @@ def worker(args):
             run(engine, ids[args.warmup:])
             dist.barrier()
             times[name].append((time.perf_counter() - start) / args.steps)
-    clipped = engines["clip"].qk_clip.heads_clipped
+    clipped = engines["clip"].muon.qk_clip.heads_clipped
     if dist.get_rank() == 0:
         with open(args.result, "w") as f:
             json.dump({"times": times, "threshold": thresholds["clip"], "heads_clipped": clipped,
-                       "heads": engines["clip"].qk_clip.offsets[-1], "deepspeed": deepspeed.__version__,
+                       "heads": engines["clip"].muon.qk_clip.offsets[-1], "deepspeed": deepspeed.__version__,
                        "torch": torch.__version__}, f)
 
 

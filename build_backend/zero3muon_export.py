@@ -153,9 +153,9 @@ GROUPS = numbered(
     Group("zero12-muon",
           "ZeRO-1/2 and AutoTP Muon on the same owner core: whole matrices wherever their pieces lie, the core's "
           "plans and exchange tested at every layout",
-          _patches(12, 19) + _in(MUON, "zero12_checkpoints.py", "tensor_parallel.py") +
+          _patches(12) + _in(MUON, "zero12_checkpoints.py", "tensor_parallel.py") +
           _in(ZERO_TESTS, "test_zero12_*.py", "zero12_muon_helpers.py", "test_muon_owner_plan_configs.py",
-              "test_muon_pipeline*.py", "test_muon_autotp.py", "test_muon_tensor_parallel.py",
+              "test_muon_pipeline*.py", "test_muon_tensor_parallel.py",
               "test_muon_non_finite_step.py") +
           _in(TESTING, "causal_lm.py", "threaded_exchange.py"),
           needs=("zero3-muon", "zero3-configurations")),
@@ -166,14 +166,15 @@ GROUPS = numbered(
     Group("muon-config",
           "Muon's configuration: parameter selection with fused projections split, its two learning rates under "
           "schedulers, every key checked",
-          _patches(10, 11, 14, 15, 16) + _in(MUON, "param_selection.py", "lr_groups.py") +
+          # integration.py: the engine's one entry (patch 0011), which the AutoTP tests run through
+          _patches(10, 11, 16) + _in(MUON, "integration.py", "param_selection.py", "lr_groups.py") +
           _in(ZERO_TESTS, "test_muon_param_selection.py", "test_muon_lr_groups.py", "test_muon_config*.py",
-              "test_muon_fused_projections.py"),
+              "test_muon_fused_projections.py", "test_muon_autotp.py"),
           needs=("zero3-muon", "zero3-configurations", "zero12-muon")),
     Group("muon-variants",
           "Newton-Schulz in depth and Muon's variants: batched problems, Polar Express, NorMuon's state on the owner, "
           "MuonClip's QK-clip",
-          _patches(17, 18, 20) + _in(MUON, "polar_express.py", "normuon.py", "qk_clip.py") +
+          _patches(17, 18) + _in(MUON, "polar_express.py", "normuon.py", "qk_clip.py", "hf_attention.py") +
           _in(ZERO_TESTS, "test_*polar_express*.py", "test_*normuon*.py", "test_muon_owner_state.py",
               "test_muon_newton_schulz.py", "test_muon_qk_clip.py") +
           # QK-clip on whole matrices, the reference of the MuonClip tests (their only importer)

@@ -33,7 +33,7 @@ def from_older_layout(update, cpu_offload: bool) -> None:
     optimizer state, partition by partition, into the partition's layout.
 
     Call on every rank right after the stage loaded such a checkpoint (collective over a variant
-    partition's process group), before ``update.load_state_dict()``.
+    partition's process group), before ``update.load_saved_state()``.
 
     Args:
         update: the stage's ``binding.MuonUpdate``.

@@ -14,7 +14,7 @@ import torch
 
 import deepspeed
 from deepspeed import comm as dist
-from deepspeed.runtime.zero.muon import qk_clip
+from deepspeed.runtime.zero.muon import hf_attention, qk_clip
 from deepspeed.runtime.zero.muon.config import check_muon_keys
 from deepspeed.runtime.zero.muon.param_selection import select_muon_parameters, tag_fused_projections
 from deepspeed.utils import logger
@@ -31,12 +31,20 @@ STEPS = 2
 W = 2  # ranks of the tests but the world sizes test_equals_reference names
 
 
+def _clip(model):
+    """A clip of ``model``'s attention at tau 1 on this process, its logits recorded (as the engine binds it)."""
+    layers = hf_attention.find_attention(model)
+    clip = qk_clip.QKClip(1.0, layers, None, torch.device("cpu"))
+    hf_attention.install_recorders([m for _, m, _ in layers if getattr(m, qk_clip.MARK_ATTR, None) is None])
+    return clip
+
+
 @pytest.mark.parametrize("name,attention", [("llama", "eager"), ("llama", "sdpa"), ("gpt2", "sdpa"), ("gpt2", "eager"),
                                             ("qwen3_moe", "eager"), ("phi3", "eager")])
 def test_recorded_logits_equal_reference(name, attention):
     model = MODELS[name]().train()
     model.set_attn_implementation(attention)
-    clip = qk_clip.QKClip(1.0, qk_clip.find_attention(model), {}, None, torch.device("cpu"))
+    clip = _clip(model)
     model(input_ids=token_batch(0))
     got = {name: clip.maxima[clip.offsets[i]:clip.offsets[i + 1]] for i, name in enumerate(clip.names)}
     want = reference_max_logits(model, token_batch(0))
@@ -45,37 +53,37 @@ def test_recorded_logits_equal_reference(name, attention):
 
 
 def test_max_logits_masks_agree(monkeypatch):
-    monkeypatch.setattr(qk_clip, "_QUERY_CHUNK_ELEMENTS", 40)  # two queries a chunk
+    monkeypatch.setattr(hf_attention, "_QUERY_CHUNK_ELEMENTS", 40)  # two queries a chunk
     torch.manual_seed(0)
     query, key = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
     causal = torch.ones(5, 5, dtype=torch.bool).tril()
     additive = torch.zeros(5, 5).masked_fill(~causal, torch.finfo(torch.float32).min)
-    by_bool, by_float, by_flag, everywhere = (qk_clip.max_logits(query, key, mask, 0.5, flag)
+    by_bool, by_float, by_flag, everywhere = (hf_attention.max_logits(query, key, mask, 0.5, flag)
                                               for mask, flag in ((causal[None, None], False), (additive[None,
                                                                                                         None], False),
                                                                  (None, True), (None, False)))
     logits = (query @ key.repeat_interleave(2, dim=1).transpose(2, 3) * 0.5).masked_fill(~causal, float("-inf"))
     assert torch.equal(by_bool, by_float) and torch.equal(by_bool, by_flag) and not torch.equal(everywhere, by_bool)
     assert torch.allclose(by_bool, logits.amax(dim=(0, 2, 3)), rtol=1e-6, atol=0)
-    assert torch.equal(qk_clip.max_logits(query, key, torch.ones(2, 1, 1, 5, dtype=torch.bool), 0.5, False),
+    assert torch.equal(hf_attention.max_logits(query, key, torch.ones(2, 1, 1, 5, dtype=torch.bool), 0.5, False),
                        everywhere)
-    big = qk_clip.max_logits((query * 300).half(), (key * 300).half(), None, 0.5, False)  # fp16 logits overflow
+    big = hf_attention.max_logits((query * 300).half(), (key * 300).half(), None, 0.5, False)  # fp16 logits overflow
     assert torch.allclose(big, everywhere * 9e4, rtol=1e-2, atol=0)
 
 
 def test_layouts_and_rules():
     spans = {
         name: [(s.dim, s.start, s.rule) for s in heads.spans]
-        for name, _, heads in qk_clip.find_attention(MODELS["gpt2"]())
+        for name, _, heads in hf_attention.find_attention(MODELS["gpt2"]())
     }
     assert spans["transformer.h.0.attn"] == [(1, 0, "sqrt"), (0, 0, "sqrt"), (1, 32, "sqrt"), (0, 32, "sqrt")]
-    llama = qk_clip.find_attention(MODELS["llama"]())  # 4 query heads share 2 key heads: queries take gamma
+    llama = hf_attention.find_attention(MODELS["llama"]())  # 4 query heads share 2 key heads: queries take gamma
     assert [
         (h.num_heads, [(s.param.shape, s.rule) for s in h.spans]) for _, _, h in llama
     ] == [(4, [(torch.Size([64, 64]), "full")])] * 2 and llama[0][2].spans[0].param is llama[0][1].q_proj.weight
-    qwen = qk_clip.find_attention(MODELS["qwen3_moe"]())  # q_norm undoes a scale of W_q: its weight takes it
+    qwen = hf_attention.find_attention(MODELS["qwen3_moe"]())  # q_norm undoes a scale of W_q: its weight takes it
     assert all(h.spans[0].param is m.q_norm.weight and h.spans[0].rule == "layer_min" for _, m, h in qwen)
-    phi3 = qk_clip.find_attention(MODELS["phi3"]())[0][2]
+    phi3 = hf_attention.find_attention(MODELS["phi3"]())[0][2]
     assert [(s.param.shape, s.start, s.rule) for s in phi3.spans] == [(torch.Size([64, 32]), 0, "full")]
 
 
@@ -86,7 +94,7 @@ def test_scale_of_a_piece_across_rows():
     clip = qk_clip.QKClip.__new__(qk_clip.QKClip)
     clip.spans, clip.offsets, clip._lines = {id(weight): [(span, 0)]}, [0, 2], {}
     clip.gamma, clip._clipped = torch.tensor([0.5, 0.25]), [True]
-    scale = clip._piece_scale(qk_clip.ParamPiece(weight, 7, 0, 17), torch.device("cpu"))
+    scale = clip._piece_scale(weight, 7, 17, torch.device("cpu"))
     want = torch.tensor([1, 1, .5, .5, .25, .25]).repeat_interleave(5)[7:24]  # rows 2, 3: head 0; 4, 5: head 1
     assert torch.equal(scale, want)
 
@@ -102,15 +110,15 @@ class TinyAttention(torch.nn.Module):
 
 def test_unknown_layout_and_implementation_refused():
     with pytest.raises(ValueError, match=r"qk_clip_threshold.*\n- 0 \(TinyAttention\).*mark_attention"):
-        qk_clip.find_attention(torch.nn.Sequential(TinyAttention()))
+        hf_attention.find_attention(torch.nn.Sequential(TinyAttention()))
     model = MODELS["llama"]()
     model.config._attn_implementation = "flex_attention"
     with pytest.raises(ValueError,
                        match=r"model.layers.0.self_attn \(LlamaAttention\) runs attention "
                        r"implementation 'flex_attention'"):
-        qk_clip.find_attention(model)
+        hf_attention.find_attention(model)
     with pytest.raises(ValueError, match="no attention layer"):
-        qk_clip.find_attention(torch.nn.Linear(2, 2))
+        hf_attention.find_attention(torch.nn.Linear(2, 2))
     gemma = transformers.Gemma3TextConfig(vocab_size=96,
                                           hidden_size=32,
                                           intermediate_size=32,
@@ -119,10 +127,10 @@ def test_unknown_layout_and_implementation_refused():
                                           num_key_value_heads=1,
                                           head_dim=16)
     with pytest.raises(ValueError, match=r"Gemma3Attention\): its query and key projections are not in a layout"):
-        qk_clip.find_attention(transformers.Gemma3ForCausalLM(gemma))  # its q_norm: x * (1 + w), not x * w
+        hf_attention.find_attention(transformers.Gemma3ForCausalLM(gemma))  # its q_norm: x * (1 + w), not x * w
     model = MODELS["llama"]()
     model.model.layers[0].self_attn.requires_grad_(False)  # a frozen layer is left alone
-    assert [name for name, _, _ in qk_clip.find_attention(model)] == ["model.layers.1.self_attn"]
+    assert [name for name, _, _ in hf_attention.find_attention(model)] == ["model.layers.1.self_attn"]
 
 
 def test_marked_layer_records_its_own():
@@ -130,7 +138,7 @@ def test_marked_layer_records_its_own():
     qk_clip.mark_attention(
         layer,
         qk_clip.AttentionHeads(2, qk_clip.qk_spans(layer.to_qkv.weight, layer.to_qkv.weight, 2, 2, 4, starts=(0, 8))))
-    clip = qk_clip.QKClip(1.0, qk_clip.find_attention(torch.nn.Sequential(layer)), {}, None, torch.device("cpu"))
+    clip = _clip(torch.nn.Sequential(layer))
     qk_clip.record_max_logits(layer, torch.tensor([3.0, 0.5]))
     qk_clip.record_max_logits(layer, torch.tensor([2.0, 0.75]))
     assert torch.equal(clip.maxima, torch.tensor([3.0, 0.75]))
@@ -140,7 +148,7 @@ def test_a_dropped_clip_frees_its_model():
     import gc
     import weakref
     model = MODELS["llama"]()
-    clip, layer = qk_clip.QKClip(1.0, qk_clip.find_attention(model), {}, None, torch.device("cpu")), weakref.ref(model)
+    clip, layer = _clip(model), weakref.ref(model)
     del model, clip
     gc.collect()
     assert layer() is None

@@ -430,7 +430,7 @@ def gathered_optimizer_state(engine) -> dict:
     variant's owner state in its checkpoint form (``MuonUpdate.state_dict``). Collective."""
     opt = engine.optimizer
     if getattr(opt, "muon_update", None) is not None:
-        opt.muon_update.state_dict()
+        opt.muon_update.save_owner_state()
     state = {}
     for sub_group_id, params in enumerate(opt.fp16_groups):
         fp32 = opt.fp32_partitioned_groups_flat[sub_group_id]

@@ -1,0 +1,160 @@
+# Copyright (c) 2026 The zero3muon authors
+# SPDX-License-Identifier: Apache-2.0
+
+# DeepSpeed Team
+"""Muon's one entry point in ``DeepSpeedEngine``: every Muon feature the engine needs, wired from two calls.
+
+``engine._configure_optimizer`` calls ``MuonIntegration.create`` on the basic optimizer, before any ZeRO
+wrapper replaces its groups by flat partitions, and ``bind`` on the ZeRO optimizer it built; the progress
+log calls ``named_by_group``. Nothing else in DeepSpeed imports a Muon module for these features:
+
+- ``create`` checks the Muon block's keys and values (``config``), copies Muon's own group keys into
+  each Muon group, resolves and reports which parameters go to Muon (``param_selection``), marks the
+  weights AutoTP split (``tensor_parallel``), resolves the scheduler's per-group rates (``lr_groups``)
+  and checks MuonClip's threshold and attention layers, all before ZeRO allocates anything;
+- ``bind`` registers what runs right after the inner optimizer step on the ZeRO stage's description of
+  its partitions (``binding.MuonUpdate.add_after_inner_step``): MuonClip's QK-clip (``qk_clip``, where
+  this build has it).
+
+The ZeRO stages build their ``MuonUpdate`` themselves (it is their step); this module is the
+engine's side only. ``qk_clip`` and ``hf_attention`` are imported by name only where a build has them
+(``config.has_qk_clip``: the pull request of Muon's variants adds them).
+"""
+
+import importlib
+from typing import Any, Mapping, Optional
+
+import torch
+
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.muon.config import (QK_CLIP_KEY, check_muon_groups, check_muon_keys, has_qk_clip,
+                                                muon_group_keys)
+from deepspeed.runtime.zero.muon.lr_groups import momenta_by_group, rates_by_group, scheduler_params_for_groups
+from deepspeed.runtime.zero.muon.momentum import is_muon_group
+from deepspeed.runtime.zero.muon.param_selection import resolve_optimizer_selection
+from deepspeed.runtime.zero.muon.support import where_no_owner_runs
+from deepspeed.runtime.zero.muon.tensor_parallel import mark_tensor_parallel_matrices
+from deepspeed.utils import logger
+
+MUON_OPTIMIZER = "muon"
+"""``optimizer.type`` of DeepSpeed's Muon (``deepspeed.runtime.config.MUON_OPTIMIZER``)."""
+
+
+def _source_groups(model_parameters) -> Mapping[int, dict]:
+    """Per ``id`` of a parameter, the group dict of ``model_parameters`` it came in (only a list or tuple is
+    looked into: a generator was consumed by the engine)."""
+    if not isinstance(model_parameters, (list, tuple)):
+        return {}
+    return {id(p): group for group in model_parameters if isinstance(group, dict) for p in group.get("params", ())}
+
+
+def fill_muon_group_keys(param_groups, optimizer_parameters: Mapping[str, Any], model_parameters) -> None:
+    """Copy Muon's own keys (``config.muon_group_keys``) into each Muon group of ``param_groups``: the incoming
+    group's value, else ``optimizer.params``' (the precedence of ``DeepSpeedEngine._muon_param_groups``, which
+    keeps upstream's keys only). A key set in neither stays unset (each reader has its default)."""
+    sources = _source_groups(model_parameters)
+    for group in param_groups:
+        if not is_muon_group(group) or not group["params"]:
+            continue
+        source = sources.get(id(group["params"][0]), {})
+        for key in muon_group_keys():
+            if key in source:
+                group[key] = source[key]
+            elif key in optimizer_parameters:
+                group[key] = optimizer_parameters[key]
+
+
+class MuonIntegration:
+    """What one ``DeepSpeedEngine`` runs for Muon.
+
+    Attributes:
+        selection: ``param_selection.MuonSelection``: which parameters Muon trains and why (also
+            ``engine.muon_selection``); None for a client optimizer DeepSpeed cannot see into.
+        qk_clip: MuonClip's ``qk_clip.QKClip`` once bound, None where ``qk_clip_threshold`` is unset.
+    """
+
+    def __init__(self, optimizer, selection, qk_clip_layers=None, qk_clip_threshold=None, steps_per_print=0):
+        self._optimizer = optimizer
+        self.selection = selection
+        self._qk_clip_layers, self._qk_clip_threshold = qk_clip_layers, qk_clip_threshold
+        self._steps_per_print = steps_per_print
+        self.qk_clip = None
+
+    @classmethod
+    def create(cls, engine, basic_optimizer, client_optimizer, model_parameters) -> Optional["MuonIntegration"]:
+        """Muon's checks and settings on ``basic_optimizer`` (the engine's, before ZeRO wraps it); None where it
+        is not DeepSpeed's Muon.
+
+        Args:
+            engine: the ``DeepSpeedEngine`` (its config, module, ZeRO stage and scheduler).
+            basic_optimizer: the optimizer built from the config or the client's (its groups are modified:
+                Muon's group keys filled in, variants' defaults).
+            client_optimizer: the client's optimizer (or callable), None for a config-named one.
+            model_parameters: what ``deepspeed.initialize`` got (its group dicts carry per-group keys).
+
+        Raises:
+            ValueError: naming the config key: a key or value Muon cannot use (``config.check_muon_keys``,
+                ``check_muon_groups``), a client Muon that cannot run on flat partitions
+                (``param_selection``), a scheduler rate that would overwrite Muon's or Adam's rates
+                (``lr_groups``), a ``qk_clip_threshold`` that cannot run here or attention it cannot clip.
+        """
+        named = client_optimizer is None and engine.optimizer_name() == MUON_OPTIMIZER
+        optimizer_parameters = dict(engine.optimizer_params() or {}) if named else {}
+        if named:
+            check_muon_keys(optimizer_parameters, model_parameters)
+        selection = resolve_optimizer_selection(basic_optimizer, engine.module, client_optimizer is not None,
+                                                engine.zero_optimization_stage())
+        if not named and selection is None:
+            return None
+        if engine.autotp_size() > 1:
+            mark_tensor_parallel_matrices(engine.module)
+        if named:
+            fill_muon_group_keys(basic_optimizer.param_groups, optimizer_parameters, model_parameters)
+            check_muon_groups(optimizer_parameters, model_parameters, basic_optimizer.param_groups, engine)
+        if engine.client_lr_scheduler is None:
+            resolved = scheduler_params_for_groups(engine.scheduler_name(), engine.scheduler_params(),
+                                                   basic_optimizer)
+            if resolved is not engine.scheduler_params():
+                engine._config.scheduler_params = resolved  # what _scheduler_from_config builds the scheduler with
+        layers = threshold = None
+        if optimizer_parameters.get(QK_CLIP_KEY) is not None and has_qk_clip():
+            qk_clip = importlib.import_module("deepspeed.runtime.zero.muon.qk_clip")
+            hf_attention = importlib.import_module("deepspeed.runtime.zero.muon.hf_attention")
+            threshold = qk_clip.check_threshold(optimizer_parameters[QK_CLIP_KEY])
+            qk_clip.check_runs_here(where_no_owner_runs(engine), engine.autotp_size())
+            layers = hf_attention.find_attention(engine.module)
+        return cls(basic_optimizer, selection, layers, threshold, engine.steps_per_print() or 0)
+
+    def bind(self, zero_optimizer) -> None:
+        """Register Muon's work after the inner optimizer step with ``zero_optimizer`` (the ZeRO stage the
+        engine built; its ``muon_update``).
+
+        Raises:
+            ValueError: ``qk_clip_threshold`` with a ZeRO optimizer that runs no Muon update.
+        """
+        if self._qk_clip_layers is not None:
+            self.qk_clip = self._bind_qk_clip(zero_optimizer)
+
+    def _bind_qk_clip(self, zero_optimizer):
+        """MuonClip's clip of the layers ``create`` found, after every inner step of ``zero_optimizer``."""
+        qk_clip = importlib.import_module("deepspeed.runtime.zero.muon.qk_clip")
+        hf_attention = importlib.import_module("deepspeed.runtime.zero.muon.hf_attention")
+        muon_update = getattr(zero_optimizer, "muon_update", None)
+        if muon_update is None:
+            raise ValueError(f"{qk_clip.WHERE}: QK-clip runs in the Muon update of ZeRO stages 1 to 3, and "
+                             f"{type(zero_optimizer).__name__} runs none.")
+        clip = qk_clip.QKClip(self._qk_clip_threshold, self._qk_clip_layers, zero_optimizer.dp_process_group,
+                              torch.device(get_accelerator().current_device_name()), self._steps_per_print,
+                              len(muon_update.described))
+        hf_attention.install_recorders([m for m in clip.modules if getattr(m, qk_clip.MARK_ATTR, None) is None])
+        muon_update.add_after_inner_step(clip.apply)
+        if dist.get_rank() == 0:
+            logger.info(f"QK-clip ({QK_CLIP_KEY} {clip.threshold:g}): {len(clip.layers)} attention layers, "
+                        f"{clip.offsets[-1]} heads; logits recorded on the eager and sdpa paths.")
+        return clip
+
+    def named_by_group(self, lrs, moms):
+        """``engine.get_lr()`` and ``get_mom()`` for the progress log, each value with its group's name
+        (``lr_groups.rates_by_group``, ``momenta_by_group``)."""
+        return rates_by_group(self._optimizer, lrs), momenta_by_group(self._optimizer, moms)
