@@ -132,11 +132,12 @@ GROUPS = numbered(
     Group(
         "zero3-muon",
         "Muon under ZeRO-3: momentum and Newton-Schulz once per optimizer step, on one owner rank per matrix",
-        # config.py: the typed Muon configuration every module reads its key names from (a leaf; support.py beside it)
+        # config.py: the typed Muon configuration every module reads its key names from (support.py beside it);
+        # param_record.py: what DeepSpeed records per parameter, which the binding reads (AutoTP's layout)
         # rank_agreement: errors every rank agrees on, general (the checkpoints pull request's engine patch uses it)
         _patches(4, 1) + ("deepspeed/runtime/rank_agreement.py", ) +
         _in(MUON, "momentum.py", "newton_schulz.py", "owner_plan.py", "owner_exchange.py", "pipeline.py",
-            "owner_state.py", "binding.py", "config.py", "support.py") +
+            "owner_state.py", "binding.py", "config.py", "support.py", "param_record.py") +
         # The core's tests, lean: the seam bit for bit, one ZeRO-3 run.
         _in(ZERO_TESTS, "test_muon_update_split.py", "test_zero3_muon_boundary.py")),
     Group(

@@ -263,20 +263,21 @@ def test_each_pull_requests_files(lint_bin, tmp_path, monkeypatch):
     assert [p for p in seed.ours if p.startswith("deepspeed/")] == ["deepspeed/runtime/rank_agreement.py"] + [
         f"{muon}/{m}.py"
         for m in ("binding", "config", "momentum", "newton_schulz", "owner_exchange", "owner_plan", "owner_state",
-                  "pipeline", "support")
+                  "param_record", "pipeline", "support")
     ]
     assert {f"{zero_tests}/test_muon_update_split.py", f"{zero_tests}/test_zero3_muon_boundary.py"} <= set(seed.ours)
     configurations = by_stem["2-zero3-configurations"]
     assert list(configurations.patched) == [stage3]
     assert all(p.startswith((zero_tests, "testing/muon_testing/")) for p in configurations.ours)
     assert {f"{zero_tests}/zero3_muon_helpers.py", "testing/muon_testing/reference.py"} <= set(configurations.ours)
-    assert sorted(by_stem["3-zero12-muon"].patched) == [engine, stage12]
+    assert sorted(by_stem["3-zero12-muon"].patched) == [stage12]
     assert sorted(by_stem["4-universal-checkpoints"].patched) == sorted(
         ["deepspeed/checkpoint/ds_to_universal.py", "deepspeed/runtime/bf16_optimizer.py", engine, stage3, stage12])
     assert sorted(by_stem["5-muon-config"].patched) == ["deepspeed/__init__.py", engine, stage3]
+    assert f"{muon}/integration.py" in by_stem["5-muon-config"].ours
     variants = by_stem["6-muon-variants"]
-    assert sorted(variants.patched) == sorted([engine, f"{muon}/__init__.py", f"{muon}/original_muon.py", stage3, stage12])
-    assert {f"{muon}/polar_express.py", f"{muon}/normuon.py", f"{muon}/qk_clip.py",
+    assert sorted(variants.patched) == sorted([f"{muon}/__init__.py", f"{muon}/original_muon.py"])
+    assert {f"{muon}/polar_express.py", f"{muon}/normuon.py", f"{muon}/qk_clip.py", f"{muon}/hf_attention.py",
             f"{zero_tests}/test_zero3_normuon.py"} <= set(variants.ours)
     for t in found:
         assert all(p.endswith(".py") and (REPO_ROOT / p).is_file() for p in t.ours), t.stem

@@ -45,18 +45,15 @@ from deepspeed.runtime.zero.muon.owner_exchange import ExchangeBuffers, Exchange
 from deepspeed.runtime.zero.muon.owner_plan import DEFAULT_MAX_STEP_MEMORY, STRICT, CapBelowFloor, plan_figures
 from deepspeed.runtime.zero.muon.owner_state import (MUON, VARIANT_KEY, check_same_kind, load_checkpoint_form,
                                                      variant_of)
+from deepspeed.runtime.zero.muon.param_record import tensor_parallel_layout
 from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline
 from deepspeed.utils import logger
 
-SPREAD_ATTR = "muon_spread"
-"""Parameter attribute: the layout of a matrix whose pieces lie over more ranks than the stage's group (AutoTP's,
-``tensor_parallel``). ``spread({key: (partition, {index: layout})})``, once on every rank, gives per key ``indices``,
-``shapes`` (whole), ``pieces`` (over ``process_group``), ``placements``, ``assemblies``, ``num_heads``."""
 LOW_EFFICIENCY = 0.5
 """Below this NS parallel efficiency rank 0 warns at initialization that the cap serializes Newton-Schulz."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class MuonPartition:
     """The parameters of one ZeRO-3 sub-group or ZeRO-1/2 parameter group as this rank holds them,
     built once by the stage (``_muon_partitions`` in ``stage3.py``, ``stage_1_and_2.py``).
@@ -211,11 +208,15 @@ class MuonUpdate:
         return self.optimizer.param_groups[part.group_index]
 
     def _spread_matrices(self) -> dict:
-        """Per partition key, its matrices whose pieces lie over more ranks than its group (``SPREAD_ATTR``), as
-        their layout's ``spread`` describes them (one call for every partition; nothing where none is marked)."""
+        """Per partition key, its matrices whose pieces lie over more ranks than its group (AutoTP's: their
+        ``param_record.tensor_parallel_layout``), as their layout's ``spread`` describes them (one call for every
+        partition; nothing where none is marked). ``spread({key: (partition, {index: layout})})``, once on every
+        rank, gives per key ``indices``, ``shapes`` (whole), ``pieces`` (over ``process_group``), ``placements``,
+        ``assemblies``, ``num_heads``."""
         requests = {}
         for key, part in self.partitions.items():
-            marked = {j: getattr(p, SPREAD_ATTR) for j, p in enumerate(part.params) if hasattr(p, SPREAD_ATTR)}
+            layouts = {j: tensor_parallel_layout(p) for j, p in enumerate(part.params)}
+            marked = {j: layout for j, layout in layouts.items() if layout is not None}
             requests.update({key: (part, marked)} if marked else {})
         kinds = {type(layout): layout for _, marked in requests.values() for layout in marked.values()}
         if len(kinds) > 1:
@@ -238,7 +239,7 @@ class MuonUpdate:
                         loads,
                         sharded=None) -> MuonPipeline:
         """The pipeline of the partition's matrices ``indices`` of (whole) ``shapes`` held as ``pieces`` over the
-        partition's group, or as ``sharded`` (a ``SPREAD_ATTR`` layout's ``spread``) says."""
+        partition's group, or as ``sharded`` (a tensor-parallel layout's ``spread``) says."""
         group = self._group(part)
         ns_method = MuonSettings.of(group).ns_method
         heads = sharded.num_heads if sharded is not None else [

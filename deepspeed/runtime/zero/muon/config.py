@@ -7,8 +7,9 @@
 ``MuonConfig`` describes ``"optimizer": {"type": "Muon", "params": {...}}`` and ``MuonGroupConfig``
 a parameter group passed as ``model_parameters``; both are DeepSpeed config models
 (``DeepSpeedConfigModel``) sharing the fields of ``MuonSettings``, so each key's type, default,
-accepted values and description sit in one place, and the names of the keys live only here
-(``PIPELINE_DEPTH_KEY`` and the others: the modules that read a setting import its name from here).
+accepted values and description sit in one place, and the names of the keys live here
+(``PIPELINE_DEPTH_KEY`` and the others: the modules that read a setting import its name from here),
+but ``variant``'s, which the variant registry it names owns (``owner_state.VARIANT_KEY``).
 
 Why the keys are checked at all: the engine builds Muon's parameter groups itself
 (``DeepSpeedEngine._muon_param_groups``): it reads these keys and drops every other one, so a
@@ -28,8 +29,9 @@ Precedence of the learning rates: a Muon group's rate is the parameter group's o
 ``muon_lr``, else ``lr``, else 0.02; an Adam group's the group's own ``lr``, else ``adam_lr``,
 else ``lr``, else 3e-4.
 
-This module imports no engine-side Muon module at import time (only ``owner_plan``'s plain
-constants, ``momentum`` and ``support``, which import none), so every Muon module may import it.
+This module imports no engine-side Muon module (only ``owner_plan``'s plain constants, ``momentum``,
+the variant registry ``owner_state`` and ``support``, none of which imports it), so every Muon module
+may import it.
 """
 
 import difflib
@@ -41,9 +43,8 @@ from pydantic import AfterValidator, Field, Strict, StrictBool, StrictStr, Valid
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from deepspeed.runtime.zero.muon.momentum import is_muon_group
 from deepspeed.runtime.zero.muon.owner_plan import DEFAULT_MAX_STEP_MEMORY, STRICT
-from deepspeed.runtime.zero.muon.support import refuse_unsupported_zero3, spread_problem, where_no_owner_runs
-
-__all__ = ["refuse_unsupported_zero3"]  # stage3.py reaches support's check through this module
+from deepspeed.runtime.zero.muon.owner_state import MUON, VARIANT_KEY, registered, variants
+from deepspeed.runtime.zero.muon.support import spread_problem, where_no_owner_runs
 
 MUON_MATRICES = "Muon matrices"
 ADAM = "auxiliary Adam"
@@ -54,7 +55,6 @@ PIPELINE_DEPTH_KEY = "pipeline_depth"
 BATCH_NS_KEY = "batch_ns"
 MAX_STEP_MEMORY_KEY = "max_step_memory"
 SPLIT_KEY = "split_fused_muon"
-VARIANT_KEY = "variant"
 QK_CLIP_KEY = "qk_clip_threshold"
 PER_HEAD_KEY = "per_head_muon"
 AUTOTP_SIZE_KEY = "tensor_parallel.autotp_size"
@@ -62,8 +62,8 @@ AUTOTP_SIZE_KEY = "tensor_parallel.autotp_size"
 
 DEFAULT_PIPELINE_DEPTH = 2
 """``pipeline_depth``'s default: one bucket exchanged while the next is orthogonalized."""
-DEFAULT_VARIANT = "muon"
-"""``variant``'s default: plain Muon, no owner state (``owner_state.MUON``)."""
+DEFAULT_VARIANT = MUON
+"""``variant``'s default: plain Muon, no owner state."""
 DEFAULT_MOMENTUM = 0.95
 DEFAULT_NS_METHOD = "gram"
 """Upstream ``Muon``'s defaults (``original_muon.Muon.__init__``)."""
@@ -246,7 +246,6 @@ def has_qk_clip() -> bool:
 
 
 def _registered() -> dict:
-    from deepspeed.runtime.zero.muon.owner_state import registered
     return registered()
 
 
@@ -394,7 +393,6 @@ def check_muon_keys(optimizer_parameters: Mapping[str, Any], model_parameters) -
 
 
 def _variant_problems(settings: Mapping[str, Any], where: str) -> List[str]:
-    from deepspeed.runtime.zero.muon.owner_state import variants
     variant = settings.get(VARIANT_KEY, DEFAULT_VARIANT)
     problems = []
     if variant not in variants():

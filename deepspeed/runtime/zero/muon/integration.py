@@ -2,6 +2,27 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
+"""Muon's one entry point in DeepSpeed: every Muon feature ``deepspeed.initialize`` and the engine need.
+
+Upstream files call this module only (``param_selection`` and ``binding`` are reached through it or
+through the stages' own description of their partitions):
+
+- ``prepare_model`` (``deepspeed.set_optimizer_flags``, before the engine is built): the keys and
+  values of ``optimizer.params`` checked (``config``) before upstream's optimizer reads them, and
+  each parameter's ``use_muon`` chosen (``param_selection``);
+- ``MuonIntegration.create`` (``engine._configure_optimizer``, with the basic optimizer, before the
+  wrapper checks and ZeRO replace its groups by flat partitions): the groups' keys checked, Muon's
+  own group keys copied into each Muon group, the selection resolved and reported, the weights
+  AutoTP split marked (``tensor_parallel``), the scheduler's per-group rates resolved
+  (``lr_groups``), MuonClip's threshold, placement and attention layers checked;
+- ``bind`` (once the engine built its optimizer): what runs right after each inner optimizer step,
+  registered with the ZeRO stage's update (``binding.MuonUpdate.add_after_inner_step``): MuonClip's
+  QK-clip (``qk_clip``);
+- ``named_by_group`` (the progress log): each rate and momentum with its group's name.
+
+The ZeRO stages build their ``MuonUpdate`` themselves (it is their step). ``qk_clip`` and
+``hf_attention`` are imported by name only where a build has them (``config.has_qk_clip``: the pull
+request of Muon's variants adds them).
 """Muon's one entry point in ``DeepSpeedEngine``: every Muon feature the engine needs, wired from two calls.
 
 ``engine._configure_optimizer`` calls ``MuonIntegration.create`` on the basic optimizer, before any ZeRO
@@ -28,22 +49,30 @@ import torch
 
 from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.config import MUON_OPTIMIZER
 from deepspeed.runtime.zero.muon.config import (QK_CLIP_KEY, check_muon_groups, check_muon_keys, has_qk_clip,
                                                 muon_group_keys)
 from deepspeed.runtime.zero.muon.lr_groups import momenta_by_group, rates_by_group, scheduler_params_for_groups
 from deepspeed.runtime.zero.muon.momentum import is_muon_group
-from deepspeed.runtime.zero.muon.param_selection import resolve_optimizer_selection
+from deepspeed.runtime.zero.muon.param_selection import resolve_optimizer_selection, select_muon_parameters
 from deepspeed.runtime.zero.muon.support import where_no_owner_runs
 from deepspeed.runtime.zero.muon.tensor_parallel import mark_tensor_parallel_matrices
 from deepspeed.utils import logger
 
-MUON_OPTIMIZER = "muon"
-"""``optimizer.type`` of DeepSpeed's Muon (``deepspeed.runtime.config.MUON_OPTIMIZER``)."""
+def prepare_model(optimizer_parameters: Mapping[str, Any], model) -> None:
+    """``deepspeed.initialize``'s call for DeepSpeed's Muon, before the engine is built: the keys and values of
+    ``optimizer.params`` checked (``config.check_muon_keys``, before upstream's optimizer reads them), then each
+    parameter's ``use_muon`` chosen (``param_selection.select_muon_parameters``; a flag the user set is kept).
+
+    Raises:
+        ValueError: naming each key or value of ``optimizer.params`` Muon cannot use.
+    """
+    check_muon_keys(optimizer_parameters or {}, None)
+    select_muon_parameters(model)
 
 
 def _source_groups(model_parameters) -> Mapping[int, dict]:
-    """Per ``id`` of a parameter, the group dict of ``model_parameters`` it came in (only a list or tuple is
-    looked into: a generator was consumed by the engine)."""
+    """Per ``id`` of a parameter, the group dict of ``model_parameters`` it came in (the engine hands a list)."""
     if not isinstance(model_parameters, (list, tuple)):
         return {}
     return {id(p): group for group in model_parameters if isinstance(group, dict) for p in group.get("params", ())}
@@ -107,6 +136,9 @@ class MuonIntegration:
                                                 engine.zero_optimization_stage())
         if not named and selection is None:
             return None
+        if engine.zero_optimization_stage() in (1, 2) and engine.zenflow_config() is not None:
+            raise ValueError("zero_optimization.zenflow: ZenFlow's selective, overlapped optimizer step does not run "
+                             "the Muon update at ZeRO stages 1 and 2; train Muon without zenflow.")
         if engine.autotp_size() > 1:
             mark_tensor_parallel_matrices(engine.module)
         if named:
@@ -126,15 +158,15 @@ class MuonIntegration:
             layers = hf_attention.find_attention(engine.module)
         return cls(basic_optimizer, selection, layers, threshold, engine.steps_per_print() or 0)
 
-    def bind(self, zero_optimizer) -> None:
-        """Register Muon's work after the inner optimizer step with ``zero_optimizer`` (the ZeRO stage the
-        engine built; its ``muon_update``).
+    def bind(self, optimizer) -> None:
+        """Register Muon's work after the inner optimizer step with ``optimizer``, the one the engine built (a
+        ZeRO stage's runs it from its ``muon_update``).
 
         Raises:
-            ValueError: ``qk_clip_threshold`` with a ZeRO optimizer that runs no Muon update.
+            ValueError: ``qk_clip_threshold`` with an optimizer that runs no Muon update (no ZeRO stage).
         """
         if self._qk_clip_layers is not None:
-            self.qk_clip = self._bind_qk_clip(zero_optimizer)
+            self.qk_clip = self._bind_qk_clip(optimizer)
 
     def _bind_qk_clip(self, zero_optimizer):
         """MuonClip's clip of the layers ``create`` found, after every inner step of ``zero_optimizer``."""

@@ -18,11 +18,10 @@ import torch
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.config import SPLIT_KEY
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec
+from deepspeed.runtime.zero.muon.param_record import recorded
 
 SPLIT_ATTR = "muon_split"
-"""Parameter attribute: ``(dim, sizes)``, the matrices a fused parameter holds."""
-RECOGNIZED_ATTR = "_muon_split_recognized"
-"""Parameter attribute: the split ``tag_fused_projections`` set (a user's own ``muon_split`` lacks it)."""
+"""Parameter attribute (public, the user guide's): ``(dim, sizes)``, the matrices a fused parameter holds."""
 
 Split = Tuple[int, Tuple[int, ...]]
 
@@ -30,7 +29,7 @@ Split = Tuple[int, Tuple[int, ...]]
 def split_of(param, group: dict) -> Optional[Split]:
     """The split the update applies to ``param`` in Muon group ``group``: the user's ``muon_split``, or the
     recognized one unless the group's ``split_fused_muon`` is false."""
-    kept_whole = getattr(param, RECOGNIZED_ATTR, None) is not None and group.get(SPLIT_KEY) is False
+    kept_whole = recorded(param).recognized_split is not None and group.get(SPLIT_KEY) is False
     return None if kept_whole else getattr(param, SPLIT_ATTR, None)
 
 

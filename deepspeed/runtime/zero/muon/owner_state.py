@@ -23,9 +23,10 @@ from typing import Dict, Iterable, Sequence, Tuple
 import torch
 
 from deepspeed.runtime.rank_agreement import agreed_errors
-from deepspeed.runtime.zero.muon.config import VARIANT_KEY
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY
 
+VARIANT_KEY = "variant"
+"""The Muon key naming a group's variant, one of ``variants()`` (``config.MuonSettings.variant`` describes it)."""
 MUON = "muon"
 """The default ``variant``: plain Muon, no owner state."""
 

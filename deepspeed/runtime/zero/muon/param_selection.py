@@ -20,7 +20,7 @@ config names ``"optimizer": {"type": "Muon"}``), per parameter of the model, fir
 5. Otherwise: Muon.
 
 A user's flag and DeepSpeed's are told apart by a record: whenever this module sets
-``use_muon`` it also sets ``param._muon_choice = (use_muon, reason)``. A ``use_muon`` without a
+``use_muon`` it also records ``(use_muon, reason)`` (``param_record.MuonRecord.choice``). A ``use_muon`` without a
 record, or differing from it, or recorded as the user's, is the user's; one equal to DeepSpeed's
 recorded choice (left by an earlier ``initialize`` of the same model) is decided again, so a
 second ``initialize`` is not mistaken for user intent.
@@ -46,10 +46,8 @@ from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple
 import torch
 
 from deepspeed.runtime.zero.muon.momentum import is_muon_group, is_muon_optimizer
-from deepspeed.runtime.zero.muon.newton_schulz import RECOGNIZED_ATTR, SPLIT_ATTR, SPLIT_KEY, Split
-
-CHOICE_ATTR = "_muon_choice"
-"""Parameter attribute recording ``(use_muon, reason)`` as this module set it."""
+from deepspeed.runtime.zero.muon.newton_schulz import SPLIT_ATTR, SPLIT_KEY, Split
+from deepspeed.runtime.zero.muon.param_record import record, recorded
 
 USER = "set by the user"
 NOT_MATRIX = "not a matrix"
@@ -108,15 +106,15 @@ def user_flag(param: torch.Tensor) -> Optional[bool]:
     """The user's ``use_muon`` on ``param``, or None when it has none (or only DeepSpeed's)."""
     if not hasattr(param, "use_muon"):
         return None
-    recorded = getattr(param, CHOICE_ATTR, None)
-    if recorded is not None and recorded[1] != USER and bool(param.use_muon) == recorded[0]:
+    choice = recorded(param).choice
+    if choice is not None and choice[1] != USER and bool(param.use_muon) == choice[0]:
         return None
     return bool(param.use_muon)
 
 
 def _tag(param: torch.Tensor, use_muon: bool, reason: str) -> None:
     param.use_muon = use_muon
-    setattr(param, CHOICE_ATTR, (use_muon, reason))
+    record(param).choice = (use_muon, reason)
 
 
 def _storage_key(param: torch.Tensor):
@@ -251,7 +249,7 @@ def whole_shape(param: torch.Tensor) -> Tuple[int, ...]:
 
 
 def tag_fused_projections(model: torch.nn.Module) -> Dict[str, Split]:
-    """Set ``muon_split`` (and ``RECOGNIZED_ATTR``) on every Muon parameter of ``model`` that ``recognized_split``
+    """Set ``muon_split`` (and ``MuonRecord.recognized_split``) on every Muon parameter of ``model`` that ``recognized_split``
     knows (of its ``whole_shape``) and the user did not tag. Returns the tagged names and their splits."""
     tagged = {}
     for module_name, parent in model.named_modules():
@@ -261,12 +259,12 @@ def tag_fused_projections(model: torch.nn.Module) -> Dict[str, Split]:
         for path, param in found:
             if not getattr(param, "use_muon", False):
                 continue
-            if getattr(param, SPLIT_ATTR, None) is not None and getattr(param, RECOGNIZED_ATTR, None) is None:
+            if getattr(param, SPLIT_ATTR, None) is not None and recorded(param).recognized_split is None:
                 continue  # the user's own
             split = recognized_split(parent, path, whole_shape(param))
             if split is not None:
                 setattr(param, SPLIT_ATTR, split)
-                setattr(param, RECOGNIZED_ATTR, split)
+                record(param).recognized_split = split
                 tagged[".".join((module_name, ) + path if module_name else path)] = split
     return tagged
 
@@ -303,8 +301,8 @@ def check_split(split, shape: Sequence[int], where: str, num_heads=None) -> Spli
 
 
 def _reason(param) -> str:
-    recorded = getattr(param, CHOICE_ATTR, None)
-    return recorded[1] if recorded is not None and recorded[0] == bool(param.use_muon) else UNKNOWN
+    choice = recorded(param).choice
+    return choice[1] if choice is not None and choice[0] == bool(param.use_muon) else UNKNOWN
 
 
 def _build(entries: Iterable, frozen: Iterable[str]) -> MuonSelection:
@@ -462,7 +460,7 @@ def resolve_optimizer_selection(optimizer,
                 param, SPLIT_ATTR,
                 check_split(getattr(param, SPLIT_ATTR), whole_shape(param), name,
                             getattr(param, "muon_num_heads", None)))
-            recognized = getattr(param, RECOGNIZED_ATTR, None) is not None
+            recognized = recorded(param).recognized_split is not None
             if recognized and id(param) in whole:
                 kept.append(name)
             else:
@@ -476,7 +474,13 @@ def resolve_optimizer_selection(optimizer,
         if fused or kept:
             where = ("not at ZeRO stage 0, where upstream's Muon orthogonalizes every tensor whole"
                      if zero_stage == 0 else "at ZeRO stages 1 to 3, not under ZeRO-1's BF16_Optimizer")
-            log.warning(f"Muon: {len(fused)} fused projection(s) hold several matrices; each part is orthogonalized "
-                        f"on its own ({where}): {_listed(tuple(f'{n} {s}' for n, s in fused.items()), LISTED_NAMES)}" +
-                        (f"; kept whole ({SPLIT_KEY} false): {_listed(tuple(kept), LISTED_NAMES)}" if kept else ""))
+            parts = []
+            if fused:
+                parts.append(f"{len(fused)} fused projection(s) hold several matrices; each part is orthogonalized "
+                             f"on its own ({where}): "
+                             f"{_listed(tuple(f'{n} {s}' for n, s in fused.items()), LISTED_NAMES)}")
+            if kept:
+                parts.append(f"{len(kept)} fused projection(s) kept whole ({SPLIT_KEY} false): "
+                             f"{_listed(tuple(kept), LISTED_NAMES)}")
+            log.warning("Muon: " + "; ".join(parts))
     return selection

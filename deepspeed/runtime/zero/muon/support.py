@@ -33,15 +33,15 @@ def where_no_owner_runs(engine) -> Optional[str]:
 
 
 def spread_problem(muon_groups: Sequence[dict], engine) -> Optional[str]:
-    """Why the weights AutoTP split in ``muon_groups`` (tensors with ``binding.SPREAD_ATTR``) cannot be
+    """Why the weights AutoTP split in ``muon_groups`` (``param_record.tensor_parallel_layout``) cannot be
     orthogonalized whole with ``engine``'s configuration (``where_no_owner_runs``), naming the
     tensor-parallel key; None where there are none or an owner rank runs them."""
-    from deepspeed.runtime.zero.muon.binding import SPREAD_ATTR
-    spread = [p for g in muon_groups for p in g["params"] if hasattr(p, SPREAD_ATTR)]
+    from deepspeed.runtime.zero.muon.param_record import tensor_parallel_layout
+    spread = [p for g in muon_groups for p in g["params"] if tensor_parallel_layout(p) is not None]
     where = where_no_owner_runs(engine) if spread else None
     if where is None:
         return None
-    return (f"{getattr(spread[0], SPREAD_ATTR).config_key}: Muon orthogonalizes a weight AutoTP split "
+    return (f"{tensor_parallel_layout(spread[0]).config_key}: Muon orthogonalizes a weight AutoTP split "
             f"({len(spread)} of them) whole only at ZeRO stages 1 to 3, and not with {where}, where each shard "
             "would be orthogonalized on its own.")
 

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from deepspeed import comm as dist
-from deepspeed.runtime.zero.muon.binding import SPREAD_ATTR
+from deepspeed.runtime.zero.muon.param_record import record
 from deepspeed.runtime.zero.muon.config import AUTOTP_SIZE_KEY as TP_KEY  # the key every refusal here names
 
 _UC_META = "ds_autotp_universal_checkpoint_meta"  # deepspeed.checkpoint.constants.DS_AUTOTP_UC_META
@@ -249,7 +249,7 @@ def shard_matrices(requests: Dict[int, tuple]) -> Dict[int, ShardedMatrices]:
 
 
 class TensorParallelLayout:
-    """``binding.SPREAD_ATTR`` of a weight AutoTP split: its name and map, or why Muon cannot train it whole
+    """``param_record.MuonRecord.tensor_parallel`` of a weight AutoTP split: its name and map, or why Muon cannot train it whole
     (raised if it is a Muon matrix). ``spread``: ``shard_matrices``."""
     config_key = TP_KEY
     spread = staticmethod(shard_matrices)
@@ -260,17 +260,17 @@ class TensorParallelLayout:
 
 def mark_tensor_parallel_matrices(model) -> int:
     """After AutoTP sharded ``model`` (and, where the release has it, re-counted per-head Muon's heads per shard):
-    mark every weight it split with a ``TensorParallelLayout`` (``binding.SPREAD_ATTR``), except projections split
+    mark every weight it split with a ``TensorParallelLayout`` (``param_record.MuonRecord.tensor_parallel``), except projections split
     into whole heads (``splits_whole_heads``: exact on each shard). Returns how many were marked."""
     marked = 0
     for name, param in model.named_parameters():
         try:
             amap = shard_map(param, name)
         except ValueError as e:
-            setattr(param, SPREAD_ATTR, TensorParallelLayout(name, error=str(e)))
+            record(param).tensor_parallel = TensorParallelLayout(name, error=str(e))
             marked += 1
             continue
         if amap is not None and not splits_whole_heads(param, amap):
-            setattr(param, SPREAD_ATTR, TensorParallelLayout(name, amap))
+            record(param).tensor_parallel = TensorParallelLayout(name, amap)
             marked += 1
     return marked

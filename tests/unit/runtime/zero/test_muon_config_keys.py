@@ -70,13 +70,14 @@ def reference(steps=STEPS, muon=None, adam=None, adam_w_mode=True):
         return after
 
 
-def train(params, stage=3, steps=STEPS, model_parameters=None):
-    """ZeRO ``stage`` on the current ranks (gas 1) with ``optimizer.params`` replaced by ``params``;
-    returns the full weights after each step."""
+def train(params, stage=3, steps=STEPS, model_parameters=None, zero=None):
+    """ZeRO ``stage`` on the current ranks (gas 1) with ``optimizer.params`` replaced by ``params`` (and
+    ``zero`` added to ``zero_optimization``); returns the full weights after each step."""
     world_size = deepspeed.comm.get_world_size()
     rank = deepspeed.comm.get_rank()
     config = ds_config(stage, 1, world_size)
     config["optimizer"]["params"] = params
+    config["zero_optimization"].update(zero or {})
     micro = config["train_micro_batch_size_per_gpu"]
     with fp32_newton_schulz():
         model = build_model("mixed")
@@ -193,6 +194,18 @@ class TestEachKeyReachesItsHalf(DistributedTest):
         assert "- optimizer.params.lr_muon: not a key of the Muon optimizer" in message
         assert ("Accepted: adam_lr, adam_w_mode, batch_ns, betas, eps, foreach, fp32_optimizer_states, lr, "
                 "max_step_memory, momentum" in message), message
+
+    def test_ns_method_refused_before_the_optimizer_is_built(self):
+        """A bad ``ns_method`` fails naming the key (upstream's constructor would assert on it first)."""
+        with pytest.raises(ValueError, match=re.escape("- optimizer.params.ns_method: 'foo' is invalid; ")):
+            train(BASELINE | {"ns_method": "foo"}, steps=0)
+
+    @pytest.mark.parametrize("stage", [1, 2])
+    def test_zenflow_refused_at_zero12(self, stage):
+        """ZenFlow's own step at ZeRO-1/2 would skip the Muon update: refused naming the key."""
+        zenflow = {"offload_optimizer": {"device": "cpu"}, "zenflow": {"topk_ratio": 0.1}}
+        with pytest.raises(ValueError, match=r"^zero_optimization\.zenflow: .* does not run the Muon update"):
+            train(BASELINE, stage=stage, steps=0, zero=zenflow)
 
     def test_group_keys_refused_at_initialize(self):
 
@@ -502,7 +515,7 @@ def test_group_keys_come_from_the_same_model():
     variant_keys = {k for v in owner_state.registered().values() for k in v.defaults}
     assert set(config.muon_group_keys()) <= set(shared) | variant_keys
     for name in (binding.PIPELINE_DEPTH_KEY, binding.BATCH_NS_KEY, binding.MAX_STEP_MEMORY_KEY,
-                 newton_schulz.SPLIT_KEY, owner_state.VARIANT_KEY):
+                 newton_schulz.SPLIT_KEY, owner_state.VARIANT_KEY, config.VARIANT_KEY):
         assert name in shared, name
     assert config.QK_CLIP_KEY in config.MuonConfig.model_fields and config.QK_CLIP_KEY not in shared
 
@@ -522,15 +535,21 @@ def _module_imports(module) -> set:
     return names
 
 
-def test_config_imports_only_leaf_modules():
-    """``config`` imports, of Muon's modules, only leaves (which import no Muon module themselves), so that the
-    binding, the stages and the features may import it; ``support`` imports none at import time."""
+def test_config_imports_only_modules_below_it():
+    """``config`` imports, of Muon's modules, only ``momentum``, ``owner_plan``, ``owner_state`` (the variant
+    registry) and ``support``, none of which imports ``config``, directly or through another: the binding, the
+    stages and the features may import it without a cycle. ``support`` imports none at import time."""
     import importlib
     from deepspeed.runtime.zero.muon import config, support
     package = "deepspeed.runtime.zero.muon"
     muon = lambda names: {n for n in names if n.startswith(package + ".") and n.count(".") == 4}  # noqa: E731
-    leaves = muon(_module_imports(config))
-    assert leaves == {f"{package}.momentum", f"{package}.owner_plan", f"{package}.support"}, leaves
-    for leaf in leaves:
-        assert not muon(_module_imports(importlib.import_module(leaf))), leaf
+    below = muon(_module_imports(config))
+    assert below == {f"{package}.{m}" for m in ("momentum", "owner_plan", "owner_state", "support")}, below
+    reached, todo = set(), list(below)
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            todo += muon(_module_imports(importlib.import_module(name)))
+    assert config.__name__ not in reached, reached
     assert not muon(_module_imports(support))

@@ -19,7 +19,9 @@ import deepspeed
 from deepspeed import comm as dist
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.newton_schulz import SPLIT_ATTR, orthogonalize_parts
-from deepspeed.runtime.zero.muon.param_selection import check_split, select_muon_parameters, tag_fused_projections
+from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+from deepspeed.runtime.zero.muon.param_selection import (check_split, resolve_optimizer_selection,
+                                                         select_muon_parameters, tag_fused_projections)
 from unit.common import DistributedTest
 from muon_testing.causal_lm import MODELS, causal_lm_loss, micro_batches, train_causal_lm_reference
 from muon_testing.compare import FLOOR, gathered_weights, relative_difference
@@ -134,6 +136,30 @@ def _reference(name, splits=None):
     muon_names = set(select_muon_parameters(MODELS[name]()).muon)  # DeepSpeed's rule: GPT-2's wpe goes to Adam
     model = train_causal_lm_reference(name, STEPS, splits=splits, muon_names=muon_names)
     return {n: p.detach().float() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_report_names_what_is_split_and_what_kept(split):
+    """The initialization warning lists the fused projections split, or those kept whole with
+    ``split_fused_muon`` false, and nothing empty."""
+    model = MODELS["gpt2"]()
+    select_muon_parameters(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.use_muon], "use_muon": True, "split_fused_muon": split},
+              {"params": [p for p in params if not p.use_muon], "use_muon": False}]
+    lines = []
+
+    class Log:
+        warning = staticmethod(lines.append)
+
+    resolve_optimizer_selection(MuonWithAuxAdam(groups), model, client=False, zero_stage=1, log=Log)
+    fused = [line for line in lines if "fused projection" in line]
+    assert len(fused) == 1, lines
+    if split:
+        assert "2 fused projection(s) hold several matrices" in fused[0] and "kept whole" not in fused[0], fused
+    else:
+        assert fused[0].startswith("Muon: 2 fused projection(s) kept whole (split_fused_muon false): "), fused
+        assert "orthogonalized on its own" not in fused[0] and ": ;" not in fused[0], fused
 
 
 class TestFusedProjections(DistributedTest):
