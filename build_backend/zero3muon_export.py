@@ -135,7 +135,8 @@ GROUPS = numbered(
         # config.py: the typed Muon configuration every module reads its key names from (support.py beside it);
         # param_record.py: what DeepSpeed records per parameter, which the binding reads (AutoTP's layout)
         # rank_agreement: errors every rank agrees on, general (the checkpoints pull request's engine patch uses it)
-        _patches(4, 1) + ("deepspeed/runtime/rank_agreement.py", ) +
+        # 0016: stage3.py refuses the configurations the update cannot serve (support.refuse_unsupported_zero3)
+        _patches(4, 1, 16) + ("deepspeed/runtime/rank_agreement.py", ) +
         _in(MUON, "momentum.py", "newton_schulz.py", "owner_plan.py", "owner_exchange.py", "pipeline.py",
             "owner_state.py", "binding.py", "config.py", "support.py", "param_record.py") +
         # The core's tests, lean: the seam bit for bit, one ZeRO-3 run.
@@ -146,7 +147,8 @@ GROUPS = numbered(
         "tested with offload, fp16/bf16, clipping, checkpoints; the owner plan within Muon's memory cap",
         _patches(2, 3) +
         _in(ZERO_TESTS, "test_zero3_muon_*.py", "test_zero3_grad_partition_window.py",
-            "test_zero3_backward_loss_scale.py", "zero3_muon_helpers.py", "test_muon_owner_plan.py") +
+            "test_zero3_backward_loss_scale.py", "zero3_muon_helpers.py", "test_muon_owner_plan.py",
+            "test_muon_config_zero3.py") +
         (f"!{ZERO_TESTS}/test_zero3_muon_boundary.py", ) +
         # the tests' shared package: these tests are the first to import it
         _in(TESTING, "__init__.py", "compare.py", "counting.py", "models.py", "reference.py"),
@@ -168,8 +170,8 @@ GROUPS = numbered(
           "Muon's configuration: parameter selection with fused projections split, its two learning rates under "
           "schedulers, every key checked",
           # integration.py: the engine's one entry (patch 0011), which the AutoTP tests run through
-          _patches(10, 11, 16) + _in(MUON, "integration.py", "param_selection.py", "lr_groups.py") +
-          _in(ZERO_TESTS, "test_muon_param_selection.py", "test_muon_lr_groups.py", "test_muon_config*.py",
+          _patches(10, 11) + _in(MUON, "integration.py", "param_selection.py", "lr_groups.py") +
+          _in(ZERO_TESTS, "test_muon_param_selection.py", "test_muon_lr_groups.py", "test_muon_config_keys.py",
               "test_muon_fused_projections.py", "test_muon_autotp.py"),
           needs=("zero3-muon", "zero3-configurations", "zero12-muon")),
     Group("muon-variants",
