@@ -204,7 +204,7 @@ def main(argv=None):
             losses[step] += loss.item() / args.gas
         norm = engine.get_global_grad_norm()
         grad_norms.append(float(norm) if norm is not None else None)
-        clip = getattr(engine, "qk_clip", None)
+        clip = getattr(engine.muon, "qk_clip", None) if getattr(engine, "muon", None) is not None else None
         if clip is not None and clip.last_max is not None:
             max_logits.append(float(clip.last_max.max()))
             heads_clipped.append(int((clip.last_max > clip.threshold).sum()))

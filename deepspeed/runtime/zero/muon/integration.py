@@ -8,11 +8,10 @@ Upstream files call this module only (``param_selection`` and ``binding`` are re
 through the stages' own description of their partitions):
 
 - ``prepare_model`` (``deepspeed.set_optimizer_flags``, before the engine is built): the keys and
-  values of ``optimizer.params`` checked (``config``) before upstream's optimizer reads them, and
-  each parameter's ``use_muon`` chosen (``param_selection``);
+  values of ``optimizer.params`` and of the parameter groups checked (``config``) before upstream's
+  optimizer reads them, and each parameter's ``use_muon`` chosen (``param_selection``);
 - ``MuonIntegration.create`` (``engine._configure_optimizer``, with the basic optimizer, before the
-  wrapper checks and ZeRO replace its groups by flat partitions): the groups' keys checked, Muon's
-  own group keys copied into each Muon group, the selection resolved and reported, the weights
+  wrapper checks and ZeRO replace its groups by flat partitions): Muon's own group keys copied into each Muon group, the selection resolved and reported, the weights
   AutoTP split marked (``tensor_parallel``), the scheduler's per-group rates resolved
   (``lr_groups``), MuonClip's threshold, placement and attention layers checked;
 - ``bind`` (once the engine built its optimizer): what runs right after each inner optimizer step,
@@ -59,15 +58,16 @@ from deepspeed.runtime.zero.muon.support import where_no_owner_runs
 from deepspeed.runtime.zero.muon.tensor_parallel import mark_tensor_parallel_matrices
 from deepspeed.utils import logger
 
-def prepare_model(optimizer_parameters: Mapping[str, Any], model) -> None:
+def prepare_model(optimizer_parameters: Mapping[str, Any], model, model_parameters=None) -> None:
     """``deepspeed.initialize``'s call for DeepSpeed's Muon, before the engine is built: the keys and values of
-    ``optimizer.params`` checked (``config.check_muon_keys``, before upstream's optimizer reads them), then each
+    ``optimizer.params`` and of the group dicts of ``model_parameters`` (a list or tuple; a generator is not
+    consumed) checked (``config.check_muon_keys``) before upstream's optimizer reads them, then each
     parameter's ``use_muon`` chosen (``param_selection.select_muon_parameters``; a flag the user set is kept).
 
     Raises:
-        ValueError: naming each key or value of ``optimizer.params`` Muon cannot use.
+        ValueError: naming each key or value Muon cannot use.
     """
-    check_muon_keys(optimizer_parameters or {}, None)
+    check_muon_keys(optimizer_parameters or {}, model_parameters)
     select_muon_parameters(model)
 
 
@@ -123,15 +123,13 @@ class MuonIntegration:
             model_parameters: what ``deepspeed.initialize`` got (its group dicts carry per-group keys).
 
         Raises:
-            ValueError: naming the config key: a key or value Muon cannot use (``config.check_muon_keys``,
-                ``check_muon_groups``), a client Muon that cannot run on flat partitions
+            ValueError: naming the config key: a variant's setting Muon cannot use (``config.check_muon_groups``;
+                the keys and values were checked by ``prepare_model``), ZenFlow at ZeRO-1/2, a client Muon that cannot run on flat partitions
                 (``param_selection``), a scheduler rate that would overwrite Muon's or Adam's rates
                 (``lr_groups``), a ``qk_clip_threshold`` that cannot run here or attention it cannot clip.
         """
         named = client_optimizer is None and engine.optimizer_name() == MUON_OPTIMIZER
         optimizer_parameters = dict(engine.optimizer_params() or {}) if named else {}
-        if named:
-            check_muon_keys(optimizer_parameters, model_parameters)
         selection = resolve_optimizer_selection(basic_optimizer, engine.module, client_optimizer is not None,
                                                 engine.zero_optimization_stage())
         if not named and selection is None:
