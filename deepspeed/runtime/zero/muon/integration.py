@@ -11,9 +11,11 @@ through the stages' own description of their partitions):
   values of ``optimizer.params`` and of the parameter groups checked (``config``) before upstream's
   optimizer reads them, and each parameter's ``use_muon`` chosen (``param_selection``);
 - ``MuonIntegration.create`` (``engine._configure_optimizer``, with the basic optimizer, before the
-  wrapper checks and ZeRO replace its groups by flat partitions): Muon's own group keys copied into each Muon group, the selection resolved and reported, the weights
-  AutoTP split marked (``tensor_parallel``), the scheduler's per-group rates resolved
-  (``lr_groups``), MuonClip's threshold, placement and attention layers checked;
+  wrapper checks and ZeRO replace its groups by flat partitions): Muon's own group keys copied into
+  each Muon group and the variants' settings checked, the selection resolved and reported
+  (``param_selection``), ZenFlow refused at ZeRO-1/2, the weights AutoTP split marked
+  (``tensor_parallel``), the scheduler's per-group rates resolved (``lr_groups``), MuonClip's
+  threshold, placement and attention layers checked;
 - ``bind`` (once the engine built its optimizer): what runs right after each inner optimizer step,
   registered with the ZeRO stage's update (``binding.MuonUpdate.add_after_inner_step``): MuonClip's
   QK-clip (``qk_clip``);
@@ -22,23 +24,6 @@ through the stages' own description of their partitions):
 The ZeRO stages build their ``MuonUpdate`` themselves (it is their step). ``qk_clip`` and
 ``hf_attention`` are imported by name only where a build has them (``config.has_qk_clip``: the pull
 request of Muon's variants adds them).
-"""Muon's one entry point in ``DeepSpeedEngine``: every Muon feature the engine needs, wired from two calls.
-
-``engine._configure_optimizer`` calls ``MuonIntegration.create`` on the basic optimizer, before any ZeRO
-wrapper replaces its groups by flat partitions, and ``bind`` on the ZeRO optimizer it built; the progress
-log calls ``named_by_group``. Nothing else in DeepSpeed imports a Muon module for these features:
-
-- ``create`` checks the Muon block's keys and values (``config``), copies Muon's own group keys into
-  each Muon group, resolves and reports which parameters go to Muon (``param_selection``), marks the
-  weights AutoTP split (``tensor_parallel``), resolves the scheduler's per-group rates (``lr_groups``)
-  and checks MuonClip's threshold and attention layers, all before ZeRO allocates anything;
-- ``bind`` registers what runs right after the inner optimizer step on the ZeRO stage's description of
-  its partitions (``binding.MuonUpdate.add_after_inner_step``): MuonClip's QK-clip (``qk_clip``, where
-  this build has it).
-
-The ZeRO stages build their ``MuonUpdate`` themselves (it is their step); this module is the
-engine's side only. ``qk_clip`` and ``hf_attention`` are imported by name only where a build has them
-(``config.has_qk_clip``: the pull request of Muon's variants adds them).
 """
 
 import importlib
