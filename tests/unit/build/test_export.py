@@ -129,7 +129,7 @@ def test_six_pull_requests_each_file_once(case):
     seed = by_key["zero3-muon"].sources
     assert [Path(p).stem for p in seed if p.startswith("deepspeed/")
             ] == ["rank_agreement", "binding", "config", "momentum", "newton_schulz", "owner_exchange",
-                  "owner_plan", "owner_state", "pipeline", "support"]
+                  "owner_plan", "owner_state", "param_record", "pipeline", "support"]
     # the first pull request's tests are lean and import no helper module: the seam, one end-to-end
     # ZeRO-3 run (the plan's own tests go with zero3-configurations, the threaded pipeline's with zero12-muon)
     assert [Path(p).name for p in seed if p.startswith("tests/")] == [
