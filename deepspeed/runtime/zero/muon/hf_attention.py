@@ -204,5 +204,5 @@ def find_attention(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module, A
         problems.append("the model has no attention layer QK-clip knows; describe yours with mark_attention.")
     if problems:
         raise ValueError(f"{WHERE}: QK-clip cannot clip every attention layer:\n" + "\n".join(f"- {p}"
-                                                                                               for p in problems))
+                                                                                              for p in problems))
     return found

@@ -43,6 +43,7 @@ from deepspeed.runtime.zero.muon.support import where_no_owner_runs
 from deepspeed.runtime.zero.muon.tensor_parallel import mark_tensor_parallel_matrices
 from deepspeed.utils import logger
 
+
 def prepare_model(optimizer_parameters: Mapping[str, Any], model, model_parameters=None) -> None:
     """``deepspeed.initialize``'s call for DeepSpeed's Muon, before the engine is built: the keys and values of
     ``optimizer.params`` and of the group dicts of ``model_parameters`` (a list or tuple; a generator is not
@@ -128,8 +129,7 @@ class MuonIntegration:
             fill_muon_group_keys(basic_optimizer.param_groups, optimizer_parameters, model_parameters)
             check_muon_groups(optimizer_parameters, model_parameters, basic_optimizer.param_groups, engine)
         if engine.client_lr_scheduler is None:
-            resolved = scheduler_params_for_groups(engine.scheduler_name(), engine.scheduler_params(),
-                                                   basic_optimizer)
+            resolved = scheduler_params_for_groups(engine.scheduler_name(), engine.scheduler_params(), basic_optimizer)
             if resolved is not engine.scheduler_params():
                 engine._config.scheduler_params = resolved  # what _scheduler_from_config builds the scheduler with
         layers = threshold = None

@@ -94,7 +94,6 @@ def is_recorded(module: torch.nn.Module) -> bool:
     return module in _RECORDING
 
 
-
 def check_threshold(value) -> Optional[float]:
     """``qk_clip_threshold`` as a float, None where off; ValueError naming it for another value."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))

@@ -145,8 +145,14 @@ def test_report_names_what_is_split_and_what_kept(split):
     model = MODELS["gpt2"]()
     select_muon_parameters(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.use_muon], "use_muon": True, "split_fused_muon": split},
-              {"params": [p for p in params if not p.use_muon], "use_muon": False}]
+    groups = [{
+        "params": [p for p in params if p.use_muon],
+        "use_muon": True,
+        "split_fused_muon": split
+    }, {
+        "params": [p for p in params if not p.use_muon],
+        "use_muon": False
+    }]
     lines = []
 
     class Log:
