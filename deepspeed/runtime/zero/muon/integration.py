@@ -39,7 +39,7 @@ from deepspeed.runtime.zero.muon.config import (QK_CLIP_KEY, check_muon_groups, 
 from deepspeed.runtime.zero.muon.lr_groups import momenta_by_group, rates_by_group, scheduler_params_for_groups
 from deepspeed.runtime.zero.muon.momentum import is_muon_group
 from deepspeed.runtime.zero.muon.param_selection import resolve_optimizer_selection, select_muon_parameters
-from deepspeed.runtime.zero.muon.support import where_no_owner_runs
+from deepspeed.runtime.zero.muon.support import spread_problem, where_no_owner_runs
 from deepspeed.runtime.zero.muon.tensor_parallel import mark_tensor_parallel_matrices
 from deepspeed.utils import logger
 
@@ -128,6 +128,10 @@ class MuonIntegration:
         if named:
             fill_muon_group_keys(basic_optimizer.param_groups, optimizer_parameters, model_parameters)
             check_muon_groups(optimizer_parameters, model_parameters, basic_optimizer.param_groups, engine)
+        else:  # a client MuonWithAuxAdam: its groups are its own, AutoTP's split weights are still refused
+            problem = spread_problem([g for g in basic_optimizer.param_groups if is_muon_group(g)], engine)
+            if problem is not None:
+                raise ValueError(problem)
         if engine.client_lr_scheduler is None:
             resolved = scheduler_params_for_groups(engine.scheduler_name(), engine.scheduler_params(), basic_optimizer)
             if resolved is not engine.scheduler_params():

@@ -228,3 +228,15 @@ class TestMuonAutoTPTwoReplicas(WholeMatrixMuon):
         """ZeRO stage 0 runs upstream's Muon on each shard: refused rather than trained per shard."""
         with pytest.raises(ValueError, match=r"tensor_parallel\.autotp_size: .*stage 0"):
             _engine(_config(0, 1, self.world_size))
+
+    def test_stage_0_refused_for_a_client_muon(self):
+        """The same for DeepSpeed's Muon passed as the client optimizer."""
+        from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+        config = _config(0, 1, self.world_size)
+        del config["optimizer"]
+        model = tiny_llama()
+        matrices = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n and "lm_head" not in n]
+        rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
+        optimizer = MuonWithAuxAdam([dict(params=matrices, use_muon=True), dict(params=rest, use_muon=False)])
+        with pytest.raises(ValueError, match=r"tensor_parallel\.autotp_size: .*stage 0"):
+            deepspeed.initialize(model=model, config=config, optimizer=optimizer)
