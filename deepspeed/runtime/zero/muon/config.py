@@ -368,10 +368,12 @@ def check_muon_keys(optimizer_parameters: Mapping[str, Any], model_parameters) -
             if key in (accepted_in_groups if in_group else accepted):
                 continue
             if in_group:
-                why = GROUP_HINTS.get(key, "not a key of a Muon parameter group")
-                guess = "" if key in GROUP_HINTS else did_you_mean(key, accepted_in_groups)
-                problems.append(f"{where}.{key}: {why}, so it would do nothing. Accepted: "
-                                f"{_accepted(accepted_in_groups)}.{guess}")
+                if key in GROUP_HINTS:
+                    why, guess = f"does nothing in a parameter group: {GROUP_HINTS[key]}", ""
+                else:
+                    why = "not a key of a Muon parameter group, so it would do nothing"
+                    guess = did_you_mean(key, accepted_in_groups)
+                problems.append(f"{where}.{key}: {why}. Accepted: {_accepted(accepted_in_groups)}.{guess}")
             elif key == PER_HEAD_KEY:
                 problems.append(f"optimizer.params.{PER_HEAD_KEY}: this DeepSpeed has no per-head Muon, so the key "
                                 "would do nothing; remove it.")

@@ -112,7 +112,7 @@ def check_runs_here(where: Optional[str], autotp_size: int) -> None:
     """
     if where is not None:
         raise ValueError(f"{WHERE}: QK-clip runs at ZeRO stages 1 to 3 (it scales the fp32 partitions in the "
-                         f"ZeRO step), not with {where}.")
+                         f"ZeRO step), not with {where}; use one of those stages, or remove {THRESHOLD_KEY}.")
     if autotp_size > 1:
         raise ValueError(f"{WHERE}: QK-clip needs each attention layer's heads on every rank; with "
                          f"tensor_parallel.autotp_size {autotp_size} they are split.")
