@@ -323,7 +323,8 @@ def test_check_muon_keys_suggests_the_key_meant():
         config.check_muon_keys({}, [{"params": [], "momentun": 0.9}, {"params": [], "muon_lr": 0.1}])
     first, second = str(info.value).splitlines()[1:]
     assert first.startswith("- model_parameters[0].momentun:") and first.endswith(" Did you mean 'momentum'?")
-    assert second.startswith("- model_parameters[1].muon_lr: does nothing in a parameter group: a group's lr") and "Did you mean" not in second
+    assert second.startswith("- model_parameters[1].muon_lr: does nothing in a parameter group: a group's lr"
+                             ) and "Did you mean" not in second
     for value, meant in (("Gram", "gram"), ("polar-express", "polar_express"), ("PolarExpress", "polar_express")):
         with pytest.raises(ValueError,
                            match=rf"is not a Newton-Schulz method of Muon\. .*\. Did you mean {meant!r}\?"):

@@ -159,7 +159,8 @@ def test_bad_threshold_refused(value):
     with pytest.raises(ValueError, match=r"optimizer.params.qk_clip_threshold: .*finite number > 0"):
         qk_clip.check_threshold(value)
     assert qk_clip.check_threshold(None) is None and qk_clip.check_threshold(100) == 100.0
-    with pytest.raises(ValueError, match=r"model_parameters\[0\].qk_clip_threshold: does nothing in a "
+    with pytest.raises(ValueError,
+                       match=r"model_parameters\[0\].qk_clip_threshold: does nothing in a "
                        r"parameter group: a key of the whole optimizer"):
         check_muon_keys({}, [{"params": [], "qk_clip_threshold": 50.0}])
     check_muon_keys({"qk_clip_threshold": 50.0}, None)
