@@ -72,9 +72,9 @@ optimizer step (all its micro-steps), times in seconds, sizes in bytes:
   allocated inside ``deepspeed.initialize`` or inside ``engine.step()`` of the warm-up steps and
   still live at their end (``torch.profiler`` memory events: partitions, flat buffers, optimizer
   state, exchange buffers: what the engine sets up and what its steps keep; not what forward and
-  backward allocate, such as gathered parameters, whose number alive at a given moment varies;
-  ZeRO-3's initialize gathers every parameter once to register its hooks, and now and then one or
-  two such copies are still alive at the end: parameter-sized blocks of noise); max over ranks; ``alloc_live_kept_bytes``: ``kept_bytes`` by introspection at that same moment
+  backward allocate). A block counts only while a tensor the garbage collector reaches uses it: a
+  collective's buffer freed on the backend's own thread leaves no event (``live_bytes``). Max over
+  ranks; ``alloc_live_kept_bytes``: ``kept_bytes`` by introspection at that same moment
   (the end of the warm-up steps; stock 0.19.8's all-gather cache can differ there from later
   steps). Muon minus AdamW of the two must agree: the allocator checks the introspection.
 - ``muon_straddling_matrices`` / ``muon_straddling_elements`` (ZeRO-1/2, else None): the Muon
@@ -533,10 +533,28 @@ def kept_now(optimizer):
     return None if retained is None else optimizer_state_bytes(optimizer) + retained
 
 
-def live_bytes(prof, marks):
+def reachable_cpu_blocks():
+    """Start addresses of the CPU storages behind every tensor the garbage collector can reach
+    (``gc.get_objects()``): what Python code, DeepSpeed's and the patch's, still holds."""
+    import gc
+    blocks = set()
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
+            blocks.add(obj.untyped_storage().data_ptr())
+    return blocks
+
+
+def live_bytes(prof, marks, reachable):
     """Bytes of the CPU allocator's blocks allocated inside any occurrence of the
-    ``record_function`` regions ``marks`` while ``prof`` ran (``profile_memory=True``) and not
-    freed by its end (the event walk of ``profiled_peaks``)."""
+    ``record_function`` regions ``marks`` while ``prof`` ran (``profile_memory=True``), not
+    freed by its end (the event walk of ``profiled_peaks``) and in ``reachable``
+    (``reachable_cpu_blocks()`` at that end).
+
+    The profiler records a free only on a thread it profiles: a collective's buffer whose last
+    reference the backend's own thread drops (gloo's worker threads, NCCL's watchdog) is freed
+    there without an event and would otherwise count as live, more or less often from run to run.
+    A block no reachable tensor uses is taken as freed; what the engine keeps is held from Python.
+    """
     from torch._C._profiler import _EventType
     events, windows = [], []
     nodes = list(prof.profiler.kineto_results.experimental_event_tree())
@@ -558,7 +576,7 @@ def live_bytes(prof, marks):
                 live.pop(ptr, None)  # the address is reused by a block not counted
         else:
             live.pop(ptr, None)
-    return sum(live.values())
+    return sum(size for ptr, size in live.items() if ptr in reachable)
 
 
 BOUNDARY_MARK = "zero3muon_bench::boundary_micro_step"
@@ -669,8 +687,9 @@ def run_workload(cfg, ns, comm, peak):
                                           config=ds_config(cfg, world_size))
         update = patch_update(engine.optimizer)[1]
     if lifetime is not None and cfg["warmup"] == 0:  # no warm-up step: the engine as built
+        reachable = reachable_cpu_blocks()
         lifetime.__exit__(None, None, None)
-        alloc_live, lifetime = live_bytes(lifetime, (INIT_MARK, )), None
+        alloc_live, lifetime = live_bytes(lifetime, (INIT_MARK, ), reachable), None
         live_kept = kept_now(engine.optimizer)
     device = engine.device
     acc = get_accelerator()
@@ -719,12 +738,9 @@ def run_workload(cfg, ns, comm, peak):
         if step >= cfg["warmup"]:
             steps.append(rec)
         if lifetime is not None and step == cfg["warmup"] - 1:
-            # A backend may drop a finished asynchronous collective's tensors on its own thread after wait()
-            # returned (gloo's worker thread): a barrier, queued behind them, lets those frees happen while the
-            # profiler still records them.
-            torch.distributed.barrier()
+            reachable = reachable_cpu_blocks()
             lifetime.__exit__(None, None, None)
-            alloc_live, lifetime = live_bytes(lifetime, (INIT_MARK, WARMUP_STEP_MARK)), None
+            alloc_live, lifetime = live_bytes(lifetime, (INIT_MARK, WARMUP_STEP_MARK), reachable), None
             live_kept = kept_now(engine.optimizer)
     result = dict(steps=steps, alloc_live_bytes=alloc_live, alloc_live_kept_bytes=live_kept)
     # what the patch's Muon update actually ran with (an argument the build lacks is not applied)
