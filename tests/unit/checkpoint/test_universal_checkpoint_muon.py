@@ -43,7 +43,7 @@ import pytest
 import torch
 
 from unit.common import DistributedTest
-from unit.checkpoint.zero3_universal_helpers import unequal_states
+from unit.checkpoint.zero3_universal_helpers import broken_checkpoints_refused, unequal_states
 from muon_testing.compare import FLOOR, relative_difference
 from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
@@ -162,28 +162,4 @@ class TestZero3MuonUniversalRefusals(DistributedTest):
 
     @pytest.mark.parametrize("world_size", [[2, 1]])
     def test_broken_checkpoint_is_refused_naming_the_parameter(self, world_size, tmp_path):
-        import deepspeed.comm as dist
-        if dist.get_world_size() == 2:
-            RUN.with_(steps=SAVED_AT, restart_after=SAVED_AT).train(checkpoint_dir=str(tmp_path))
-            return
-        run = RUN.with_(resume_from=SAVED_AT)
-        config = dict(run.config(1), checkpoint={"load_universal": True})
-        for how, words in REFUSALS.items():
-            shutil.copytree(tmp_path / "restart_universal", tmp_path / how)
-            _tamper(tmp_path / how, how)
-            engine = run.build_engine(config)
-            with pytest.raises(ValueError) as error:
-                engine.load_checkpoint(str(tmp_path), tag=how)
-            engine.destroy()
-            print(f"[refused {how}] {error.value}")
-            for word in words:
-                assert word in str(error.value), (how, str(error.value))
-        # Other parameter groups than the checkpoint's: refused too.
-        engine = run.with_(groups="two_muon_groups").build_engine(config)
-        with pytest.raises(ValueError, match="parameter groups"):
-            engine.load_checkpoint(str(tmp_path), tag="restart_universal")
-        engine.destroy()
-        # The untouched checkpoint loads.
-        engine = run.build_engine(config)
-        engine.load_checkpoint(str(tmp_path), tag="restart_universal")
-        engine.destroy()
+        broken_checkpoints_refused(RUN, tmp_path, SAVED_AT, _tamper, REFUSALS, "parameter groups")

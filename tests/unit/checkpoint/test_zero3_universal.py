@@ -29,14 +29,13 @@ merge, and the loader's per-sub-group restore, including a checkpoint without pe
 """
 
 import os
-import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from unit.common import DistributedTest
-from unit.checkpoint.zero3_universal_helpers import unequal_states
+from unit.checkpoint.zero3_universal_helpers import broken_checkpoints_refused, unequal_states
 from muon_testing.compare import FLOOR, relative_difference
 from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
@@ -118,32 +117,8 @@ class TestZero3UniversalRefusals(DistributedTest):
 
     @pytest.mark.parametrize("world_size", [[2, 1]])
     def test_broken_checkpoint_is_refused_naming_the_parameter(self, world_size, tmp_path):
-        import deepspeed.comm as dist
-        run = RUN.with_(groups=None)
-        if dist.get_world_size() == 2:
-            run.with_(steps=SAVED_AT, restart_after=SAVED_AT).train(checkpoint_dir=str(tmp_path))
-            return
-        resume = run.with_(resume_from=SAVED_AT)
-        config = dict(resume.config(1), checkpoint={"load_universal": True})
-        for how, words in REFUSALS.items():
-            shutil.copytree(tmp_path / "restart_universal", tmp_path / how)
-            _tamper(tmp_path / how, how)
-            engine = resume.build_engine(config)
-            with pytest.raises(ValueError) as error:
-                engine.load_checkpoint(str(tmp_path), tag=how)
-            engine.destroy()
-            print(f"[refused {how}] {error.value}")
-            for word in words:
-                assert word in str(error.value), (how, str(error.value))
-        # Another number of parameter groups than the checkpoint's: refused too.
-        engine = resume.with_(groups="two_muon_groups").build_engine(config)
-        with pytest.raises(ValueError, match="it has 1 optimizer parameter groups, this run 2"):
-            engine.load_checkpoint(str(tmp_path), tag="restart_universal")
-        engine.destroy()
-        # The untouched checkpoint loads.
-        engine = resume.build_engine(config)
-        engine.load_checkpoint(str(tmp_path), tag="restart_universal")
-        engine.destroy()
+        broken_checkpoints_refused(RUN.with_(groups=None), tmp_path, SAVED_AT, _tamper, REFUSALS,
+                                   "it has 1 optimizer parameter groups, this run 2")
 
 
 # The conversion's and the loader's pieces on hand-made files (one process).

@@ -12,9 +12,15 @@ optimizer state per parameter, group settings, Adam's step) and trains on for ``
 without stopping. At W' ``load_at`` builds the stage-1/2 engine with ``load_universal`` and loads
 the checkpoint; ``check_restored_exactly`` and ``continue_training`` then compare it with what
 was recorded.
+
+``broken_checkpoints_refused`` loads tampered copies of a ZeRO-3 universal checkpoint at W=1 and
+checks what each refusal says.
 """
 
+import shutil
+
 import numpy as np
+import pytest
 import torch
 
 from muon_testing.compare import gathered_weights, relative_difference
@@ -156,3 +162,35 @@ def universal_round_trip(run, tmp_path, stage, settings=GROUP_SETTINGS):
     engine, expected = load_at(run.with_(stage=stage), tmp_path)
     check_restored_exactly(engine, expected, settings)
     return engine, expected
+
+
+def broken_checkpoints_refused(run, tmp_path, saved_at, tamper, refusals, groups_error):
+    """At W=2 trains ``run`` to ``saved_at`` and saves its universal checkpoint (tag
+    ``restart_universal``); at W=1 loads a copy broken by ``tamper(folder, how)`` for each ``how`` of
+    ``refusals`` (``{how: words the ValueError must contain}``), then the checkpoint under
+    ``two_muon_groups`` (its error must match ``groups_error``), then the untouched checkpoint."""
+    import deepspeed.comm as dist
+    if dist.get_world_size() == 2:
+        run.with_(steps=saved_at, restart_after=saved_at).train(checkpoint_dir=str(tmp_path))
+        return
+    resume = run.with_(resume_from=saved_at)
+    config = dict(resume.config(1), checkpoint={"load_universal": True})
+    for how, words in refusals.items():
+        shutil.copytree(tmp_path / "restart_universal", tmp_path / how)
+        tamper(tmp_path / how, how)
+        engine = resume.build_engine(config)
+        with pytest.raises(ValueError) as error:
+            engine.load_checkpoint(str(tmp_path), tag=how)
+        engine.destroy()
+        print(f"[refused {how}] {error.value}")
+        for word in words:
+            assert word in str(error.value), (how, str(error.value))
+    # Other parameter groups than the checkpoint's: refused too.
+    engine = resume.with_(groups="two_muon_groups").build_engine(config)
+    with pytest.raises(ValueError, match=groups_error):
+        engine.load_checkpoint(str(tmp_path), tag="restart_universal")
+    engine.destroy()
+    # The untouched checkpoint loads.
+    engine = resume.build_engine(config)
+    engine.load_checkpoint(str(tmp_path), tag="restart_universal")
+    engine.destroy()
