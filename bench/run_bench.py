@@ -744,7 +744,7 @@ def print_memory_table(results, builds, net, w, names):
           "optimizer state, by introspection; buffers: the exchange buffers (patched) or all-gather cache (stock) "
           "kept across steps; kept = state + buffers; step() = allocator peak of engine.step() above its start; "
           "peak = kept + step(); live: allocator bytes allocated in initialize and in the warm-up steps' step() and "
-          "live at their end, whatever Python code holds them; kept then: kept at that moment, by introspection; "
+          "live at their end, while a Python tensor object uses them; kept then: kept at that moment, by introspection; "
           "Muon-AdamW: differences over paired repeats, live against kept then: what the allocator sees beyond the "
           "introspection):")
     print_table(["workload", "build", "optimizer", "state", "buffers", "kept", "step()", "peak", "live", "kept then",

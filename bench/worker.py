@@ -72,7 +72,7 @@ optimizer step (all its micro-steps), times in seconds, sizes in bytes:
   allocated inside ``deepspeed.initialize`` or inside ``engine.step()`` of the warm-up steps and
   still live at their end (``torch.profiler`` memory events: partitions, flat buffers, optimizer
   state, exchange buffers: what the engine sets up and what its steps keep; not what forward and
-  backward allocate). A block counts only while a tensor the garbage collector reaches uses it: a
+  backward allocate). A block counts only while a Python tensor object uses its storage: a
   collective's buffer freed on the backend's own thread leaves no event (``live_bytes``). Max over
   ranks; ``alloc_live_kept_bytes``: ``kept_bytes`` by introspection at that same moment
   (the end of the warm-up steps; stock 0.19.8's all-gather cache can differ there from later
@@ -533,27 +533,35 @@ def kept_now(optimizer):
     return None if retained is None else optimizer_state_bytes(optimizer) + retained
 
 
-def reachable_cpu_blocks():
-    """Start addresses of the CPU storages behind every tensor the garbage collector can reach
-    (``gc.get_objects()``): what Python code, DeepSpeed's and the patch's, still holds."""
+def held_cpu_blocks():
+    """Start addresses of the CPU storages of every tensor object Python still has
+    (``gc.get_objects()`` after ``gc.collect()``; run it while the profiler records, so that the
+    collection's frees are recorded too). A tensor made in Python that only C++ still holds (an
+    unfinished collective's buffers, kept by its work object) keeps its Python object and is
+    included; storage held without a tensor object, or a tensor C++ made and never handed to
+    Python (an autograd graph's saved intermediates), is not."""
     import gc
+    gc.collect()
     blocks = set()
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
-            blocks.add(obj.untyped_storage().data_ptr())
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
+            try:
+                blocks.add(obj.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage of its own
+                pass
     return blocks
 
 
-def live_bytes(prof, marks, reachable):
+def live_bytes(prof, marks, held):
     """Bytes of the CPU allocator's blocks allocated inside any occurrence of the
     ``record_function`` regions ``marks`` while ``prof`` ran (``profile_memory=True``), not
-    freed by its end (the event walk of ``profiled_peaks``) and in ``reachable``
-    (``reachable_cpu_blocks()`` at that end).
+    freed by its end (the event walk of ``profiled_peaks``) and in ``held``
+    (``held_cpu_blocks()`` at that end).
 
     The profiler records a free only on a thread it profiles: a collective's buffer whose last
-    reference the backend's own thread drops (gloo's worker threads, NCCL's watchdog) is freed
-    there without an event and would otherwise count as live, more or less often from run to run.
-    A block no reachable tensor uses is taken as freed; what the engine keeps is held from Python.
+    reference the backend's own thread drops (gloo's worker threads) is freed there without an
+    event and would otherwise count as live, in some runs and not others. A block that no tensor
+    object uses is taken as freed (what this misses: ``held_cpu_blocks``).
     """
     from torch._C._profiler import _EventType
     events, windows = [], []
@@ -576,7 +584,7 @@ def live_bytes(prof, marks, reachable):
                 live.pop(ptr, None)  # the address is reused by a block not counted
         else:
             live.pop(ptr, None)
-    return sum(size for ptr, size in live.items() if ptr in reachable)
+    return sum(size for ptr, size in live.items() if ptr in held)
 
 
 BOUNDARY_MARK = "zero3muon_bench::boundary_micro_step"
@@ -687,9 +695,10 @@ def run_workload(cfg, ns, comm, peak):
                                           config=ds_config(cfg, world_size))
         update = patch_update(engine.optimizer)[1]
     if lifetime is not None and cfg["warmup"] == 0:  # no warm-up step: the engine as built
-        reachable = reachable_cpu_blocks()
+        torch.distributed.barrier()  # see the warm-up steps' end below
+        held = held_cpu_blocks()
         lifetime.__exit__(None, None, None)
-        alloc_live, lifetime = live_bytes(lifetime, (INIT_MARK, ), reachable), None
+        alloc_live, lifetime = live_bytes(lifetime, (INIT_MARK, ), held), None
         live_kept = kept_now(engine.optimizer)
     device = engine.device
     acc = get_accelerator()
@@ -738,9 +747,14 @@ def run_workload(cfg, ns, comm, peak):
         if step >= cfg["warmup"]:
             steps.append(rec)
         if lifetime is not None and step == cfg["warmup"] - 1:
-            reachable = reachable_cpu_blocks()
+            # A backend may still hold a finished asynchronous collective's tensors on its own thread after
+            # wait() returned (gloo's worker threads): a barrier, queued behind them, gives that thread time to
+            # let go of them before held_cpu_blocks() looks (otherwise they count as held, and are freed later
+            # on that thread, unrecorded).
+            torch.distributed.barrier()
+            held = held_cpu_blocks()
             lifetime.__exit__(None, None, None)
-            alloc_live, lifetime = live_bytes(lifetime, (INIT_MARK, WARMUP_STEP_MARK), reachable), None
+            alloc_live, lifetime = live_bytes(lifetime, (INIT_MARK, WARMUP_STEP_MARK), held), None
             live_kept = kept_now(engine.optimizer)
     result = dict(steps=steps, alloc_live_bytes=alloc_live, alloc_live_kept_bytes=live_kept)
     # what the patch's Muon update actually ran with (an argument the build lacks is not applied)

@@ -6,7 +6,9 @@
 
 ``profiled_peaks`` is checked on allocations of known sizes: a free counts only for a block the
 profiler saw allocated (frees of older blocks are invisible to it), including one allocated
-before the measured region. Then the worker runs the ``tiny`` workload at W=2 and its memory
+before the measured region. ``live_bytes`` counts a block only while a tensor object uses it: one
+freed on another thread (where the profiler records no free) is not counted, the buffers a kept
+collective's work object holds are. Then the worker runs the ``tiny`` workload at W=2 and its memory
 fields must be present and consistent: ``engine.step()`` on the boundary micro-step must show at
 least the full fp32 gradient of the largest matrix (the Newton-Schulz input every build
 materializes there; 0 if the profiler's events were missed), the whole micro-step at least as
@@ -64,36 +66,49 @@ def test_profiled_peaks_counts_known_frees_only():
         worker.profiled_peaks(prof, ("absent", ))
 
 
-
-def test_live_bytes_counts_reachable_blocks_only():
+def test_live_bytes_counts_held_blocks_only():
     """A block whose last reference another thread drops is freed there without a profiler event
     (the profiler records frees on the threads it profiles, as with a collective backend's worker
-    thread); ``live_bytes`` must not count it, and must count the blocks Python still holds."""
+    thread); ``live_bytes`` must not count it, and must count the blocks Python still holds,
+    including the buffers a kept collective work object still holds from C++."""
     import threading
     import worker
+    import torch.distributed as tdist
     from torch.profiler import ProfilerActivity, profile, record_function
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
-        with record_function("region"):
-            kept = torch.empty(MIB // 4)  # 1 MiB, held to the end
-            handed = [torch.empty(MIB // 2)]  # 2 MiB, freed by the other thread
-            freed = torch.empty(MIB // 8)  # 0.5 MiB, freed on this thread
-            del freed
-        outside = torch.empty(MIB // 16)  # outside the region: never counted
-        thread = threading.Thread(target=handed.clear)
-        thread.start()
-        thread.join()
-        reachable = worker.reachable_cpu_blocks()
-    assert handed == [] and kept.untyped_storage().data_ptr() in reachable
-    assert worker.live_bytes(prof, ("region", ), reachable) == MIB
-    # every block taken as reachable: the other thread's free has no event, the premise of the filter
+    own_group = not tdist.is_initialized()
+    if own_group:
+        tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
+            with record_function("region"):
+                kept = torch.empty(MIB // 4)  # 1 MiB, held to the end
+                handed = [torch.empty(MIB // 2)]  # 2 MiB, freed by the other thread
+                freed = torch.empty(MIB // 8)  # 0.5 MiB, freed on this thread
+                del freed
+                sent, received = torch.ones(MIB // 16), torch.empty(MIB // 16)  # 0.25 MiB each
+                work = tdist.all_to_all_single(received, sent, async_op=True)
+                work.wait()
+                del sent, received  # held by the work object alone, which is kept: a leak to count
+            outside = torch.empty(MIB // 16)  # outside the region: never counted
+            thread = threading.Thread(target=handed.clear)
+            thread.start()
+            thread.join()
+            held = worker.held_cpu_blocks()
+        assert handed == [] and kept.untyped_storage().data_ptr() in held
+        assert worker.live_bytes(prof, ("region", ), held) == MIB + MIB // 2
+        # every block taken as held: the other thread's free has no event, the premise of the filter
 
-    class Everything:
+        class Everything:
 
-        def __contains__(self, ptr):
-            return True
+            def __contains__(self, ptr):
+                return True
 
-    assert worker.live_bytes(prof, ("region", ), Everything()) == 3 * MIB
-    del kept, outside
+        assert worker.live_bytes(prof, ("region", ), Everything()) == 3 * MIB + MIB // 2
+        del kept, outside, work
+    finally:
+        if own_group:
+            tdist.destroy_process_group()
+
 
 def tiny(**extra):
     return dict(dict(name="tiny", workload="tiny", stage=3, gas=2, dtype="fp32", offload=False, micro_batch=1, steps=1,
