@@ -587,6 +587,19 @@ def live_bytes(prof, marks, held):
     return sum(size for ptr, size in live.items() if ptr in held)
 
 
+def end_lifetime(prof, marks, optimizer):
+    """Stops ``prof`` and returns ``(live_bytes(prof, marks, held), kept_now(optimizer))`` at that moment.
+
+    A backend may still hold a finished asynchronous collective's tensors on its own thread after wait()
+    returned (gloo's worker threads): a barrier, queued behind them, gives that thread time to let go of them
+    before ``held_cpu_blocks()`` looks (otherwise they count as held, and are freed later on that thread,
+    unrecorded)."""
+    torch.distributed.barrier()
+    held = held_cpu_blocks()
+    prof.__exit__(None, None, None)
+    return live_bytes(prof, marks, held), kept_now(optimizer)
+
+
 BOUNDARY_MARK = "zero3muon_bench::boundary_micro_step"
 STEP_MARK = "zero3muon_bench::engine_step"
 
@@ -695,11 +708,7 @@ def run_workload(cfg, ns, comm, peak):
                                           config=ds_config(cfg, world_size))
         update = patch_update(engine.optimizer)[1]
     if lifetime is not None and cfg["warmup"] == 0:  # no warm-up step: the engine as built
-        torch.distributed.barrier()  # see the warm-up steps' end below
-        held = held_cpu_blocks()
-        lifetime.__exit__(None, None, None)
-        alloc_live, lifetime = live_bytes(lifetime, (INIT_MARK, ), held), None
-        live_kept = kept_now(engine.optimizer)
+        (alloc_live, live_kept), lifetime = end_lifetime(lifetime, (INIT_MARK, ), engine.optimizer), None
     device = engine.device
     acc = get_accelerator()
     dtype = torch.bfloat16 if cfg.get("dtype") == "bf16" else torch.float32
@@ -747,15 +756,8 @@ def run_workload(cfg, ns, comm, peak):
         if step >= cfg["warmup"]:
             steps.append(rec)
         if lifetime is not None and step == cfg["warmup"] - 1:
-            # A backend may still hold a finished asynchronous collective's tensors on its own thread after
-            # wait() returned (gloo's worker threads): a barrier, queued behind them, gives that thread time to
-            # let go of them before held_cpu_blocks() looks (otherwise they count as held, and are freed later
-            # on that thread, unrecorded).
-            torch.distributed.barrier()
-            held = held_cpu_blocks()
-            lifetime.__exit__(None, None, None)
-            alloc_live, lifetime = live_bytes(lifetime, (INIT_MARK, WARMUP_STEP_MARK), held), None
-            live_kept = kept_now(engine.optimizer)
+            (alloc_live, live_kept), lifetime = end_lifetime(lifetime, (INIT_MARK, WARMUP_STEP_MARK),
+                                                             engine.optimizer), None
     result = dict(steps=steps, alloc_live_bytes=alloc_live, alloc_live_kept_bytes=live_kept)
     # what the patch's Muon update actually ran with (an argument the build lacks is not applied)
     result["boundary_settings"] = None if update is None else update_settings(update)
