@@ -4,38 +4,20 @@
 # DeepSpeed Team
 """Universal checkpoints of ZeRO-3 Muon runs: convert, then resume at another world size.
 
-Each resize test runs its method twice, on the saving world size W and then on the loading one
-W' (``world_size`` ``[W, W']``, the same ``tmp_path``). At W: 3 optimizer steps, then
-``save_checkpoint`` and ``ds_to_universal`` (rank 0); the whole optimizer state at that point
-is kept in ``tmp_path``. At W': a fresh engine with ``"checkpoint": {"load_universal": true}``
-loads it, must hold exactly the saved state (fp32 master weights, Muon momentum, Adam moments
-and step, gathered over the ranks: relative difference 0, whatever the partitions), trains
-steps 3 and 4, and must then agree with a run at W' that never stopped (all 5 steps at W'), to
-the fp32 floor ``FLOOR``: the two differ only in the order fp32 sums were taken during the first
-3 steps at W instead of W'. At W' = W the resumed run must equal the uninterrupted one bit for
-bit. In bf16, runs at different world sizes part by bf16 rounding (about 1e-2 after 5 steps),
-so there the loaded state is checked exactly, the resumed run bit for bit at W' = W, and at
-W' != W its distance to the W' run is printed next to the distance between the runs that never
-stopped at W and at W' (0.0136 and 0.0130 from 2 to 3). Every step uses the same 24 samples whatever W' and the gradient accumulation are (24
-divides over 1 to 4 ranks and 2 micro-steps).
+Each resize test runs twice with the same ``tmp_path`` (``world_size`` ``[W, W']``). At W: 3 steps, save, convert. At
+W': the loaded state (fp32 masters, Muon momentum, Adam moments and step) must be exactly the saved one, and after
+steps 3 and 4 the weights must agree with a run of all 5 steps at W' to the fp32 floor ``FLOOR`` (the two differ only
+in the order of fp32 sums during the first 3 steps), bit for bit at W' = W. In bf16 runs at different world sizes part
+by bf16 rounding (about 1e-2 after 5 steps), so at W' != W the distance is only printed, next to that between the runs
+that never stopped at W and W' (0.0136 and 0.0130 from 2 to 3). The 24 samples of a step divide over 1 to 4 ranks.
 
-Cases: fp32 from W=2 to W'=1, 2, 3, 4 and from 4 to 2 (MixedMLP: 33x21, 17x33 and 7x17 Muon
-matrices, none of whose sizes divides by 2, 3 or 4, so every partition is ragged); the tensor
-shapes Muon dispatches on with a 1x3 matrix of fewer elements than W' = 4 (``shapes``); bf16;
-CPU optimizer offload; two Muon groups with their own momentum, learning rate and weight decay
-(restored per group); a frozen layer; and a checkpoint holding the momentum in bf16 as stock
-0.19.8 writes it (converted to fp32, so it loads and trains on, a little away from the fp32 run).
-
-Refusals (``TestZero3MuonUniversalRefusals``): a universal checkpoint whose Muon momentum is
-missing, transposed or of the wrong size, whose Muon matrix holds Adam's moments, whose Adam
-parameter holds a momentum, or whose parameter groups differ, is refused at ``load_checkpoint``
-with an error naming the parameter (``muon_universal`` before the loader reads anything;
-the shape checks and the refusals of any optimizer: ``test_zero3_universal.py``).
-
-Measured (patched 0.19.8, torch 2.13 CPU): relative difference resumed vs never stopped, fp32:
-see docs/user-guide.md ("Changing the number of ranks").
+Cases: MixedMLP (33x21, 17x33 and 7x17 Muon matrices: every partition ragged at 2, 3, 4 ranks); the shapes Muon
+dispatches on with a 1x3 matrix of fewer elements than W' = 4 (``shapes``); bf16; CPU offload; two Muon groups with
+their own momentum, lr and weight decay; a frozen layer; a momentum stored in bf16 as stock 0.19.8 writes it. Broken
+checkpoints are refused naming the parameter, before the loader reads anything. Measured figures: docs/user-guide.md.
 """
 
+import functools
 import os
 import shutil
 import numpy as np
@@ -43,30 +25,18 @@ import pytest
 import torch
 
 from unit.common import DistributedTest
-from unit.checkpoint.zero3_universal_helpers import broken_checkpoints_refused, unequal_states
+from unit.checkpoint.zero3_universal_helpers import (broken_checkpoints_refused, rewrite_state, state_file,
+                                                     unequal_states)
 from muon_testing.compare import FLOOR, relative_difference
 from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
-SAVED_AT = 3
-"""Optimizer steps before the checkpoint."""
+SAVED_AT = 3  # optimizer steps before the checkpoint
 RUN = Zero3MuonRun(gas=2, steps=5, samples=24, universal=True)
-CASES = {
-    "fp32": RUN,
-    "shapes": RUN.with_(model="shapes"),
-    "bf16": RUN.with_(dtype="bf16"),
-    "offload": RUN.with_(offload="cpu"),
-    "groups": RUN.with_(groups="two_muon_groups"),
-    "frozen": RUN.with_(model="frozen"),
-    "stock_bf16_momentum": RUN.with_(momentum_to_bf16=True),
-}
-RESIZES = [("fp32", [2, 1]), ("fp32", [2, 2]), ("fp32", [2, 3]), ("fp32", [2, 4]), ("fp32", [4, 2]), ("shapes", [2,
-                                                                                                                 4]),
-           ("bf16", [2, 2]), ("bf16", [2, 3]), ("offload", [2, 3]), ("groups", [2, 3]), ("frozen", [2, 3]),
-           ("stock_bf16_momentum", [2, 3])]
-
-
-def _as_bf16(array: np.ndarray) -> np.ndarray:
-    return torch.from_numpy(array).bfloat16().float().numpy()
+CASES = dict(fp32=RUN, shapes=RUN.with_(model="shapes"), bf16=RUN.with_(dtype="bf16"))
+CASES.update(offload=RUN.with_(offload="cpu"), groups=RUN.with_(groups="two_muon_groups"))
+CASES.update(frozen=RUN.with_(model="frozen"), stock_bf16_momentum=RUN.with_(momentum_to_bf16=True))
+RESIZES = [("fp32", ws) for ws in ([2, 1], [2, 2], [2, 3], [2, 4], [4, 2])] + [("shapes", [2, 4]), ("bf16", [2, 2])]
+RESIZES += [(name, [2, 3]) for name in ("bf16", "offload", "groups", "frozen", "stock_bf16_momentum")]
 
 
 class TestZero3MuonUniversal(DistributedTest):
@@ -99,7 +69,8 @@ class TestZero3MuonUniversal(DistributedTest):
 
         expected = dict(saved_state)
         if run.momentum_to_bf16:  # the checkpoint held the momentum in bf16: that is what loads
-            expected.update({k: _as_bf16(v) for k, v in saved_state.items() if k[1] == "momentum_buffer"})
+            for key in [k for k in expected if k[1] == "momentum_buffer"]:
+                expected[key] = torch.from_numpy(expected[key]).bfloat16().float().numpy()
         assert unequal_states(expected, resumed.loaded_state) == []
         momenta = [v for k, v in resumed.loaded_state.items() if k[1] == "momentum_buffer"]
         assert momenta and all(np.any(m) for m in momenta), "no Muon momentum was loaded"
@@ -113,9 +84,8 @@ class TestZero3MuonUniversal(DistributedTest):
             for key in straight.weights:
                 assert torch.equal(straight.weights[key], resumed.weights[key]), key
         elif run.dtype == "bf16":
-            # bf16 rounding parts runs at different world sizes by about as much as this (printed
-            # for the record); the resharding itself is checked exactly above, and bit for bit at
-            # W' = W.
+            # bf16 rounding parts runs at different world sizes by about this much (printed for the
+            # record); the resharding itself is checked exactly above, and bit for bit at W' = W.
             spread = relative_difference(straight.weights, straight_at_save)
             print(f"[universal {name}] never stopped at {world_size[0]} vs at {world_size[1]}: {spread:.3g}")
         else:
@@ -124,26 +94,16 @@ class TestZero3MuonUniversal(DistributedTest):
 
 
 def _tamper(folder, how):
-    """Break a copy of a universal checkpoint's ``zero/`` folder ``how``."""
-    zero = os.path.join(folder, "zero")
-
-    def path(name, state):
-        return os.path.join(zero, name, f"{state}.pt")
-
-    def rewrite(name, state, change):
-        saved = torch.load(path(name, state), weights_only=False)
-        saved["param"] = change(saved["param"])
-        torch.save(saved, path(name, state))
-
+    path = functools.partial(state_file, folder)
     if how == "missing_momentum":
         os.remove(path("fc2.weight", "momentum_buffer"))
     elif how == "adam_moments_on_muon":
         os.rename(path("fc2.weight", "momentum_buffer"), path("fc2.weight", "exp_avg"))
         shutil.copy(path("fc2.weight", "exp_avg"), path("fc2.weight", "exp_avg_sq"))
     elif how == "transposed_momentum":
-        rewrite("fc1.weight", "momentum_buffer", lambda t: t.t().contiguous())
+        rewrite_state(folder, "fc1.weight", "momentum_buffer", lambda t: t.t().contiguous())
     elif how == "short_momentum":
-        rewrite("fc3.weight", "momentum_buffer", lambda t: t.flatten()[:-1].clone())
+        rewrite_state(folder, "fc3.weight", "momentum_buffer", lambda t: t.flatten()[:-1].clone())
     elif how == "momentum_on_adam":
         shutil.copy(path("fc1.bias", "exp_avg"), path("fc1.bias", "momentum_buffer"))
 

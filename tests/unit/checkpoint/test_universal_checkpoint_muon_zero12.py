@@ -4,21 +4,13 @@
 # DeepSpeed Team
 """Universal checkpoints of Muon runs and ZeRO stages 1 and 2, in both directions.
 
-ZeRO-3 to ZeRO-1/2 (``TestZero3MuonUniversalAtZero12``): each test runs twice, with the same
-``tmp_path`` (``zero3_universal_helpers``): at W=2 it trains MixedMLP at ZeRO-3 (two Muon groups
-with their own momentum, lr and weight decay, and their two Adam groups), saves after
-``SAVE_AFTER`` steps, converts the checkpoint with ``ds_to_universal``, records the saved state and
-trains on for ``MORE`` steps. At W' (1 or 2) a stage-1/2 engine loads the universal checkpoint and
-must hold exactly the saved state, Muon's momentum in the partition's layout as Adam's moments,
-then train the same ``MORE`` steps to the uninterrupted ZeRO-3 weights within ``CONTINUE_FLOOR``.
+ZeRO-3 to ZeRO-1/2 (two phases, ``zero3_universal_helpers``): MixedMLP at ZeRO-3 (two Muon groups with their own
+momentum, lr and weight decay, and their two Adam groups) saved at W=2; at W' a stage-1/2 engine must hold exactly the
+saved state, Muon's momentum in the partition's layout as Adam's moments, then follow the ZeRO-3 run.
 
-ZeRO-1/2 to anywhere (``TestZero12MuonCheckpointConverts``): a checkpoint saved at stage 1, stage
-2 and stage 2 with CPU offload (W=2) converts (its momentum is in the partition's layout, cut at
-the fragment offsets like ``exp_avg``) and resumes at the same stage at W'=1 and W'=4 and at
-ZeRO-3 (W'=2), each to the run that never stopped within ``CONTINUE_FLOOR``. A checkpoint of the
-older layout (stock DeepSpeed, older builds: whole parameters) is refused by the converter,
-naming it. What does not depend on Muon is tested with AdamW and SGD in ``test_zero3_universal_zero12.py``
-and ``test_zero12_universal.py``.
+ZeRO-1/2 to anywhere: a stage 1, 2 and 2 + CPU offload checkpoint (W=2) converts (the momentum is cut at the fragment
+offsets like ``exp_avg``) and resumes at W'=1 and 4 and at ZeRO-3 (W'=2). The older layout (whole parameters) is
+refused by the converter. Without Muon: ``test_zero3_universal.py`` and ``test_zero12_universal.py``.
 """
 
 import os
@@ -28,31 +20,20 @@ import pytest
 import torch
 
 from unit.common import DistributedTest
-from unit.checkpoint.zero3_universal_helpers import (GROUP_SETTINGS, MORE, SAVE_AFTER, TAG, check_restored_exactly,
-                                                     continue_training, load_at, save_convert_and_continue,
-                                                     train_steps, universal_round_trip)
-from muon_testing.compare import gathered_weights
+from unit.checkpoint.zero3_universal_helpers import (GROUP_SETTINGS, SAVE_AFTER, TAG, continue_training, load_at,
+                                                     save_convert_and_continue, state_file, train_steps,
+                                                     universal_engine, universal_round_trip)
 from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun, convert_to_universal, ds_to_universal_args
 from unit.runtime.zero.zero12_muon_helpers import to_older_zero12_layout
 
 RUN = Zero3MuonRun(model="mixed", gas=2, groups="two_muon_groups", clip=0.0)
 
-SETTINGS = GROUP_SETTINGS + ("use_muon", "momentum", "ns_method")
-"""Parameter-group settings compared after loading: Adam's and Muon's."""
-
-CONTINUE_FLOOR = 1e-6
-"""Relative weight difference (``relative_difference``, all parameters) allowed after each of the
-``MORE`` steps between a run resumed from the universal checkpoint and the run that never stopped.
-Both start from bit-identical state and compute the same math; they differ only in the order of
-fp32 sums (gradients reduced over another number of ranks and buckets). Measured on 0.19.8 from
-ZeRO-3: 1.2e-7 after the first step and 1.74e-7 after the second (stage 1 or 2 at W'=1, stage 1
-at W'=2), 0.0 and 9.0e-11 at stage 2, W'=2; the bound is about 6x the largest. A momentum restarted
-at zero or read at wrong offsets moves the weights by orders of magnitude more (1e-2)."""
+SETTINGS = GROUP_SETTINGS + ("use_muon", "momentum", "ns_method")  # group settings compared: Adam's and Muon's
 
 
 def check_momentum_restored(engine, expected):
-    """Muon's momentum as the stage will use it, in the partition's layout: each of this rank's
-    fragments bit-identical to the saved momentum's, every Muon matrix's held by some rank."""
+    """Muon's momentum as the stage will use it, in the partition's layout: each of this rank's fragments bit-identical
+    to the saved momentum's, every Muon matrix's held by some rank."""
     import deepspeed.comm as dist
     opt = engine.optimizer
     names = []
@@ -64,7 +45,9 @@ def check_momentum_restored(engine, expected):
             name = opt.param_names[lp]
             address = lp._hp_mapping.get_hp_fragment_address()
             got = momentum.narrow(0, address.start, address.numel).float().cpu()
-            assert torch.equal(got, _fragment(engine, name, expected["state"][name]["momentum_buffer"])), name
+            lp_address = dict(engine.module.named_parameters())[name]._hp_mapping.lp_fragment_address
+            saved = expected["state"][name]["momentum_buffer"].reshape(-1)
+            assert torch.equal(got, saved.narrow(0, lp_address.start, lp_address.numel)), name
             names.append(name)
     held = [None] * dist.get_world_size()
     dist.all_gather_object(held, sorted(names))
@@ -72,115 +55,63 @@ def check_momentum_restored(engine, expected):
     assert set().union(*map(set, held)) == muon_names
 
 
-def _fragment(engine, name, full):
-    """This rank's partition-layout fragment of parameter ``name``'s ``full`` tensor, flat."""
-    param = dict(engine.module.named_parameters())[name]
-    address = param._hp_mapping.lp_fragment_address
-    return full.reshape(-1).narrow(0, address.start, address.numel)
-
-
-def _round_trip(run, tmp_path, stage):
-    """``universal_round_trip`` with Muon's settings and momentum checked too."""
-    phase = universal_round_trip(run, tmp_path, stage, SETTINGS)
+def _round_trip(tmp_path, load):
+    """``universal_round_trip`` of ``RUN`` loaded as ``load``, with Muon's settings and momentum checked too."""
+    phase = universal_round_trip(RUN, tmp_path, load, SETTINGS)
     if phase is not None:
         check_momentum_restored(*phase)
     return phase
 
 
-def _load_and_check(run, tmp_path):
-    engine, expected = load_at(run, tmp_path)
-    check_restored_exactly(engine, expected, SETTINGS)
-    check_momentum_restored(engine, expected)
-    return engine, expected
-
-
 class TestZero3MuonUniversalAtZero12(DistributedTest):
     reuse_dist_env = True
 
-    @pytest.mark.parametrize("stage", [1, 2])
-    @pytest.mark.parametrize("load_world_size",
-                             [pytest.param(w, marks=pytest.mark.world_size([2, w])) for w in (1, 2)])
-    def test_restores_exactly_and_continues(self, stage, load_world_size, tmp_path):
-        phase = _round_trip(RUN, tmp_path, stage)
-        if phase is None:
-            return
-        engine, expected = phase
-        differences = continue_training(engine, RUN, expected)
-        print(f"stage {stage} W'={load_world_size}: relative weight differences per step {differences}")
-        assert max(differences) < CONTINUE_FLOOR, differences
+    @pytest.mark.parametrize("stage, offload, load_world_size", [
+        pytest.param(s, o, w, marks=pytest.mark.world_size([2, w]), id=f"stage{s}{'-offload' if o else ''}-{w}")
+        for s, o, w in [(1, None, 1), (1, None, 2), (2, None, 1), (2, None, 2), (2, "cpu", 2)]
+    ])
+    def test_restores_exactly_and_continues(self, stage, offload, load_world_size, tmp_path):
+        """ZeRO-2 with offload_optimizer cpu keeps the momentum in the partition layout too."""
+        load = RUN.with_(stage=stage, offload=offload)
+        phase = _round_trip(tmp_path, load)
+        if phase is not None:
+            continue_training(phase, load, f"stage {stage} offload={offload} W'={load_world_size}")
 
     @pytest.mark.world_size([2, 2])
     def test_bf16_optimizer(self, tmp_path):
-        """bf16 with data_types.grad_accum_dtype fp32 at stage 1 is DeepSpeed's BF16_Optimizer. On
-        0.19.8 it keeps Muon's momentum in the partition layout, which upstream's loader restores;
-        0.19.7 refuses Muon with BF16_Optimizer at deepspeed.initialize (it would apply no Muon
-        update), naming the stage and the key."""
-        from deepspeed.git_version_info import version as deepspeed_version
-        from packaging import version
-        upstream_0197 = version.parse(deepspeed_version).base_version == "0.19.7"
+        """bf16 with data_types.grad_accum_dtype fp32 at stage 1 is DeepSpeed's BF16_Optimizer. On 0.19.8 it keeps
+        Muon's momentum in the partition layout, which upstream's loader restores; 0.19.7 refuses Muon with
+        BF16_Optimizer at deepspeed.initialize (it would apply no Muon update), naming the stage and the key."""
         run = RUN.with_(stage=1, dtype="bf16", extra=(("data_types", {"grad_accum_dtype": "fp32"}), ))
-        if not (tmp_path / "expected.pt").exists():
-            save_convert_and_continue(RUN, tmp_path, SETTINGS)
-            return
-        if upstream_0197:
+        if _upstream_0197() and (tmp_path / "expected.pt").exists():
             with pytest.raises(Exception, match="BF16_Optimizer.*grad_accum_dtype fp32 at ZeRO stage 1"):
                 load_at(run, tmp_path)
             return
-        engine, expected = _load_and_check(run, tmp_path)
-        assert type(engine.optimizer).__name__ == "BF16_Optimizer"
-        train_steps(engine, run, [SAVE_AFTER])  # the restored state trains (bf16 is not compared with fp32)
-        engine.destroy()
-
-    @pytest.mark.world_size([2, 2])
-    def test_cpu_offload(self, tmp_path):
-        """ZeRO-2 with offload_optimizer cpu keeps the momentum in the partition layout too: restored
-        exactly, and the next steps continue the ZeRO-3 run."""
-        run = RUN.with_(stage=2, offload="cpu")
-        if not (tmp_path / "expected.pt").exists():
-            save_convert_and_continue(RUN, tmp_path, SETTINGS)
-            return
-        engine, expected = _load_and_check(run, tmp_path)
-        differences = continue_training(engine, run, expected)
-        print(f"offload: relative weight differences per step {differences}")
-        assert max(differences) < CONTINUE_FLOOR, differences
+        phase = _round_trip(tmp_path, run)
+        if phase is not None:
+            assert type(phase[0].optimizer).__name__ == "BF16_Optimizer"
+            train_steps(phase[0], run, [SAVE_AFTER])  # the restored state trains (bf16 is not compared with fp32)
+            phase[0].destroy()
 
     @pytest.mark.world_size([2, 1])
     def test_missing_momentum_is_refused(self, tmp_path):
-        import deepspeed.comm as dist
-        if not (tmp_path / "expected.pt").exists():
-            save_convert_and_continue(RUN, tmp_path, SETTINGS)
+        if save_convert_and_continue(RUN, tmp_path, SETTINGS):
             return
-        broken = tmp_path / "ckpt" / "broken"
-        shutil.copytree(tmp_path / "ckpt" / TAG, broken)
-        os.remove(broken / "zero" / "fc2.weight" / "momentum_buffer.pt")
-        dist.barrier()
-        config = RUN.with_(stage=2).config(dist.get_world_size())
-        config["checkpoint"] = {"load_universal": True}
-        engine = RUN.with_(stage=2).build_engine(config)
+        shutil.copytree(tmp_path / "ckpt" / TAG, tmp_path / "ckpt" / "broken")
+        os.remove(state_file(tmp_path / "ckpt" / "broken", "fc2.weight", "momentum_buffer"))
+        engine = universal_engine(RUN.with_(stage=2))
         with pytest.raises(ValueError, match="Muon parameter 'fc2.weight' has no momentum_buffer"):
             engine.load_checkpoint(str(tmp_path / "ckpt"), tag="broken")
         engine.destroy()
 
 
+def _upstream_0197():
+    from deepspeed.git_version_info import version as deepspeed_version
+    from packaging import version
+    return version.parse(deepspeed_version).base_version == "0.19.7"
+
+
 ZERO12_TAG = "zero12"
-
-
-def _save_zero12_and_continue(run, tmp_path):
-    """W=2, ``run``'s ZeRO-1/2 stage: train ``SAVE_AFTER`` steps, save, convert (on rank 0), train
-    ``MORE`` steps on; writes ``tmp_path/expected.pt`` with the weights after each of them."""
-    import deepspeed.comm as dist
-    engine = run.build_engine(run.config(2))
-    train_steps(engine, run, range(SAVE_AFTER))
-    engine.save_checkpoint(str(tmp_path / "ckpt"), tag=ZERO12_TAG)
-    convert_to_universal(str(tmp_path / "ckpt"), ZERO12_TAG, inject_missing_state=True)
-    continued = []
-    for step in range(SAVE_AFTER, SAVE_AFTER + MORE):
-        train_steps(engine, run, [step])
-        continued.append(gathered_weights(engine))
-    engine.destroy()
-    if dist.get_rank() == 0:
-        torch.save(dict(continued=continued), tmp_path / "expected.pt")
-    dist.barrier()
 
 
 @pytest.mark.parametrize("stage, offload", [(1, None), (2, None), (2, "cpu")])
@@ -190,18 +121,12 @@ class TestZero12MuonCheckpointConverts(DistributedTest):
     @pytest.mark.parametrize("world_size, load_stage", [([2, 1], None), ([2, 4], None), ([2, 2], 3)],
                              ids=["2to1", "2to4", "2toZeRO3"])
     def test_resumes_as_the_run_that_never_stopped(self, stage, offload, world_size, load_stage, tmp_path):
-        import deepspeed.comm as dist
         run = RUN.with_(stage=stage, offload=offload)
-        if not (tmp_path / "expected.pt").exists():
-            _save_zero12_and_continue(run, tmp_path)
+        if save_convert_and_continue(run, tmp_path):  # tag zero12
             return
         target = run.with_(stage=load_stage, offload=None) if load_stage else run
-        engine, expected = load_at(target, tmp_path, tag=f"{ZERO12_TAG}_universal")
-        differences = continue_training(engine, target, expected)
-        if dist.get_rank() == 0:
-            print(f"MEASURED ZeRO-{stage} offload={offload} W=2 -> {'ZeRO-3' if load_stage else f'ZeRO-{stage}'} "
-                  f"W'={world_size[1]}: relative weight differences per step {differences}")
-        assert max(differences) < CONTINUE_FLOOR, differences
+        continue_training(load_at(target, tmp_path, tag=f"{ZERO12_TAG}_universal"), target,
+                          f"ZeRO-{stage} offload={offload} W=2 -> ZeRO-{load_stage or stage} W'={world_size[1]}")
 
 
 class TestZero12OlderLayoutRefused(DistributedTest):
@@ -209,9 +134,9 @@ class TestZero12OlderLayoutRefused(DistributedTest):
     reuse_dist_env = True
 
     def test_refused_naming_the_checkpoint(self, tmp_path):
-        """A ZeRO-1/2 Muon checkpoint of the older layout (whole parameters, no ``muon_state_layout``:
-        stock DeepSpeed, older builds) is refused by ``ds_to_universal`` before it writes anything,
-        with the way out; a checkpoint of this build converts (``TestZero12MuonCheckpointConverts``)."""
+        """A ZeRO-1/2 Muon checkpoint of the older layout (whole parameters, no ``muon_state_layout``: stock DeepSpeed,
+        older builds) is refused by ``ds_to_universal`` before it writes anything, with the way out; a checkpoint of
+        this build converts (``TestZero12MuonCheckpointConverts``)."""
         import deepspeed.comm as dist
         from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
         from muon_testing.models import build_model, is_muon_param
@@ -240,17 +165,13 @@ class TestZero12BF16OptimizerConverts(DistributedTest):
     reuse_dist_env = True
 
     def test_converts_and_loads_at_zero3(self, tmp_path):
-        """DeepSpeed's BF16_Optimizer (bf16 with data_types.grad_accum_dtype fp32 at stage 1; 0.19.8,
-        whose release runs its own Muon there) steps its base optimizer on the flat fp32 partitions,
-        so Muon's momentum is in their layout without this build's mark: ``ds_to_universal``
-        converts it, each Muon matrix's ``momentum_buffer.pt`` holds the saved momentum bit for bit,
-        and a ZeRO-3 engine loads it and trains on."""
-        import deepspeed.comm as dist
-        from deepspeed.git_version_info import version as deepspeed_version
+        """DeepSpeed's BF16_Optimizer (bf16 with data_types.grad_accum_dtype fp32 at stage 1; 0.19.8, whose release
+        runs its own Muon there) steps its base optimizer on the flat fp32 partitions, so Muon's momentum is in their
+        layout without this build's mark: ``ds_to_universal`` converts it, each Muon matrix's ``momentum_buffer.pt``
+        holds the saved momentum bit for bit, and a ZeRO-3 engine loads it and trains on."""
         from deepspeed.utils import safe_get_full_optimizer_state
         from muon_testing.models import is_muon_param
-        from packaging import version
-        if version.parse(deepspeed_version).base_version == "0.19.7":
+        if _upstream_0197():
             pytest.skip("0.19.7 refuses Muon with BF16_Optimizer at deepspeed.initialize (test_bf16_optimizer)")
         run = RUN.with_(stage=1, dtype="bf16", extra=(("data_types", {"grad_accum_dtype": "fp32"}), ))
         engine = run.build_engine(run.config(2))
@@ -268,8 +189,7 @@ class TestZero12BF16OptimizerConverts(DistributedTest):
             converted = torch.load(os.path.join(out, "zero", name, "momentum_buffer.pt"), weights_only=False)
             assert torch.equal(converted["param"].float().reshape(momentum.shape), momentum), name
         target = run.with_(stage=3, extra=())
-        config = dict(target.config(dist.get_world_size()), checkpoint={"load_universal": True})
-        engine = target.build_engine(config)
+        engine = universal_engine(target)
         engine.load_checkpoint(str(tmp_path / "ckpt"), tag=f"{ZERO12_TAG}_universal")
         train_steps(engine, target, [SAVE_AFTER])
         assert all(torch.isfinite(p.detach().float()).all() for p in engine.optimizer.fp32_partitioned_groups_flat)

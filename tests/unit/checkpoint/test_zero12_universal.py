@@ -4,64 +4,45 @@
 # DeepSpeed Team
 """ZeRO-1/2 universal checkpoints of any optimizer: every state converted, then loaded at W' = 1 and 2.
 
-``ds_to_universal``'s ZeRO-1/2 extractor read ``exp_avg`` and ``exp_avg_sq`` of every parameter
-group by name, so a checkpoint of ``torch.optim.SGD`` with momentum (``momentum_buffer``) stopped
-with ``KeyError: 'exp_avg'``. Each round trip (``TestZero12UniversalRoundTrip``) runs its method
-three times with the same ``tmp_path`` (``world_size`` ``[2, 1, 2]``):
+``ds_to_universal``'s ZeRO-1/2 extractor read ``exp_avg`` and ``exp_avg_sq`` by name, so a checkpoint of
+``torch.optim.SGD`` with momentum stopped with ``KeyError: 'exp_avg'``. Each round trip runs three times with the same
+``tmp_path`` (``world_size`` ``[2, 1, 2]``):
 
-- at W=2: MixedMLP (1427 parameters: the last rank's partition is padded) in two parameter groups
-  with their own settings trains ``SAVE_AFTER`` steps, saves, is converted with ``ds_to_universal
-  --inject_missing_state`` (the model sets no ``universal_checkpoint_info``), and every state it
-  held (fp32 masters, each optimizer state, step, group settings) is recorded; the converted
-  folders must hold exactly those states, bit for bit. The run then takes one more step without
-  stopping, and its state after it is recorded too;
-- at W'=1, then W'=2: an engine with ``"checkpoint": {"load_universal": true}`` loads the
-  converted checkpoint, must hold exactly the recorded state, and after the same one more step
-  must hold the uninterrupted run's state: parameters and every optimizer state bit for bit.
-  Every step uses the same 16 samples in micro-batches of 8 (W=2: gradient accumulation 1;
-  W'=1: 2), so each micro-batch's gradient is the same computation, and the two micro-batches'
-  sum is the same in fp32 whether two ranks average it or one rank accumulates halves (halving
-  is exact in fp32), and the optimizer's step is elementwise.
+- at W=2: MixedMLP (1427 parameters: the last rank's partition is padded) in two parameter groups (fc1's with its own
+  settings) trains, saves, is converted with ``--inject_missing_state`` (the model sets no
+  ``universal_checkpoint_info``); the converted folders must hold exactly every state recorded (fp32 masters, each
+  optimizer state, step, group settings). One more step follows.
+- at W'=1, then W'=2: a ``load_universal`` engine must hold exactly the recorded state, and after the same step the
+  uninterrupted run's, bit for bit. Every step uses 16 samples in micro-batches of 8 (W=2: gas 1; W'=1: 2), so each
+  micro-batch's gradient is the same computation, their fp32 sum the same whether two ranks average it or one rank
+  accumulates halves (halving is exact), and the optimizer's step is elementwise.
 
-Cases: ``torch.optim.SGD`` with momentum and weight decay (a client optimizer) at ZeRO-1, ZeRO-2
-and ZeRO-2 with ``offload_optimizer: cpu`` (a client optimizer runs there on the CPU partitions,
-with ``zero_force_ds_cpu_optimizer: false``), and DeepSpeed's AdamW (FusedAdam; with offload
-DeepSpeedCPUAdam) at ZeRO-1 and ZeRO-2 with offload.
-
-``TestZero12UniversalRefusal``: a state of another length than the partition's in one rank's
-file is refused by ``ds_to_universal`` with a ``ValueError`` naming the state, the group and the
-file, before any parameter is written. One-process tests run the extractor's and the merge's
-pieces (``zero12_group_states``, ``fragment_states``, ``affine_scale_power``) on hand-made input.
+Cases: SGD with momentum and weight decay (a client optimizer; ``zero_force_ds_cpu_optimizer: false`` with offload) at
+ZeRO-1, 2 and 2 + CPU offload, DeepSpeed's AdamW (FusedAdam, with offload DeepSpeedCPUAdam) at ZeRO-1 and 2 + offload.
+A state of another length than the partition's is refused by the converter before any parameter is written.
 """
 
 import dataclasses
 import glob
 import os
-import types
 
 import pytest
 import torch
 
 from unit.common import DistributedTest
 from muon_testing.models import build_model, loss_fn, step_batch
-from unit.runtime.zero.zero3_muon_helpers import ADAMW
+from unit.runtime.zero.zero3_muon_helpers import ADAMW, convert_to_universal, ds_to_universal_args
 
-SAVE_AFTER = 2
-"""Optimizer steps before the checkpoint (SGD's momentum is a plain gradient after the first)."""
-SAMPLES, MICRO = 16, 8
-"""Samples per optimizer step, and per micro-batch at every world size."""
-TAG = "zero12"
-"""The regular checkpoint's tag under ``<tmp_path>/ckpt``; the universal one is ``zero12_universal``."""
-SGD = dict(lr=0.05, momentum=0.9, weight_decay=0.01)
-"""The SGD defaults (the second parameter group's settings)."""
+SAVE_AFTER = 2  # optimizer steps before the checkpoint (SGD's momentum is a plain gradient after the first)
+SAMPLES, MICRO = 16, 8  # samples per optimizer step, and per micro-batch at every world size
+TAG = "zero12"  # the regular checkpoint's tag under <tmp_path>/ckpt; the universal one is zero12_universal
+SGD = dict(lr=0.05, momentum=0.9, weight_decay=0.01)  # the SGD defaults (the second group's settings)
 FIRST_GROUP = dict(sgd=dict(lr=0.02, momentum=0.8, weight_decay=0.0), adamw=dict(lr=0.01, weight_decay=0.0))
-"""fc1's parameter group's own settings."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One ZeRO-1/2 run of MixedMLP: ``optimizer`` "sgd" (``torch.optim.SGD``, client) or "adamw"
-    (the config's ``ADAMW``), at ``stage``, with ``offload_optimizer: cpu`` where ``offload``."""
+    """A ZeRO-1/2 run of MixedMLP: ``optimizer`` "sgd" (``torch.optim.SGD``, client) or "adamw" (``ADAMW``)."""
     optimizer: str
     stage: int
     offload: bool = False
@@ -88,10 +69,8 @@ class Case:
         if load_universal:
             config["checkpoint"] = {"load_universal": True}
         model = build_model("mixed")
-        groups = [
-            dict(params=list(model.fc1.parameters()), **FIRST_GROUP[self.optimizer]),
-            dict(params=[p for n, p in model.named_parameters() if not n.startswith("fc1.")]),
-        ]
+        rest = [p for n, p in model.named_parameters() if not n.startswith("fc1.")]
+        groups = [dict(params=list(model.fc1.parameters()), **FIRST_GROUP[self.optimizer]), dict(params=rest)]
         optimizer = torch.optim.SGD(groups, **SGD) if self.optimizer == "sgd" else None
         engine, *_ = deepspeed.initialize(model=model,
                                           config=config,
@@ -101,26 +80,18 @@ class Case:
 
 
 ADAM_ULPS = 8
-"""Largest difference, in ulps (``ulps``), allowed between AdamW's state one step after loading at
-W'=1 and the run that never stopped at W=2; everywhere else they are equal bit for bit. DeepSpeed's
-CPU Adam kernels (FusedAdam's and DeepSpeedCPUAdam's, ``cpu_adam.h`` ``Step_AVX`` and
-``cpu_adam_impl.cpp`` ``Step_1``) update a partition in FMA vectors up to a multiple of the vector
-tile and the rest element by element, rounded differently; a group's partition at W'=1 is twice as
-long as at W=2, so a few elements near the partitions' ends are updated by the other code. Measured
-on 0.19.8 and 0.19.7 (the loaded state itself bit-identical): 1 ulp in 1 to 3 elements of the fp32
-masters and moments of fc1 and norm.bias, 3 ulps in one element of fc1.bias's ``exp_avg`` (a small
-value, 1.4e-4), nowhere else; on another x86 host (AVX-512, another vector tile) 6 ulps in one
-element of fc1.weight's ``exp_avg`` and 1 ulp elsewhere. The bound is the largest, rounded up: the
-kernels' split depends on the host's vector width. A state not restored (a momentum
-restarted at zero, a step count lost) differs by orders of magnitude more."""
+"""Largest difference, in ulps (``ulps``), allowed between AdamW's state one step after loading at W'=1 and the run
+that never stopped at W=2; everywhere else they are equal bit for bit. DeepSpeed's CPU Adam kernels (FusedAdam's and
+DeepSpeedCPUAdam's, ``cpu_adam.h`` ``Step_AVX`` and ``cpu_adam_impl.cpp`` ``Step_1``) update a partition in FMA vectors
+up to a multiple of the vector tile and the rest element by element, rounded differently; a group's partition at W'=1
+is twice as long as at W=2, so a few elements near the partitions' ends are updated by the other code. Measured on
+0.19.8 and 0.19.7 (the loaded state itself bit-identical): 1 ulp in 1 to 3 elements of the fp32 masters and moments of
+fc1 and norm.bias, 3 ulps in one element of fc1.bias's ``exp_avg`` (a small value, 1.4e-4), nowhere else; on another
+x86 host (AVX-512, another vector tile) 6 ulps in one element of fc1.weight's ``exp_avg`` and 1 ulp elsewhere. The
+bound is the largest, rounded up: the kernels' split depends on the host's vector width. A state not restored (a
+momentum restarted at zero, a step count lost) differs by orders of magnitude more."""
 
-CASES = [
-    Case("sgd", 1),
-    Case("sgd", 2),
-    Case("sgd", 2, offload=True),
-    Case("adamw", 1),
-    Case("adamw", 2, offload=True)
-]
+CASES = [Case(*c) for c in [("sgd", 1), ("sgd", 2), ("sgd", 2, True), ("adamw", 1), ("adamw", 2, True)]]
 
 
 def train_step(engine, step):
@@ -135,10 +106,10 @@ def train_step(engine, step):
 
 
 def _whole(param, flat):
-    """Parameter ``param``'s elements of the flat partition tensor ``flat`` (the fp32 master or a
-    state), gathered over the ranks: fp32 CPU, the parameter's shape (collective). Read through the
-    fragment addresses: ``safe_get_full_optimizer_state`` knows only the states the optimizer held
-    before its first step (ZeRO-1/2 links them then), which SGD's ``momentum_buffer`` is not."""
+    """Parameter ``param``'s elements of the flat partition tensor ``flat`` (the fp32 master or a state), gathered over
+    the ranks: fp32 CPU, the parameter's shape (collective). Read through the fragment addresses:
+    ``safe_get_full_optimizer_state`` knows only the states the optimizer held before its first step (ZeRO-1/2 links
+    them then), which SGD's ``momentum_buffer`` is not."""
     import deepspeed.comm as dist
     buffer = torch.zeros(param.numel(), dtype=torch.float32)
     mapping = param._hp_mapping
@@ -150,22 +121,15 @@ def _whole(param, flat):
 
 
 def full_state(engine):
-    """The engine's whole optimizer state (collective): ``{"state": {(name, key): tensor}, "steps":
-    [...], "groups": [...]}``: per parameter its fp32 master (key ``fp32``) and every tensor state
-    of its group's flat partition, in the parameter's shape, fp32 CPU; per group the ``step`` (None
-    without one) and the settings (every key but ``params``)."""
+    """The whole optimizer state (collective): ``state`` per ``(name, key)``, the fp32 master (``fp32``) and every
+    state of the parameter's flat partition, full, fp32 CPU; per group its ``steps`` (or None) and ``groups``."""
     opt = engine.optimizer
     state, steps, groups = {}, [], []
     for group_id, group in enumerate(opt.optimizer.param_groups):
         flat = group["params"][0]
         flat_state = opt.optimizer.state.get(flat, {})
-        tensors = {
-            "fp32": flat,
-            **{
-                k: v
-                for k, v in flat_state.items() if torch.is_tensor(v) and v.shape == flat.shape
-            }
-        }
+        tensors = {k: v for k, v in flat_state.items() if torch.is_tensor(v) and v.shape == flat.shape}
+        tensors["fp32"] = flat
         step = flat_state.get("step")
         steps.append(None if step is None else int(step))
         groups.append({k: v for k, v in group.items() if k != "params"})
@@ -173,25 +137,6 @@ def full_state(engine):
             for key, tensor in sorted(tensors.items()):
                 state[opt.param_names[param], key] = _whole(param, tensor)
     return dict(state=state, steps=steps, groups=groups)
-
-
-def convert(checkpoint_dir):
-    """``ds_to_universal --inject_missing_state`` of ``checkpoint_dir/zero12`` on rank 0 (collective);
-    returns the output folder."""
-    import deepspeed.comm as dist
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-    args = types.SimpleNamespace(input_folder=os.path.join(checkpoint_dir, TAG),
-                                 output_folder=os.path.join(checkpoint_dir, f"{TAG}_universal"),
-                                 num_extract_workers=1,
-                                 num_merge_workers=1,
-                                 keep_temp_folder=False,
-                                 strict=True,
-                                 inject_missing_state=True)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        ds_to_universal(args)
-    dist.barrier()
-    return args.output_folder
 
 
 def check_converted(folder, saved):
@@ -216,8 +161,8 @@ def ulps(expected, actual):
 
 
 def unequal(expected, actual):
-    """The ``(name, key)`` whose tensors are not equal (or that one side lacks): their largest
-    difference in ulps (``ulps``), or "missing"."""
+    """The ``(name, key)`` whose tensors are not equal (or that one side lacks): their largest difference in ulps
+    (``ulps``), or "missing"."""
     return {
         key: ulps(expected[key], actual[key]) if key in expected and key in actual else "missing"
         for key in expected.keys() | actual.keys()
@@ -243,7 +188,7 @@ class TestZero12UniversalRoundTrip(DistributedTest):
             for step in range(SAVE_AFTER):
                 train_step(engine, step)
             engine.save_checkpoint(ckpt, tag=TAG)
-            folder = convert(ckpt)
+            folder = convert_to_universal(ckpt, TAG, inject_missing_state=True)
             saved = full_state(engine)
             if dist.get_rank() == 0:
                 check_converted(folder, saved)
@@ -295,21 +240,14 @@ class TestZero12UniversalRefusal(DistributedTest):
             group = sd["optimizer_state_dict"]["base_optimizer_state"]["state"][1]
             group["row_scale"] = torch.zeros(group["exp_avg"].numel() + 1)
             torch.save(sd, path)
-            output = tmp_path / "out"
-            args = types.SimpleNamespace(input_folder=str(tmp_path / TAG),
-                                         output_folder=str(output),
-                                         num_extract_workers=1,
-                                         num_merge_workers=1,
-                                         keep_temp_folder=False,
-                                         strict=True,
-                                         inject_missing_state=True)
+            args = ds_to_universal_args(str(tmp_path), TAG, inject_missing_state=True)
             with pytest.raises(ValueError) as error:
                 ds_to_universal(args)
             print(f"[refused] {error.value}")
             message = str(error.value)
             assert "optimizer state 'row_scale' of ZeRO-1/2 parameter group 1 in " in message, message
             assert os.path.basename(path) in message and "not a flat tensor of the partition's" in message
-            assert not os.path.exists(output / "zero"), "a parameter was written"
+            assert not os.path.exists(os.path.join(args.output_folder, "zero")), "a parameter was written"
         dist.barrier()
 
 
@@ -318,19 +256,10 @@ class TestZero12UniversalRefusal(DistributedTest):
 
 def _zero12_file(fp32, state, fragments):
     from deepspeed.utils.tensor_fragment import fragment_address
-    return {
-        "single_partition_of_fp32_groups": [fp32],
-        "base_optimizer_state": {
-            "state": {
-                0: state
-            } if state is not None else {},
-            "param_groups": []
-        },
-        "param_slice_mappings": [{
-            name: fragment_address(numel=n, start=s)
-            for name, (s, n) in fragments.items()
-        }],
-    }
+    mappings = {name: fragment_address(numel=n, start=s) for name, (s, n) in fragments.items()}
+    return dict(single_partition_of_fp32_groups=[fp32],
+                base_optimizer_state=dict(state={} if state is None else {0: state}, param_groups=[]),
+                param_slice_mappings=[mappings])
 
 
 def test_zero12_group_states_keep_every_state_of_the_partition():

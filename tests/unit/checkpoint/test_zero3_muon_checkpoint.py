@@ -2,20 +2,15 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Checkpoints: save at step 3, load into a fresh engine, and continue to step 6 bit-identically
-to an uninterrupted run, momentum included (it shapes every later update), W=2, gas=2, in fp32,
-bf16 and with CPU optimizer offload; and late, at step 15 of 16 (fp32).
+"""Checkpoints: save at step 3, load into a fresh engine, and continue to step 6 bit-identically to an uninterrupted
+run, momentum included (it shapes every later update), W=2, gas=2, in fp32, bf16 and with CPU optimizer offload; and
+late, at step 15 of 16 (fp32). A momentum in bf16, as stock 0.19.8 writes it under bf16, loads, upcast, and trains on.
 
-A checkpoint written by stock 0.19.8 under bf16 holds the Muon momentum in bf16 (stock allocates
-it in the communication dtype); the same layout, made by storing this build's momentum in bf16,
-must load, be upcast to fp32, and train on.
-
-In other models the auxiliary Adam's parameters can differ by an ulp after a late resume (the
-Muon matrices do not): upstream's CPU Adam kernel (``csrc/includes/cpu_adam.h``,
-``Adam_Optimizer::IncrementStep``) multiplies beta**step up by one fp32 product per step while a
-run goes on, but recomputes it with ``std::pow`` when the step jumps, as it does after
-``load_checkpoint`` (measured figures in docs/configurations.md). If this test fails only on 1-D
-parameters, that is the cause.
+In other models the auxiliary Adam's parameters can differ by an ulp after a late resume (the Muon matrices do not):
+upstream's CPU Adam kernel (``csrc/includes/cpu_adam.h``, ``Adam_Optimizer::IncrementStep``) multiplies beta**step up
+by one fp32 product per step while a run goes on, but recomputes it with ``std::pow`` when the step jumps, as it does
+after ``load_checkpoint`` (measured figures in docs/configurations.md). If this test fails only on 1-D parameters, that
+is the cause.
 """
 
 import numpy as np
@@ -26,18 +21,13 @@ from muon_testing.compare import relative_difference
 from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
 FP32 = Zero3MuonRun(gas=2, steps=6)
-SETTINGS = {
-    "fp32": FP32,
-    "bf16": FP32.with_(dtype="bf16"),
-    "offload": FP32.with_(offload="cpu"),
-    "late": FP32.with_(steps=16),
-}
+SETTINGS = dict(fp32=FP32, bf16=FP32.with_(dtype="bf16"), offload=FP32.with_(offload="cpu"), late=FP32.with_(steps=16))
 RESTART = {"fp32": 3, "bf16": 3, "offload": 3, "late": 15}
 
 
 def resume_is_bit_identical(name, tmp_path):
-    """The run of ``SETTINGS[name]`` saved at ``RESTART[name]`` and loaded into a fresh engine ends with
-    the same weights and norms as without, bit for bit; the momentum stays fp32."""
+    """The run of ``SETTINGS[name]`` saved at ``RESTART[name]`` and loaded into a fresh engine ends with the same
+    weights and norms as without, bit for bit; the momentum stays fp32."""
     run = SETTINGS[name]
     straight = run.train()
     restarted = run.with_(restart_after=RESTART[name]).train(checkpoint_dir=str(tmp_path))
@@ -58,7 +48,7 @@ class TestZero3MuonCheckpoint(DistributedTest):
 
     def test_bf16_momentum_from_a_stock_checkpoint_is_upcast_and_trains(self, tmp_path):
         run = SETTINGS["bf16"]
-        straight = run.train()
+        straight = run.train()  # stock allocates the momentum in the communication dtype, bf16 here
         upcast = run.with_(restart_after=RESTART["bf16"], momentum_to_bf16=True).train(checkpoint_dir=str(tmp_path))
         assert upcast.final_momentum_dtypes == ["torch.float32"]
         difference = relative_difference(straight.weights, upcast.weights)
@@ -71,8 +61,8 @@ class TestZero3MuonMomentumOfAnotherSize(DistributedTest):
     reuse_dist_env = True
 
     def test_refused_at_the_next_step(self):
-        """A momentum whose size does not match the sub-group's partition (a state of another
-        partitioning) stops the step with an error, rather than being replaced by zeros."""
+        """A momentum whose size does not match the sub-group's partition (a state of another partitioning) stops the
+        step with an error, rather than being replaced by zeros."""
         import deepspeed
         from muon_testing.models import build_model
         from unit.runtime.zero.zero3_muon_helpers import ds_config, train_one_step
@@ -95,6 +85,4 @@ class TestZero3MuonCheckpointOneRank(DistributedTest):
 
     @pytest.mark.parametrize("name", ["fp32", "bf16"])
     def test_resume_is_bit_identical(self, name, tmp_path):
-        """save_checkpoint / load_checkpoint mid-run: the same weights and norms as without, bit for
-        bit; the momentum stays fp32."""
         resume_is_bit_identical(name, tmp_path)

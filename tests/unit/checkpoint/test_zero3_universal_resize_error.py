@@ -4,17 +4,13 @@
 # DeepSpeed Team
 """A regular (non-universal) checkpoint loaded at another data-parallel world size.
 
-Saved at W=2 by a ZeRO-3 AdamW run, loaded at W=1 or W=4 (the method runs at the two world sizes
-of its ``world_size`` list one after the other, with the same ``tmp_path``): every rank raises
-``ZeRORuntimeException``, which keeps both world sizes and names the way out, the
-``ds_to_universal`` command for this checkpoint's folders and ``"checkpoint": {"load_universal":
-true}``; at W=4 also on ranks 2 and 3, which have no model-states file of their own (without the
-check they fail in the state-dict loader on an empty file list). At W=2 the same checkpoint still
-loads, the whole optimizer state exactly. Nothing of it depends on the optimizer.
+Saved at W=2 by a ZeRO-3 AdamW run, loaded at W=1 or W=4 (``world_size`` ``[2, W']``, the same ``tmp_path``): every
+rank raises ``ZeRORuntimeException`` with both world sizes and the way out (the ``ds_to_universal`` command for this
+checkpoint's folders and ``"checkpoint": {"load_universal": true}``); at W=4 also ranks 2 and 3, which have no
+model-states file of their own (without the check they fail on an empty file list). At W=2 it still loads exactly.
 
-The same at ZeRO-2 (W=2 to W=1), whose model sets no ``universal_checkpoint_info``: the command
-carries ``--inject_missing_state``, which upstream's ZeRO-1/2 converter needs then, and the
-command as printed converts the checkpoint, which then loads at W=1.
+At ZeRO-2 (W=2 to W=1; the model sets no ``universal_checkpoint_info``) the command carries ``--inject_missing_state``,
+which upstream's ZeRO-1/2 converter needs then, and converts the checkpoint, which then loads at W=1.
 """
 
 import os
@@ -24,9 +20,21 @@ import numpy as np
 import pytest
 
 from unit.common import DistributedTest
+from unit.checkpoint.zero3_universal_helpers import universal_engine
 from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
 RUN = Zero3MuonRun(gas=2, steps=3, optimizer="AdamW")
+
+
+def _resize_error(run, world_size, tmp_path):
+    """The message of the error ``load_checkpoint`` of the regular checkpoint (tag from ``latest``) raises at
+    ``world_size``, and the checkpoint's folder."""
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
+    engine = run.build_engine(run.config(world_size))
+    with pytest.raises(ZeRORuntimeException) as raised:
+        engine.load_checkpoint(str(tmp_path))
+    engine.destroy()
+    return str(raised.value), os.path.join(str(tmp_path), "restart")
 
 
 class TestZero3RegularCheckpointAtAnotherWorldSize(DistributedTest):
@@ -35,7 +43,6 @@ class TestZero3RegularCheckpointAtAnotherWorldSize(DistributedTest):
     @pytest.mark.parametrize("world_size", [pytest.param([2, 1], id="2to1"), pytest.param([2, 4], id="2to4")])
     def test_error_names_the_universal_checkpoint(self, world_size, tmp_path):
         import deepspeed.comm as dist
-        from deepspeed.runtime.zero.utils import ZeRORuntimeException
         saved_world_size, current = world_size
         if dist.get_world_size() == saved_world_size:
             saved = RUN.with_(restart_after=RUN.steps).train(checkpoint_dir=str(tmp_path))
@@ -44,13 +51,7 @@ class TestZero3RegularCheckpointAtAnotherWorldSize(DistributedTest):
             for key, value in saved.optimizer_state.items():
                 assert np.array_equal(value, loaded.loaded_state[key]), key
             return
-
-        engine = RUN.build_engine(RUN.config(current))
-        with pytest.raises(ZeRORuntimeException) as raised:
-            engine.load_checkpoint(str(tmp_path))  # the tag comes from the `latest` file
-        engine.destroy()
-        message = str(raised.value)
-        checkpoint = os.path.join(str(tmp_path), "restart")
+        message, checkpoint = _resize_error(RUN, current, tmp_path)
         assert f"used a DP world size of {saved_world_size} but the current world size is {current}" in message
         assert (f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {shlex.quote(checkpoint)} "
                 f"--output_folder {shlex.quote(checkpoint + '_universal')}") in message
@@ -64,26 +65,17 @@ class TestZero2RegularCheckpointAtAnotherWorldSize(DistributedTest):
     def test_command_converts(self, world_size, tmp_path):
         import deepspeed.comm as dist
         from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-        from deepspeed.runtime.zero.utils import ZeRORuntimeException
         from unit.runtime.zero.zero3_muon_helpers import ds_to_universal_args
         run = RUN.with_(stage=2)
         if dist.get_world_size() == 2:
             run.with_(restart_after=run.steps).train(checkpoint_dir=str(tmp_path))
             return
-        engine = run.build_engine(run.config(1))
-        with pytest.raises(ZeRORuntimeException) as raised:
-            engine.load_checkpoint(str(tmp_path))
-        engine.destroy()
-        message = str(raised.value)
-        checkpoint = os.path.join(str(tmp_path), "restart")
+        message, checkpoint = _resize_error(run, 1, tmp_path)
         assert (f"--input_folder {shlex.quote(checkpoint)} --output_folder {shlex.quote(checkpoint + '_universal')} "
                 "--inject_missing_state\n(at ZeRO stage 1/2 the converter needs the model's universal_checkpoint_info"
                 ) in message, message
-        args = ds_to_universal_args(str(tmp_path), "restart")
-        args.inject_missing_state = True
-        ds_to_universal(args)
-        config = dict(run.config(1), checkpoint={"load_universal": True})
-        engine = run.build_engine(config)
+        ds_to_universal(ds_to_universal_args(str(tmp_path), "restart", inject_missing_state=True))
+        engine = universal_engine(run)
         engine.load_checkpoint(str(tmp_path))  # the tag comes from the `latest_universal` file
         assert engine.global_steps == run.steps
         engine.destroy()
