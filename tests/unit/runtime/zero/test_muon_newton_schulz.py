@@ -44,11 +44,9 @@ def orthogonalize_all(matrices, specs, ns_steps, ns_method, dtype, batch=None, m
 
 def _partitions(tensor, world_size):
     """ZeRO-3 partitions of ``tensor`` for ``world_size`` ranks: ceil(numel / W) each, zero padded."""
-    numel = tensor.numel()
-    size = math.ceil(numel / world_size)
-    flat = torch.zeros(size * world_size, dtype=tensor.dtype)
-    flat[:numel] = tensor.reshape(-1)
-    return [flat[r * size:(r + 1) * size].clone() for r in range(world_size)]
+    size = math.ceil(tensor.numel() / world_size)
+    flat = torch.nn.functional.pad(tensor.reshape(-1), (0, size * world_size - tensor.numel()))
+    return [piece.clone() for piece in flat.split(size)]
 
 
 def _reassemble(partitions, shape):
@@ -64,18 +62,17 @@ def _partitioned_update(grad, momentum, world_size, beta, nesterov=True, **kwarg
         before = g.clone()
         momentum_step(g, m, settings, out)
         assert torch.equal(g, before), "the gradient is not written"
-    x = _reassemble(to_owner, grad.shape)
-    update = original_muon.muon_orthogonalize(x, **kwargs).to(grad.dtype)
+    update = original_muon.muon_orthogonalize(_reassemble(to_owner, grad.shape), **kwargs).to(grad.dtype)
     return update, _reassemble(momenta, grad.shape)
 
 
-@pytest.mark.parametrize("shape,kwargs,problem", [
-    ((64, 32), {}, (1, 64, 32)),
-    ((8, 3, 3, 3), {}, (1, 8, 27)),
-    ((3, 12, 20), {}, (3, 12, 20)),
-    ((4, 16, 32), dict(is_expert_group=True), (4, 16, 32)),
-    ((2, 4, 16, 32), dict(is_expert_group=True), (8, 16, 32)),
-] + ([((96, 32), dict(num_heads=4), (4, 24, 32))] if HAS_PER_HEAD else []))
+EXPERTS = dict(is_expert_group=True)
+PROBLEMS = [((64, 32), {}, (1, 64, 32)), ((8, 3, 3, 3), {}, (1, 8, 27)), ((3, 12, 20), {}, (3, 12, 20)),
+            ((4, 16, 32), EXPERTS, (4, 16, 32)), ((2, 4, 16, 32), EXPERTS, (8, 16, 32))]
+PROBLEMS += [((96, 32), dict(num_heads=4), (4, 24, 32))] if HAS_PER_HEAD else []
+
+
+@pytest.mark.parametrize("shape,kwargs,problem", PROBLEMS)
 def test_ns_problem_is_what_the_kernel_sees(shape, kwargs, problem, monkeypatch):
     assert original_muon.muon_ns_problem(shape, kwargs.get("is_expert_group", False),
                                          kwargs.get("num_heads")) == problem
@@ -127,16 +124,10 @@ if HAS_PER_HEAD:
     OWNED += [((48, 40), dict(num_heads=2)), ((24, 40), {})]  # per head: two 24x40 problems
 
 
-def _specs(owned):
-    specs = []
-    for shape, kw in owned:
-        expert, heads = kw.get("is_expert_group", False), kw.get("num_heads")
-        specs.append(
-            MatrixSpec(shape,
-                       is_expert_group=expert,
-                       num_heads=heads,
-                       ns_problem=newton_schulz_problem(shape, expert, heads)))
-    return specs
+def matrix_specs(owned, ns_method="gram"):
+    """The owner's ``MatrixSpec`` of each ``(shape, muon_orthogonalize keywords)`` (``test_muon_polar_express`` too)."""
+    problems = [(shape, kw.get("is_expert_group", False), kw.get("num_heads")) for shape, kw in owned]
+    return [MatrixSpec(s, ns_method, e, h, newton_schulz_problem(s, e, h)) for s, e, h in problems]
 
 
 def _fp64_orthogonalize(matrix, ns_method, kw, monkeypatch):
@@ -159,7 +150,7 @@ def test_batched_orthogonalize_equals_one_by_one(ns_method, monkeypatch):
         pytest.skip(f"this DeepSpeed's Muon has no {ns_method} (patch 0017)")
     gen = torch.Generator().manual_seed(5)
     matrices = [torch.randn(shape, generator=gen) for shape, _ in OWNED]
-    specs = _specs(OWNED)
+    specs = matrix_specs(OWNED)
     dtype = original_muon.ns_compute_dtype(ns_method)
     counter = NSCounter()
     with counter:
@@ -180,8 +171,7 @@ def test_batched_orthogonalize_equals_one_by_one(ns_method, monkeypatch):
         # Rounding differs between the two, not accuracy: each within 2x the other's error.
         assert error_batched <= 2 * error_alone + 1e-12, (k, shape, error_batched, error_alone)
     unbatched = orthogonalize_all(matrices, specs, 5, ns_method, dtype, batch=False)
-    for k, (matrix, spec) in enumerate(zip(matrices, specs)):
-        kw = OWNED[k][1]
+    for k, (matrix, (_, kw)) in enumerate(zip(matrices, OWNED)):
         expected = original_muon.muon_orthogonalize(matrix, 5, ns_method, dtype=dtype, **kw).reshape(matrix.shape)
         assert _same(unbatched[k], expected), k
 
@@ -192,7 +182,7 @@ def test_default_batching_by_device_and_size():
     assert batches(4096, 4096, torch.device("cuda", 0))
     small, large = (16, 24), (100, 96)
     matrices = [torch.randn(s) for s in (small, small, large, large)]
-    specs = _specs([(s, {}) for s in (small, small, large, large)])
+    specs = matrix_specs([(s, {}) for s in (small, small, large, large)])
     with NSCounter() as counter:
         orthogonalize_all(matrices, specs, 5, "gram", torch.float32)
     assert counter.count == 4 and counter.calls == 3, "the two small ones batched, the large ones one by one"
@@ -221,7 +211,7 @@ def test_batched_calls_stay_within_the_working_set_bound():
     (``MatrixSpec.ns_workspace_numel``) fit it, one matrix at least; the results do not change
     (one-by-one calls of a 2-D matrix are upstream's call)."""
     matrices = [torch.randn(16, 24) for _ in range(5)]
-    specs = _specs([((16, 24), {})] * 5)
+    specs = matrix_specs([((16, 24), {})] * 5)
     one = specs[0].ns_workspace_numel
     assert one == 2 * 16 * 24 + 4 * 16 * 16
     for bound, calls in ((None, 1), (5 * one, 1), (2 * one, 3), (one, 5), (1, 5)):
@@ -251,23 +241,17 @@ def test_working_set_estimate_covers_upstreams_kernels(fp32, monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _check_working_set_estimates(profile, ProfilerActivity, fp32)
+        for ns_method in sorted(original_muon.NS_METHODS):
+            for shape in ((300, 100), (100, 300), (171, 171)):
+                x, (spec, ) = torch.randn(shape), matrix_specs([(shape, {})], ns_method)
+                with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                    original_muon.muon_orthogonalize(x, 5, ns_method, dtype=torch.float32)
+                peak = _profiled_peak(prof)
+                assert peak <= 4 * spec.ns_workspace_numel, (ns_method, shape, peak)
+                if fp32 or original_muon.ns_compute_dtype(ns_method) == torch.float32:
+                    assert peak == 4 * spec.ns_workspace_numel, (ns_method, shape, peak)
     finally:
         torch.set_num_threads(threads)
-
-
-def _check_working_set_estimates(profile, ProfilerActivity, fp32):
-    for ns_method in sorted(original_muon.NS_METHODS):
-        for shape in ((300, 100), (100, 300), (171, 171)):
-            x = torch.randn(shape)
-            spec = _specs([(shape, {})])[0]
-            spec = type(spec)(shape, ns_method=ns_method, ns_problem=spec.ns_problem)
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                original_muon.muon_orthogonalize(x, 5, ns_method, dtype=torch.float32)
-            peak = _profiled_peak(prof)
-            assert peak <= 4 * spec.ns_workspace_numel, (ns_method, shape, peak)
-            if fp32 or original_muon.ns_compute_dtype(ns_method) == torch.float32:
-                assert peak == 4 * spec.ns_workspace_numel, (ns_method, shape, peak)
 
 
 def _profiled_peak(prof):

@@ -10,7 +10,7 @@ defined here (``RowSum``), W ranks simulated by threads (``muon_testing.threaded
   matrix's state lives on its owner only; plain Muon allocates none and runs the same as before.
 - The registry: names resolve to the variant with the group's settings; an unknown name, a
   clashing registration and a setting the variant refuses are errors naming the key.
-- The plan's budget counts the state (``within_budget(state_numels=)``).
+- The plan's budget counts the state (``within_budget(state_numels=)``), RowSum's and NorMuon's.
 - The checkpoint form (``expand_rows`` / ``rows_in_piece``) round-trips over ragged partitions.
 """
 
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from deepspeed.runtime.zero.muon import original_muon, owner_state
+from deepspeed.runtime.zero.muon.normuon import NorMuon
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, plan_owners, within_budget
 from deepspeed.runtime.zero.muon.owner_state import (check_same_kind, expand_rows, register_variant, rows_in_piece,
                                                      variant_of)
@@ -64,6 +65,7 @@ class RowSum:
 
 
 VARIANT = RowSum(scale=0.5)
+VARIANTS = [VARIANT, NorMuon(beta2=0.9, eps=1e-8)]  # the second: test_muon_normuon's
 RULE_FLOOR = 1e-6
 """Relative difference allowed between the pipeline's pieces and the rule applied here to whole
 matrices of upstream ``muon_update``: the same fp32 operations on the same Newton-Schulz results
@@ -96,38 +98,54 @@ def _relative(a, b):
     return float((a - b).norm() / a.norm()) if a.norm() > 0 else float(b.norm())
 
 
+def check_through_the_pipeline(layout, world_size, bucket_numel, variant, reference, floor):
+    """Each rank's pieces are its pieces of ``reference``'s whole-matrix updates, and each matrix's state (its rows)
+    lives on its owner only, equal to the reference's (``test_muon_normuon`` uses it too)."""
+    run = _run(LAYOUTS[layout], world_size, bucket_numel, 2, steps=3, variant=variant)
+    specs, pieces, slices, plan, grads, _, results, *_, pipelines, _ = run
+    updates, states = reference(specs, grads, variant)
+    numel = results[0][0].numel()
+    worst = max(
+        _relative(_scatter(step_updates, pieces, slices, r, numel), results[r][t]) for r in range(world_size)
+        for t, step_updates in enumerate(updates))
+    print(f"MEASURED {layout} W={world_size} {bucket_numel}: {worst:.2e}")
+    assert worst <= floor
+    for j, spec in enumerate(specs):
+        holding = [r for r in range(world_size) if j in pipelines[r].owner_state.spans]
+        assert holding == [plan.owners[j]], (j, holding)
+        state = pipelines[plan.owners[j]].owner_state.view(j)
+        assert state.numel() == spec.ns_problem[0] * spec.ns_problem[1]
+        assert _relative(states[j].reshape(-1), state) <= floor
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=["row_sum", "normuon"])
+def test_plain_muon_keeps_no_state_and_the_variant_changes_the_update(variant):
+    *_, results, _, _, pipelines, _ = _run(LAYOUTS["zero3"], 2, 100, 2, steps=2)
+    assert all(p.owner_state is None for p in pipelines)
+    *_, varied, _, _, _, _ = _run(LAYOUTS["zero3"], 2, 100, 2, steps=2, variant=variant)
+    assert _relative(results[0][1], varied[0][1]) > 1e-2
+    with pytest.raises(RuntimeError, match="without owner state, run with variant"):
+        pipelines[0].run(results[0][0].clone(), torch.zeros_like(results[0][0]), SETTINGS, torch.float32, None,
+                         variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=["row_sum", "normuon"])
+def test_the_budget_counts_the_owner_state(variant):
+    """Tall matrices (many rows, a small Newton-Schulz working set): one bucket of 1000 elements in flight fits each
+    rank's momentum partition, until the owners' per-row states are counted too."""
+    specs = [MatrixSpec((256, 8)) for _ in range(8)]
+    pieces, _ = LAYOUTS["zero3"](specs, 2)
+    plan = plan_owners(specs, 2, 1000)
+    assert within_budget(plan, pieces, 1)
+    assert within_budget(plan, pieces, 1, state_numels=[0] * len(specs))
+    assert not within_budget(plan, pieces, 1, state_numels=[variant.state_numel(s) for s in specs])
+
+
 @pytest.mark.parametrize("bucket_numel", [1, 10**9], ids=["one-per-bucket", "one-bucket"])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_variant_through_the_pipeline(layout, world_size, bucket_numel):
-    specs, pieces, slices, plan, grads, _, results, *_, pipelines, _ = _run(LAYOUTS[layout],
-                                                                            world_size,
-                                                                            bucket_numel,
-                                                                            2,
-                                                                            steps=3,
-                                                                            variant=VARIANT)
-    updates, states = _reference(specs, grads, VARIANT)
-    numel = results[0][0].numel()
-    worst = 0.0
-    for r in range(world_size):
-        for t, step_updates in enumerate(updates):
-            worst = max(worst, _relative(_scatter(step_updates, pieces, slices, r, numel), results[r][t]))
-    print(f"MEASURED {layout} W={world_size} {bucket_numel}: {worst:.2e}")
-    assert worst <= RULE_FLOOR
-    for j in range(len(specs)):
-        holding = [r for r in range(world_size) if j in pipelines[r].owner_state.spans]
-        assert holding == [plan.owners[j]], (j, holding)
-        assert _relative(states[j], pipelines[plan.owners[j]].owner_state.view(j)) <= RULE_FLOOR
-
-
-def test_plain_muon_keeps_no_state_and_the_variant_changes_the_update():
-    *_, results, _, _, pipelines, _ = _run(LAYOUTS["zero3"], 2, 100, 2, steps=2)
-    assert all(p.owner_state is None for p in pipelines)
-    *_, varied, _, _, _, _ = _run(LAYOUTS["zero3"], 2, 100, 2, steps=2, variant=VARIANT)
-    assert _relative(results[0][1], varied[0][1]) > 1e-2
-    with pytest.raises(RuntimeError, match="without owner state, run with variant"):
-        pipelines[0].run(results[0][0].clone(), torch.zeros_like(results[0][0]), SETTINGS, torch.float32, None,
-                         VARIANT)
+    check_through_the_pipeline(layout, world_size, bucket_numel, VARIANT, _reference, RULE_FLOOR)
 
 
 def test_the_registry(registered):
@@ -155,17 +173,6 @@ def test_the_registry(registered):
                        match="here: this engine was built with Muon variant 'row_sum', but the "
                        "parameter group now says 'muon'"):
         check_same_kind(VARIANT, None, "here")
-
-
-def test_the_budget_counts_the_owner_state():
-    """Tall matrices (many rows, a small Newton-Schulz working set): one bucket of 1000 elements in
-    flight fits each rank's momentum partition, until the owners' per-row states are counted too."""
-    specs = [MatrixSpec((256, 8)) for _ in range(8)]
-    pieces, _ = LAYOUTS["zero3"](specs, 2)
-    plan = plan_owners(specs, 2, 1000)
-    assert within_budget(plan, pieces, 1)
-    assert within_budget(plan, pieces, 1, state_numels=[0] * len(specs))
-    assert not within_budget(plan, pieces, 1, state_numels=[VARIANT.state_numel(s) for s in specs])
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

@@ -22,10 +22,8 @@ import pytest
 import torch
 
 from deepspeed.runtime.zero.muon import original_muon, polar_express
-from deepspeed.runtime.zero.muon.newton_schulz import newton_schulz_problem
-from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec
 from muon_testing.counting import NSCounter
-from unit.runtime.zero.test_muon_newton_schulz import orthogonalize_all
+from unit.runtime.zero.test_muon_newton_schulz import matrix_specs, orthogonalize_all
 
 HAS_PER_HEAD = hasattr(original_muon, "_per_head_orthogonalize")
 
@@ -59,10 +57,8 @@ steps); bf16's 2^-8 rounding amplified as for FP32_FLOOR."""
 def published(G, steps):
     """The published iteration, written out in fp64: tall matrices transposed, normalized by
     ``||G||_F * 1.01 + 1e-7``, then ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``."""
-    X = G.double()
-    tall = X.size(-2) > X.size(-1)
-    if tall:
-        X = X.mT
+    tall = G.size(-2) > G.size(-1)
+    X = G.double().mT if tall else G.double()
     X = X / (torch.linalg.matrix_norm(X, keepdim=True) * 1.01 + 1e-7)
     for a, b, c in (PUBLISHED_SCHEDULE + [PUBLISHED_SCHEDULE[-1]] * steps)[:steps]:
         A = X @ X.mT
@@ -77,11 +73,7 @@ def _relative(ours, reference):
 @pytest.fixture
 def compute_in(monkeypatch):
     """``compute_in(dtype)``: the iteration (and every other NS kernel) computes in ``dtype``."""
-
-    def use(dtype):
-        monkeypatch.setattr(original_muon, "ns_compute_dtype", lambda *_: dtype)
-
-    return use
+    return lambda dtype: monkeypatch.setattr(original_muon, "ns_compute_dtype", lambda *_: dtype)
 
 
 def test_schedule_is_the_published_one():
@@ -188,11 +180,9 @@ def test_muon_orthogonalize_dispatches_to_it(shape, kwargs, compute_in):
     with NSCounter() as counter:
         ours = original_muon.muon_orthogonalize(G.double(), 5, "polar_express", **kwargs)
     batch = original_muon.muon_ns_problem(shape, kwargs.get("is_expert_group", False), kwargs.get("num_heads"))[0]
-    assert counter.by_kernel == {
-        "zeropower_via_polar_express": batch,
-        "zeropower_via_gram_newtonschulz": 0,
-        "zeropower_via_newtonschulz5": 0
-    }
+    assert counter.by_kernel == dict(zeropower_via_polar_express=batch,
+                                     zeropower_via_gram_newtonschulz=0,
+                                     zeropower_via_newtonschulz5=0)
     expected = _expected(G, kwargs)
     assert ours.shape == expected.shape
     assert _relative(ours, expected) <= FP64_FLOOR
@@ -217,12 +207,9 @@ def test_muon_update_and_the_optimizers_accept_it():
 def _orthogonality(result):
     """``(max|1-s|, ||U U^T - I||_F / sqrt(m))`` of the wide orientation ``U`` of each matrix, worst
     over a batch, in fp64."""
-    u = result.double()
-    if u.size(-2) > u.size(-1):
-        u = u.mT
+    u = result.double().mT if result.size(-2) > result.size(-1) else result.double()
     s = torch.linalg.svdvals(u)
-    eye = torch.eye(u.size(-2), dtype=u.dtype)
-    rms = torch.linalg.matrix_norm(u @ u.mT - eye) / u.size(-2)**0.5
+    rms = torch.linalg.matrix_norm(u @ u.mT - torch.eye(u.size(-2), dtype=u.dtype)) / u.size(-2)**0.5
     return (1 - s).abs().max().item(), rms.max().item()
 
 
@@ -252,12 +239,7 @@ def test_owner_batches_it_like_one_by_one(compute_in):
     upstream's ``muon_orthogonalize`` bit for bit."""
     owned = [((40, 24), {}), ((40, 24), {}), ((24, 40), {}), ((2, 40, 24), dict(is_expert_group=True)),
              ((8, 3, 3, 3), {}), ((17, 5), {})]
-    specs = [
-        MatrixSpec(s,
-                   ns_method="polar_express",
-                   is_expert_group=kw.get("is_expert_group", False),
-                   ns_problem=newton_schulz_problem(s, kw.get("is_expert_group", False), None)) for s, kw in owned
-    ]
+    specs = matrix_specs(owned, "polar_express")
     gen = torch.Generator().manual_seed(4)
     matrices = [torch.randn(s, generator=gen) for s, _ in owned]
     compute_in(torch.float32)

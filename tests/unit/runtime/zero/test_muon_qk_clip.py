@@ -58,10 +58,8 @@ def test_max_logits_masks_agree(monkeypatch):
     query, key = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
     causal = torch.ones(5, 5, dtype=torch.bool).tril()
     additive = torch.zeros(5, 5).masked_fill(~causal, torch.finfo(torch.float32).min)
-    by_bool, by_float, by_flag, everywhere = (hf_attention.max_logits(query, key, mask, 0.5, flag)
-                                              for mask, flag in ((causal[None, None], False), (additive[None,
-                                                                                                        None], False),
-                                                                 (None, True), (None, False)))
+    masks = ((causal[None, None], False), (additive[None, None], False), (None, True), (None, False))
+    by_bool, by_float, by_flag, everywhere = (hf_attention.max_logits(query, key, m, 0.5, flag) for m, flag in masks)
     logits = (query @ key.repeat_interleave(2, dim=1).transpose(2, 3) * 0.5).masked_fill(~causal, float("-inf"))
     assert torch.equal(by_bool, by_float) and torch.equal(by_bool, by_flag) and not torch.equal(everywhere, by_bool)
     assert torch.allclose(by_bool, logits.amax(dim=(0, 2, 3)), rtol=1e-6, atol=0)
@@ -72,10 +70,8 @@ def test_max_logits_masks_agree(monkeypatch):
 
 
 def test_layouts_and_rules():
-    spans = {
-        name: [(s.dim, s.start, s.rule) for s in heads.spans]
-        for name, _, heads in hf_attention.find_attention(MODELS["gpt2"]())
-    }
+    gpt2 = hf_attention.find_attention(MODELS["gpt2"]())
+    spans = {name: [(s.dim, s.start, s.rule) for s in heads.spans] for name, _, heads in gpt2}
     assert spans["transformer.h.0.attn"] == [(1, 0, "sqrt"), (0, 0, "sqrt"), (1, 32, "sqrt"), (0, 32, "sqrt")]
     llama = hf_attention.find_attention(MODELS["llama"]())  # 4 query heads share 2 key heads: queries take gamma
     assert [
@@ -119,13 +115,8 @@ def test_unknown_layout_and_implementation_refused():
         hf_attention.find_attention(model)
     with pytest.raises(ValueError, match="no attention layer"):
         hf_attention.find_attention(torch.nn.Linear(2, 2))
-    gemma = transformers.Gemma3TextConfig(vocab_size=96,
-                                          hidden_size=32,
-                                          intermediate_size=32,
-                                          num_hidden_layers=1,
-                                          num_attention_heads=2,
-                                          num_key_value_heads=1,
-                                          head_dim=16)
+    sizes = dict(hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    gemma = transformers.Gemma3TextConfig(vocab_size=96, num_hidden_layers=1, **sizes)
     with pytest.raises(ValueError, match=r"Gemma3Attention\): its query and key projections are not in a layout"):
         hf_attention.find_attention(transformers.Gemma3ForCausalLM(gemma))  # its q_norm: x * (1 + w), not x * w
     model = MODELS["llama"]()
@@ -176,9 +167,7 @@ def _config(stage, gas, world_size, tau, offload=False, **params):
     offloaded = {"offload_optimizer": {"device": "cpu"}}
     config = ds_config(stage, gas, world_size, zero_extra=offloaded if offload else None)
     del config["train_batch_size"]
-    config["optimizer"]["params"].update(params)
-    if tau is not None:
-        config["optimizer"]["params"]["qk_clip_threshold"] = tau
+    config["optimizer"]["params"].update(params if tau is None else dict(params, qk_clip_threshold=tau))
     return config
 
 

@@ -53,14 +53,7 @@ def _problem(shape, is_expert_group, num_heads):
     return int(np.prod(shape[:-2])), shape[-2], shape[-1]
 
 
-def normuon_reference(model_name="mixed",
-                      steps=5,
-                      beta2=BETA2,
-                      eps=EPS,
-                      samples=16,
-                      num_heads=None,
-                      ns_method="gram",
-                      ns_fp32=False):
+def normuon_reference(model_name="mixed", steps=5, samples=16, num_heads=None, ns_method="gram", ns_fp32=False):
     """Single-process NorMuon training of ``model_name``; returns the final weights by name (numpy).
     ``ns_method``: the Newton-Schulz kernel of O; ``ns_fp32``: every kernel in fp32 on the CPU."""
     with fp32_newton_schulz(every_method=ns_fp32):
@@ -69,11 +62,8 @@ def normuon_reference(model_name="mixed",
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         muon = [(n, p) for n, p in named if is_muon_param(n, p)]
         other = [p for n, p in named if not is_muon_param(n, p)]
-        adamw = torch.optim.AdamW(other,
-                                  lr=HYPER["adam_lr"],
-                                  betas=HYPER["betas"],
-                                  eps=HYPER["eps"],
-                                  weight_decay=HYPER["weight_decay"])
+        adam_settings = {key: HYPER[key] for key in ("betas", "eps", "weight_decay")}
+        adamw = torch.optim.AdamW(other, lr=HYPER["adam_lr"], **adam_settings)
         momenta = {n: torch.zeros_like(p) for n, p in muon}
         problems = {n: _problem(p.shape, getattr(p, "is_expert_group", False), heads.get(n)) for n, p in muon}
         second = {n: torch.zeros(problems[n][:2]) for n, _ in muon}
@@ -86,8 +76,8 @@ def normuon_reference(model_name="mixed",
                     o = reference_muon_update(p.grad.clone(), momenta[n], HYPER["momentum"], ns_method,
                                               getattr(p, "is_expert_group", False), heads.get(n))
                     o = o.reshape(problems[n]).float()
-                    second[n] = beta2 * second[n] + (1 - beta2) * (o * o).mean(dim=-1)
-                    normalized = o / (second[n].sqrt() + eps)[..., None]
+                    second[n] = BETA2 * second[n] + (1 - BETA2) * (o * o).mean(dim=-1)
+                    normalized = o / (second[n].sqrt() + EPS)[..., None]
                     normalized = normalized * (o.norm(dim=(-2, -1)) / normalized.norm(dim=(-2, -1)))[:, None, None]
                     p.mul_(1 - HYPER["muon_lr"] * HYPER["weight_decay"])
                     p.add_(normalized.reshape(p.shape), alpha=-HYPER["muon_lr"])
@@ -97,24 +87,18 @@ def normuon_reference(model_name="mixed",
 
 @pytest.fixture(scope="module")
 def references():
-    return {
-        "mixed": normuon_reference("mixed"),
-        "mixed-muon": Zero3MuonRun(steps=5).reference()[0],
-        "shapes": normuon_reference("shapes"),
-    }
+    mixed, shapes = normuon_reference("mixed"), normuon_reference("shapes")
+    return dict(mixed=mixed, muon=Zero3MuonRun(steps=5).reference()[0], shapes=shapes)
 
 
-def _owner_rows(engine) -> int:
-    """Elements of owner state this rank keeps (ZeRO-3), 0 without."""
-    return sum(p.owner_state.numel for p in engine.optimizer.muon_update.pipelines.values()
-               if p.owner_state is not None)
-
-
-def _rows(model_name) -> int:
-    """Rows of every Newton-Schulz problem of the model's Muon matrices (NorMuon's state)."""
-    return sum(
-        int(np.prod(_problem(p.shape, getattr(p, "is_expert_group", False), None)[:2]))
-        for n, p in build_model(model_name).named_parameters() if is_muon_param(n, p))
+def check_normuon(label, weights, expected, other=None, apart=1000):
+    """``weights`` equal ``expected`` to the fp32 floor and (given ``other``) lie over ``apart`` floors from ``other``
+    (``test_zero3_normuon_checkpoint`` uses it too)."""
+    diff = relative_difference(expected, weights)
+    away = float("nan") if other is None else relative_difference(other, weights)
+    print(f"MEASURED normuon {label}: {diff:.2e} from the reference, {away:.2e} from the other")
+    assert diff <= FLOOR
+    assert other is None or away > apart * FLOOR
 
 
 class TestZero3NorMuon(DistributedTest):
@@ -124,26 +108,23 @@ class TestZero3NorMuon(DistributedTest):
     def test_matches_the_reference(self, world_size, gases, references):
         from deepspeed import comm as dist
         for gas in gases:
-            result = normuon_run(gas=gas).train()
-            diff = relative_difference(references["mixed"], result.weights)
-            print(f"MEASURED normuon W={world_size} gas={gas}: {diff:.2e} from the reference, "
-                  f"{relative_difference(references['mixed-muon'], result.weights):.2e} from plain Muon's")
-            assert diff <= FLOOR
-            assert relative_difference(references["mixed-muon"], result.weights) > 1000 * FLOOR
-        # The state lives on the owners: one fp32 value per row of each Muon matrix, over the ranks.
+            weights = normuon_run(gas=gas).train().weights
+            check_normuon(f"W={world_size} gas={gas}, other: Muon", weights, references["mixed"], references["muon"])
+        # The state lives on the owners: one fp32 value per row of each Muon matrix (of each of its Newton-Schulz
+        # problems), over the ranks.
         engine = normuon_run(steps=0).build_engine(normuon_run().config(world_size))
         rows = [None] * world_size
-        dist.all_gather_object(rows, _owner_rows(engine))
+        pipelines = engine.optimizer.muon_update.pipelines.values()
+        dist.all_gather_object(rows, sum(p.owner_state.numel for p in pipelines if p.owner_state is not None))
         engine.destroy()
-        assert sum(rows) == _rows("mixed")
+        muon = [p for n, p in build_model("mixed").named_parameters() if is_muon_param(n, p)]
+        problems = [_problem(p.shape, getattr(p, "is_expert_group", False), None) for p in muon]
+        assert sum(rows) == sum(batch * height for batch, height, _ in problems)
 
     @pytest.mark.world_size(2)
     def test_expert_conv_and_tiny_matrices(self, references):
         """3-D expert weights (rows per expert), a 4-D conv filter (flattened), a 1x3 matrix."""
-        result = normuon_run(model="shapes", gas=2).train()
-        diff = relative_difference(references["shapes"], result.weights)
-        print(f"MEASURED normuon shapes W=2 gas=2: {diff:.2e}")
-        assert diff <= FLOOR
+        check_normuon("shapes W=2 gas=2", normuon_run(model="shapes", gas=2).train().weights, references["shapes"])
 
     @pytest.mark.world_size(2)
     def test_per_head(self):
@@ -153,13 +134,8 @@ class TestZero3NorMuon(DistributedTest):
         block = normuon_block(per_head_muon=True)
         result = normuon_run(model="heads", gas=2, extra=(("optimizer", block), )).train()
         expected = normuon_reference("heads", num_heads=result.muon_num_heads)
-        plain_heads = normuon_reference("heads")
         assert any(v is not None for v in result.muon_num_heads.values())
-        diff = relative_difference(expected, result.weights)
-        print(f"MEASURED normuon per-head W=2: {diff:.2e}; whole-matrix rows instead: "
-              f"{relative_difference(plain_heads, result.weights):.2e}")
-        assert diff <= FLOOR
-        assert relative_difference(plain_heads, result.weights) > 100 * FLOOR
+        check_normuon("per-head W=2, other: whole rows", result.weights, expected, normuon_reference("heads"), 100)
 
     @pytest.mark.world_size(2)
     def test_with_polar_express(self):
@@ -170,19 +146,13 @@ class TestZero3NorMuon(DistributedTest):
         result = normuon_run(gas=2, ns_fp32=True,
                              extra=(("optimizer", normuon_block(ns_method="polar_express")), )).train()
         expected = normuon_reference(ns_method="polar_express", ns_fp32=True)
-        diff = relative_difference(expected, result.weights)
-        print(f"MEASURED normuon + polar_express W=2 gas=2: {diff:.2e}; from gram's NorMuon "
-              f"{relative_difference(normuon_reference(), result.weights):.2e}")
-        assert diff <= FLOOR
-        assert relative_difference(normuon_reference(), result.weights) > 100 * FLOOR
+        check_normuon("+ polar_express W=2 gas=2, other: gram's", result.weights, expected, normuon_reference(), 100)
 
     @pytest.mark.world_size(2)
     @pytest.mark.parametrize("stage, offload", [(1, None), (2, None), (2, "cpu")])
     def test_zero12_through_the_same_core(self, stage, offload, references):
         result = normuon_run(stage=stage, gas=2, offload=offload).train()
-        diff = relative_difference(references["mixed"], result.weights)
-        print(f"MEASURED normuon ZeRO-{stage} offload={offload} W=2: {diff:.2e}")
-        assert diff <= FLOOR
+        check_normuon(f"ZeRO-{stage} offload={offload} W=2", result.weights, references["mixed"])
 
     @pytest.mark.world_size(2)
     def test_default_muon_keeps_no_state_and_is_unchanged(self):
@@ -206,36 +176,16 @@ class TestNorMuonRefusals(DistributedTest):
     reuse_dist_env = True
 
     @pytest.mark.parametrize("params, stage, expected", [
-        ({
-            "variant": "adamuon"
-        }, 3, "optimizer.params.variant: 'adamuon' is not a Muon variant"),
-        ({
-            "variant": "normuon",
-            "normuon_beta2": 1.0
-        }, 3, "optimizer.params.normuon_beta2: 1.0"),
-        ({
-            "variant": "normuon",
-            "normuon_beta2": -0.1
-        }, 3, "optimizer.params.normuon_beta2: -0.1"),
-        ({
-            "variant": "normuon",
-            "normuon_eps": 0.0
-        }, 3, "optimizer.params.normuon_eps: 0.0"),
-        ({
-            "variant": "normuon",
-            "normuon_eps": "1e-8"
-        }, 3, "optimizer.params.normuon_eps: '1e-8'"),
-        ({
-            "variant": "normuon"
-        }, 0, "optimizer.params.variant: 'normuon' needs ZeRO stage 1, 2 or 3"),
-        ({
-            "normuon_beta2": 0.9
-        }, 3, "normuon_beta2 (optimizer.params or a parameter group): normuon's settings, but no Muon group has "
-         "variant 'normuon'"),
-        ({
-            "variant": "normuon"
-        }, "bf16-stage1", "does not run with zero_optimization.stage 1 with bf16 and data_types.grad_accum_dtype "
-         "fp32 (DeepSpeed's BF16_Optimizer)"),
+        (dict(variant="adamuon"), 3, "optimizer.params.variant: 'adamuon' is not a Muon variant"),
+        (dict(variant="normuon", normuon_beta2=1.0), 3, "optimizer.params.normuon_beta2: 1.0"),
+        (dict(variant="normuon", normuon_beta2=-0.1), 3, "optimizer.params.normuon_beta2: -0.1"),
+        (dict(variant="normuon", normuon_eps=0.0), 3, "optimizer.params.normuon_eps: 0.0"),
+        (dict(variant="normuon", normuon_eps="1e-8"), 3, "optimizer.params.normuon_eps: '1e-8'"),
+        (dict(variant="normuon"), 0, "optimizer.params.variant: 'normuon' needs ZeRO stage 1, 2 or 3"),
+        (dict(normuon_beta2=0.9), 3, "normuon_beta2 (optimizer.params or a parameter group): normuon's settings, but "
+         "no Muon group has variant 'normuon'"),
+        (dict(variant="normuon"), "bf16-stage1", "does not run with zero_optimization.stage 1 with bf16 and "
+         "data_types.grad_accum_dtype fp32 (DeepSpeed's BF16_Optimizer)"),
     ])
     def test_refused_at_initialize_naming_the_key(self, params, stage, expected):
         block = ds_config(3, 1, 1)["optimizer"]

@@ -6,18 +6,15 @@
 
 - ZeRO-3, same W = 2: save at step 3, load into a fresh engine, continue to step 6: bit-identical
   to the run that never stopped.
-- Universal checkpoints: W = 2 saves and converts (``ds_to_universal``: a
-  ``normuon_second_moment.pt`` per parameter, the parameter's shape), W' = 1 and 4 load: the
-  loaded state equals the saved one exactly, and the run continued at W' equals the single-process
-  NorMuon reference to the fp32 floor (another W is another owner plan: the state reaches each
-  matrix's new owner; at the same W these small models get the same plan whatever
-  ``reduce_bucket_size`` is: it plays no part under the default ``max_step_memory``).
-- The same universal checkpoint loaded at ZeRO-1 and ZeRO-2 (W' = 1 and 2; ZeRO-2 with optimizer
-  offload): the per-row state each rank keeps equals the saved one exactly, and the continued run
-  equals the reference to the fp32 floor.
-- ZeRO-1/2 (stage 2, with and without optimizer offload), same W: bit-identical resume; a ZeRO-2
-  NorMuon checkpoint converts with ``ds_to_universal`` and resumes at another W and at ZeRO-3; one
-  of an older build (no layout mark) loads and trains on bit-identically.
+- Universal checkpoints (``CONVERSIONS``): ZeRO-3 at W = 2 saves and converts (``ds_to_universal``: a
+  ``normuon_second_moment.pt`` per parameter, the parameter's shape, beside the momentum's); ZeRO-3 at W' = 1
+  and 4 loads the saved state exactly, ZeRO-1/2 at W' = 1 and 2 (ZeRO-2 also with optimizer offload) keeps each
+  rank's per-row state exactly; ZeRO-2 at W = 2 (with and without offload) saves, and ZeRO-2 at W' = 1 and ZeRO-3
+  at W' = 2 load. Each continued run equals the single-process NorMuon reference to the fp32 floor (another W is
+  another owner plan: the state reaches each matrix's new owner; at the same W these small models get the same
+  plan whatever ``reduce_bucket_size`` is: it plays no part under the default ``max_step_memory``).
+- ZeRO-1/2 (stage 2, with and without optimizer offload), same W: bit-identical resume; one of an older build
+  (no layout mark) loads and trains on bit-identically.
 - Refused: a plain Muon checkpoint loaded into a NorMuon run, a NorMuon checkpoint whose state was
   removed (regular and universal; from one rank's file only: the same error on every rank), and a
   universal file whose rows are not constant.
@@ -33,8 +30,7 @@ import torch
 
 from unit.common import DistributedTest
 from unit.checkpoint.zero3_universal_helpers import unequal_states
-from unit.runtime.zero.test_zero3_normuon import normuon_reference, normuon_run
-from muon_testing.compare import FLOOR, relative_difference
+from unit.runtime.zero.test_zero3_normuon import check_normuon, normuon_reference, normuon_run
 from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
 KEY = "normuon_second_moment"
@@ -48,19 +44,26 @@ def _drop_state(checkpoint_dir, tag, rank="*"):
     def drop(node):
         if isinstance(node, dict):
             if KEY in node:
-                del node[KEY]
-                dropped.append(KEY)
-            for value in node.values():
-                drop(value)
-        elif isinstance(node, (list, tuple)):
-            for value in node:
-                drop(value)
+                dropped.append(node.pop(KEY))
+            node = list(node.values())
+        for value in node if isinstance(node, (list, tuple)) else ():
+            drop(value)
 
     for path in glob.glob(os.path.join(checkpoint_dir, tag, f"*zero_pp_rank_{rank}_*optim_states.pt")):
         state = torch.load(path, map_location="cpu", weights_only=False)
         drop(state)
         torch.save(state, path)
     assert dropped, "no NorMuon state in the checkpoint"
+
+
+def _on_rank_0(*actions):
+    """Each of ``actions`` called on rank 0 alone, every rank waiting for them."""
+    from deepspeed import comm as dist
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for action in actions:
+            action()
+    dist.barrier()
 
 
 class TestNorMuonCheckpoint(DistributedTest):
@@ -87,12 +90,8 @@ class TestNorMuonCheckpoint(DistributedTest):
             normuon_run(gas=2, steps=4, resume_from=SAVED_AT).train(checkpoint_dir=plain)
         dropped = str(tmp_path / "dropped")
         normuon_run(gas=2, steps=SAVED_AT, restart_after=SAVED_AT).train(checkpoint_dir=dropped)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.copytree(dropped, str(tmp_path / "one"))
-            _drop_state(dropped, "restart")
-            _drop_state(str(tmp_path / "one"), "restart", rank=1)
-        dist.barrier()
+        _on_rank_0(lambda: shutil.copytree(dropped, str(tmp_path / "one")), lambda: _drop_state(dropped, "restart"),
+                   lambda: _drop_state(str(tmp_path / "one"), "restart", rank=1))
         with pytest.raises(RuntimeError, match=f"the loaded optimizer state has no '{KEY}'"):
             normuon_run(gas=2, steps=4, resume_from=SAVED_AT).train(checkpoint_dir=dropped)
         # Dropped from rank 1's file only: rank 1's check fails, and every rank raises the same error at once
@@ -108,97 +107,6 @@ class TestNorMuonCheckpoint(DistributedTest):
 UNIVERSAL = normuon_run(gas=2, steps=5, samples=24, universal=True)
 
 
-class TestNorMuonUniversal(DistributedTest):
-    reuse_dist_env = True
-
-    @pytest.mark.parametrize("world_size", [[2, 1], [2, 4]], ids=["2to1", "2to4"])
-    def test_resume_at_another_world_size(self, world_size, tmp_path):
-        import deepspeed.comm as dist
-        saved_file = tmp_path / "saved_state.pt"
-        if not saved_file.exists():  # first launch: train, save, convert
-            saved = UNIVERSAL.with_(steps=SAVED_AT, restart_after=SAVED_AT).train(checkpoint_dir=str(tmp_path))
-            names = os.listdir(tmp_path / "restart_universal" / "zero" / "fc1.weight")
-            assert f"{KEY}.pt" in names, names
-            dist.barrier()
-            if dist.get_rank() == 0:
-                torch.save(saved.optimizer_state, saved_file)
-            dist.barrier()
-            return
-        saved_state = torch.load(saved_file, weights_only=False)
-        assert any(k[1] == KEY for k in saved_state)
-        resumed = UNIVERSAL.with_(resume_from=SAVED_AT).train(checkpoint_dir=str(tmp_path))
-        assert unequal_states(saved_state, resumed.loaded_state) == []
-        diff = relative_difference(normuon_reference(steps=5, samples=24), resumed.weights)
-        print(f"MEASURED normuon universal {world_size[0]}->{world_size[1]}: {diff:.2e} from the reference")
-        assert diff <= FLOOR
-
-    @pytest.mark.parametrize("world_size", [[2, 2]])
-    def test_refusals(self, world_size, tmp_path):
-        import deepspeed.comm as dist
-        if not (tmp_path / "restart_universal").exists():
-            UNIVERSAL.with_(steps=SAVED_AT, restart_after=SAVED_AT).train(checkpoint_dir=str(tmp_path))
-            return
-        config = dict(UNIVERSAL.config(2), checkpoint={"load_universal": True})
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.copytree(tmp_path / "restart_universal", tmp_path / "missing")
-            for path in glob.glob(str(tmp_path / "missing" / "zero" / "*" / f"{KEY}.pt")):
-                os.remove(path)
-        dist.barrier()
-        engine = UNIVERSAL.build_engine(config)
-        with pytest.raises(ValueError, match=f"has no {KEY}"):
-            engine.load_checkpoint(str(tmp_path), tag="missing")
-        engine.destroy()
-        # Into a plain Muon run: refused (the state would be dropped).
-        plain = Zero3MuonRun(gas=2, steps=5, samples=24, universal=True)
-        engine = plain.build_engine(config | {"optimizer": plain.config(2)["optimizer"]})
-        with pytest.raises(ValueError, match=f"holds a Muon variant's {KEY}"):
-            engine.load_checkpoint(str(tmp_path), tag="restart_universal")
-        engine.destroy()
-        # At ZeRO-2, a file whose rows are not one value each: refused, naming the file.
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.copytree(tmp_path / "restart_universal", tmp_path / "uneven")
-            path = tmp_path / "uneven" / "zero" / "fc1.weight" / f"{KEY}.pt"
-            saved = torch.load(path, weights_only=False)
-            tensor = saved["param"] if isinstance(saved, dict) else saved
-            tensor.view(-1)[1] += 1.0
-            torch.save(saved, path)
-        dist.barrier()
-        zero2 = UNIVERSAL.with_(stage=2)
-        engine = zero2.build_engine(dict(zero2.config(2), checkpoint={"load_universal": True}))
-        with pytest.raises(ValueError,
-                           match=f"ZeRO-2 Muon, parameter group 0: '{KEY}' of the checkpoint: matrix 0 "
-                           r"\(shape \(33, 21\)\) is not normuon's per-row state"):
-            engine.load_checkpoint(str(tmp_path), tag="uneven")
-        engine.destroy()
-
-
-@pytest.mark.parametrize("offload", [None, "cpu"])
-class TestNorMuonZero12Conversion(DistributedTest):
-    """A ZeRO-2 NorMuon checkpoint (W=2, with and without offload) converts with ``ds_to_universal``,
-    the per-row state in its checkpoint form like the momentum, and resumes at ZeRO-2 W'=1 and at
-    ZeRO-3 W'=2, equal to the single-process NorMuon reference at the fp32 floor."""
-    reuse_dist_env = True
-
-    @pytest.mark.parametrize("world_size, load_stage", [([2, 1], 2), ([2, 2], 3)], ids=["2to1", "2toZeRO3"])
-    def test_converts_and_resumes(self, offload, world_size, load_stage, tmp_path):
-        import deepspeed.comm as dist
-        run = normuon_run(stage=2, offload=offload, gas=2, steps=5, samples=24, universal=True)
-        if not (tmp_path / "restart_universal").exists():
-            run.with_(steps=SAVED_AT, restart_after=SAVED_AT).train(checkpoint_dir=str(tmp_path))
-            names = os.listdir(tmp_path / "restart_universal" / "zero" / "fc1.weight")
-            assert f"{KEY}.pt" in names and "momentum_buffer.pt" in names, names
-            return
-        target = run.with_(stage=load_stage, offload=offload if load_stage < 3 else None, resume_from=SAVED_AT)
-        resumed = target.train(checkpoint_dir=str(tmp_path))
-        diff = relative_difference(normuon_reference(steps=5, samples=24), resumed.weights)
-        if dist.get_rank() == 0:
-            print(f"MEASURED normuon ZeRO-2 offload={offload} W=2 -> ZeRO-{load_stage} W'={world_size[1]}: {diff:.2e} "
-                  "from the reference")
-        assert diff <= FLOOR
-
-
 def _rows_held(engine) -> dict:
     """``{name: rows}`` of the NorMuon state this rank holds as owner once loaded (``MuonUpdate.pipelines``)."""
     opt = engine.optimizer
@@ -210,39 +118,83 @@ def _rows_held(engine) -> dict:
     return held
 
 
-@pytest.mark.parametrize("stage, offload", [(1, None), (2, None), (2, "cpu")])
-class TestNorMuonUniversalAtZero12(DistributedTest):
+# (saved, stage, offload, world_size): saved at ZeRO-``saved``, W=2; loaded at ZeRO-``stage``, W'; ZeRO-1/2's offload
+CONVERSIONS = [(3, 3, None, [2, 1]), (3, 3, None, [2, 4]), (3, 1, None, [2, 1]), (3, 1, None, [2, 2]),
+               (3, 2, None, [2, 1]), (3, 2, None, [2, 2]), (3, 2, "cpu", [2, 1]), (3, 2, "cpu", [2, 2]),
+               (2, 2, None, [2, 1]), (2, 2, "cpu", [2, 1]), (2, 3, None, [2, 2]), (2, 3, "cpu", [2, 2])]
+
+
+class TestNorMuonUniversal(DistributedTest):
     reuse_dist_env = True
 
-    @pytest.mark.parametrize("world_size", [[2, 1], [2, 2]], ids=["2to1", "2to2"])
-    def test_restores_the_rows_and_continues(self, stage, offload, world_size, tmp_path):
+    @pytest.mark.parametrize("saved, stage, offload, world_size", CONVERSIONS)
+    def test_resume_at_another_world_size(self, saved, stage, offload, world_size, tmp_path):
         import deepspeed.comm as dist
-        saved_file = tmp_path / "saved_state.pt"
-        if not saved_file.exists():
-            saved = UNIVERSAL.with_(steps=SAVED_AT, restart_after=SAVED_AT).train(checkpoint_dir=str(tmp_path))
-            dist.barrier()
-            if dist.get_rank() == 0:
-                torch.save(saved.optimizer_state, saved_file)
-            dist.barrier()
+        origin = UNIVERSAL.with_(stage=saved, offload=offload if saved < 3 else None)
+        if not (tmp_path / "restart_universal").exists():  # first launch: train, save, convert
+            result = origin.with_(steps=SAVED_AT, restart_after=SAVED_AT).train(checkpoint_dir=str(tmp_path))
+            names = os.listdir(tmp_path / "restart_universal" / "zero" / "fc1.weight")
+            assert f"{KEY}.pt" in names and "momentum_buffer.pt" in names, names
+            _on_rank_0(lambda: torch.save(result.optimizer_state, tmp_path / "saved_state.pt"))
             return
-        saved_state = torch.load(saved_file, weights_only=False)
-        run = UNIVERSAL.with_(stage=stage, offload=offload)
-        engine = run.build_engine(dict(run.config(dist.get_world_size()), checkpoint={"load_universal": True}))
-        engine.load_checkpoint(str(tmp_path), tag="restart_universal")
-        held = _rows_held(engine)
-        engine.destroy()
-        assert held, "this rank holds no NorMuon state after the load"
-        for name, rows in held.items():
-            broadcast = torch.as_tensor(saved_state[(name, KEY)]).reshape(rows.numel(), -1)
-            assert torch.equal(rows, broadcast[:, 0]), name
-        names = [None] * dist.get_world_size()
-        dist.all_gather_object(names, sorted(held))
-        assert set().union(*map(set, names)) == {n for n, k in saved_state if k == KEY}
+        saved_state = torch.load(tmp_path / "saved_state.pt", weights_only=False)
+        assert saved < 3 or any(k[1] == KEY for k in saved_state)
+        run = UNIVERSAL.with_(stage=stage, offload=offload if stage < 3 else None)
+        if saved == 3 and stage < 3:
+            engine = run.build_engine(dict(run.config(dist.get_world_size()), checkpoint={"load_universal": True}))
+            engine.load_checkpoint(str(tmp_path), tag="restart_universal")
+            held = _rows_held(engine)
+            engine.destroy()
+            assert held, "this rank holds no NorMuon state after the load"
+            for name, rows in held.items():
+                broadcast = torch.as_tensor(saved_state[(name, KEY)]).reshape(rows.numel(), -1)
+                assert torch.equal(rows, broadcast[:, 0]), name
+            names = [None] * dist.get_world_size()
+            dist.all_gather_object(names, sorted(held))
+            assert set().union(*map(set, names)) == {n for n, k in saved_state if k == KEY}
         resumed = run.with_(resume_from=SAVED_AT).train(checkpoint_dir=str(tmp_path))
-        diff = relative_difference(normuon_reference(steps=5, samples=24), resumed.weights)
-        print(f"MEASURED normuon universal 2->ZeRO-{stage} offload={offload} W'={world_size[1]}: {diff:.2e} "
-              "from the reference")
-        assert diff <= FLOOR
+        if saved == stage == 3:
+            assert unequal_states(saved_state, resumed.loaded_state) == []
+        check_normuon(f"universal ZeRO-{saved} W=2 -> ZeRO-{stage} offload={offload} W'={world_size[1]}",
+                      resumed.weights, normuon_reference(steps=5, samples=24))
+
+    @pytest.mark.parametrize("world_size", [[2, 2]])
+    def test_refusals(self, world_size, tmp_path):
+        if not (tmp_path / "restart_universal").exists():
+            UNIVERSAL.with_(steps=SAVED_AT, restart_after=SAVED_AT).train(checkpoint_dir=str(tmp_path))
+            return
+        config = dict(UNIVERSAL.config(2), checkpoint={"load_universal": True})
+
+        def damage():  # a copy without the state; one whose rows are not one value each
+            for tag in ("missing", "uneven"):
+                shutil.copytree(tmp_path / "restart_universal", tmp_path / tag)
+            for path in glob.glob(str(tmp_path / "missing" / "zero" / "*" / f"{KEY}.pt")):
+                os.remove(path)
+            path = tmp_path / "uneven" / "zero" / "fc1.weight" / f"{KEY}.pt"
+            saved = torch.load(path, weights_only=False)
+            tensor = saved["param"] if isinstance(saved, dict) else saved
+            tensor.view(-1)[1] += 1.0
+            torch.save(saved, path)
+
+        _on_rank_0(damage)
+        engine = UNIVERSAL.build_engine(config)
+        with pytest.raises(ValueError, match=f"has no {KEY}"):
+            engine.load_checkpoint(str(tmp_path), tag="missing")
+        engine.destroy()
+        # Into a plain Muon run: refused (the state would be dropped).
+        plain = Zero3MuonRun(gas=2, steps=5, samples=24, universal=True)
+        engine = plain.build_engine(config | {"optimizer": plain.config(2)["optimizer"]})
+        with pytest.raises(ValueError, match=f"holds a Muon variant's {KEY}"):
+            engine.load_checkpoint(str(tmp_path), tag="restart_universal")
+        engine.destroy()
+        # At ZeRO-2, a file whose rows are not one value each: refused, naming the file.
+        zero2 = UNIVERSAL.with_(stage=2)
+        engine = zero2.build_engine(dict(zero2.config(2), checkpoint={"load_universal": True}))
+        with pytest.raises(ValueError,
+                           match=f"ZeRO-2 Muon, parameter group 0: '{KEY}' of the checkpoint: matrix 0 "
+                           r"\(shape \(33, 21\)\) is not normuon's per-row state"):
+            engine.load_checkpoint(str(tmp_path), tag="uneven")
+        engine.destroy()
 
 
 @pytest.mark.parametrize("offload", [None, "cpu"])
@@ -254,7 +206,6 @@ class TestNorMuonOlderZero12Checkpoints(DistributedTest):
     reuse_dist_env = True
 
     def test_resume_equals_the_uninterrupted_run(self, offload, tmp_path):
-        from deepspeed import comm as dist
         from muon_testing.models import build_model, is_muon_param
         from unit.runtime.zero.zero12_muon_helpers import to_older_zero12_layout
         run = normuon_run(stage=2, offload=offload, gas=2, steps=5, samples=24)
@@ -264,11 +215,8 @@ class TestNorMuonOlderZero12Checkpoints(DistributedTest):
         engine.destroy()
         straight = run.train()
         run.with_(steps=SAVED_AT, restart_after=SAVED_AT).train(checkpoint_dir=str(tmp_path))
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shapes = [tuple(p.shape) for n, p in build_model("mixed").named_parameters() if is_muon_param(n, p)]
-            to_older_zero12_layout(str(tmp_path), "restart", shapes, self.world_size, offload, owners)
-        dist.barrier()
+        shapes = [tuple(p.shape) for n, p in build_model("mixed").named_parameters() if is_muon_param(n, p)]
+        _on_rank_0(lambda: to_older_zero12_layout(str(tmp_path), "restart", shapes, self.world_size, offload, owners))
         resumed = run.with_(resume_from=SAVED_AT).train(checkpoint_dir=str(tmp_path))
         for name in straight.weights:
             assert np.array_equal(straight.weights[name], resumed.weights[name]), name
