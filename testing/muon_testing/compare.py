@@ -2,8 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""How two trainings are compared: the fp32 floor, relative weight differences, full weights of a
-(ZeRO-3) engine, and a free port for a launcher."""
+"""How two trainings are compared: the fp32 floor, relative weight differences, full weights of a (ZeRO-3) engine, and
+a free port for a launcher."""
 
 import contextlib
 import socket
@@ -12,12 +12,11 @@ import numpy as np
 import torch
 
 FLOOR = 2e-6
-"""Relative weight difference allowed between two fp32 runs that differ only in the order of fp32
-sums (samples split differently over ranks and micro-steps, reference vs ZeRO-3). Newton-Schulz
-runs in fp32 on the CPU; the largest such difference measured on the test models after 4 steps
-is 6.0e-7 (gas=1 vs gas=4 at W=4), so FLOOR is about 3x that. Wrong results are far off:
-momentum advanced per micro-step gives 1e-1, clipping the update instead of the gradient 4e-3.
-The measurements behind it: docs/configurations.md."""
+"""Relative weight difference allowed between two fp32 runs that differ only in the order of fp32 sums (samples split
+differently over ranks and micro-steps, reference vs ZeRO-3). Newton-Schulz runs in fp32 on the CPU; the largest such
+difference measured on the test models after 4 steps is 6.0e-7 (gas=1 vs gas=4 at W=4), so FLOOR is about 3x that.
+Wrong results are far off: momentum advanced per micro-step gives 1e-1, clipping the update instead of the gradient
+4e-3. The measurements behind it: docs/configurations.md."""
 
 
 def free_port() -> int:
@@ -61,9 +60,9 @@ def relative_difference(a, b) -> float:
 
 
 def gathered_weights(engine) -> dict:
-    """Full parameters of ``engine.module`` by name, fp32 CPU tensors, on every rank (collective
-    under ZeRO-3). Under ZeRO-3 one parameter at a time: stock 0.19.7 gathers several at once
-    and waits on the last handle only, which on gloo can return before the others arrive."""
+    """Full parameters of ``engine.module`` by name, fp32 CPU tensors, on every rank (collective under ZeRO-3). Under
+    ZeRO-3 one parameter at a time: stock 0.19.7 gathers several at once and waits on the last handle only, which on
+    gloo can return before the others arrive."""
     import deepspeed
     weights = {}
     for name, param in engine.module.named_parameters():

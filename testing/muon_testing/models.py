@@ -4,10 +4,10 @@
 # DeepSpeed Team
 """The test models, the samples of every optimizer step, the loss and the parameter groups.
 
-Every model is small, with matrices whose sizes W = 2, 3, 4 do not divide, and each covers a case
-Muon or ZeRO-3 must handle (shapes, routing, frozen layers, heads, expert and conv weights).
-``step_batch(name, step)`` gives the same ``TOTAL_SAMPLES`` samples for a step whatever the world
-size and gradient accumulation, so runs that cut them differently must end equal (``FLOOR``).
+Every model is small, with matrices whose sizes W = 2, 3, 4 do not divide, and each covers a case Muon or ZeRO-3 must
+handle (shapes, routing, frozen layers, heads, expert and conv weights). ``step_batch(name, step)`` gives the same
+``TOTAL_SAMPLES`` samples for a step whatever the world size and gradient accumulation, so runs that cut them
+differently must end equal (``FLOOR``).
 """
 
 import types
@@ -19,15 +19,15 @@ TOTAL_SAMPLES = 16
 """Samples per optimizer step, whatever the world size and gradient accumulation."""
 
 HYPER = dict(muon_lr=0.02, adam_lr=0.003, momentum=0.95, weight_decay=0.01, betas=(0.9, 0.95), eps=1e-8)
-"""Hyper-parameters of the runs and of the reference: Muon's learning rate, momentum and weight decay,
-the auxiliary Adam's learning rate, betas and eps (``ds_config``'s optimizer block)."""
+"""Hyper-parameters of the runs and of the reference: Muon's learning rate, momentum and weight decay, the auxiliary
+Adam's learning rate, betas and eps (``ds_config``'s optimizer block)."""
 
 
 class MixedMLP(torch.nn.Module):
     """Matrices of different shapes, none of whose sizes divides by 2, 3 or 4, plus 1-D params.
 
-    Muon matrices: 33x21 (tall), 17x33 (wide), 7x17 (wide); AdamW: two biases and a LayerNorm.
-    Input (N, 21) fp32, output (N, 7).
+    Muon matrices: 33x21 (tall), 17x33 (wide), 7x17 (wide); AdamW: two biases and a LayerNorm. Input (N, 21) fp32,
+    output (N, 7).
     """
     in_dim, out_dim = 21, 7
 
@@ -43,8 +43,8 @@ class MixedMLP(torch.nn.Module):
 
 
 class CrossShapes(torch.nn.Module):
-    """Two bias-free Linear layers with weights 48x64 and 64x48, the shapes that crash stock
-    DeepSpeed 0.19.7's reduce-path Muon at W=2. Input (N, 64), output (N, 64)."""
+    """Two bias-free Linear layers with weights 48x64 and 64x48, the shapes that crash stock DeepSpeed 0.19.7's
+    reduce-path Muon at W=2. Input (N, 64), output (N, 64)."""
     in_dim, out_dim = 64, 64
 
     def __init__(self):
@@ -59,10 +59,10 @@ class CrossShapes(torch.nn.Module):
 class Routed(torch.nn.Module):
     """A branch only some samples use, so some steps (and some micro-steps) give it no gradient.
 
-    Samples whose first input feature is positive also go through ``extra`` (a 9x21 Muon matrix
-    and a bias). ``step_batch`` sets that feature so that in step 0 only the last 4 samples use
-    the branch (at gas=4 it gets no gradient in the first micro-steps), in step 1 none does (no
-    gradient in the whole step), in step 2 all do, in step 3 the first 4. Input (N, 21), output (N, 9).
+    Samples whose first input feature is positive also go through ``extra`` (a 9x21 Muon matrix and a bias).
+    ``step_batch`` sets that feature so that in step 0 only the last 4 samples use the branch (at gas=4 it gets no
+    gradient in the first micro-steps), in step 1 none does (no gradient in the whole step), in step 2 all do, in step
+    3 the first 4. Input (N, 21), output (N, 9).
     """
     in_dim, out_dim = 21, 9
     ROUTES = {0: range(12, 16), 1: range(0), 2: range(16), 3: range(0, 4)}
@@ -81,9 +81,8 @@ class Routed(torch.nn.Module):
 
 
 class Shapes(torch.nn.Module):
-    """The tensor shapes Muon dispatches on: a 3-D expert weight (``is_expert_group``: NS per
-    expert), a 4-D convolution weight (flattened), and a 1x3 matrix with fewer elements than
-    ranks. Input (N, 12), output (N, 6)."""
+    """The tensor shapes Muon dispatches on: a 3-D expert weight (``is_expert_group``: NS per expert), a 4-D
+    convolution weight (flattened), and a 1x3 matrix with fewer elements than ranks. Input (N, 12), output (N, 6)."""
     in_dim, out_dim = 12, 6
 
     def __init__(self):
@@ -112,9 +111,9 @@ class Frozen(MixedMLP):
 
 
 class Heads(torch.nn.Module):
-    """Attention-style projections that ``per_head_muon`` splits into heads: ``attn.q_proj``
-    (24x24, 4 heads of 6 rows) and ``attn.k_proj`` (12x24, 2 key/value heads), found through a
-    Hugging Face style ``config``; ``attn.o_proj`` and ``out`` stay whole. Input (N, 24), output (N, 5)."""
+    """Attention-style projections that ``per_head_muon`` splits into heads: ``attn.q_proj`` (24x24, 4 heads of 6 rows)
+    and ``attn.k_proj`` (12x24, 2 key/value heads), found through a Hugging Face style ``config``; ``attn.o_proj`` and
+    ``out`` stay whole. Input (N, 24), output (N, 5)."""
     in_dim, out_dim = 24, 5
     MUON_HEADS = {"attn.q_proj.weight": 4, "attn.k_proj.weight": 2}
 
@@ -133,14 +132,7 @@ class Heads(torch.nn.Module):
         return self.out(self.attn.o_proj(torch.tanh(q) * torch.tanh(k)))
 
 
-MODELS = {
-    "mixed": MixedMLP,
-    "cross": CrossShapes,
-    "routed": Routed,
-    "shapes": Shapes,
-    "frozen": Frozen,
-    "heads": Heads
-}
+MODELS = dict(mixed=MixedMLP, cross=CrossShapes, routed=Routed, shapes=Shapes, frozen=Frozen, heads=Heads)
 
 
 def build_model(name: str, seed: int = 0) -> torch.nn.Module:
@@ -156,11 +148,10 @@ def is_muon_param(name: str, param: torch.Tensor) -> bool:
 
 
 def newton_schulz_problem_count(name: str, num_heads: Optional[dict] = None) -> int:
-    """Number of 2-D Newton-Schulz problems per optimizer step of model ``name``: over the
-    parameters DeepSpeed optimizes with Muon, one per matrix, one per expert of an expert group,
-    one per head of a projection in ``num_heads`` (parameter name -> ``muon_num_heads``, as
-    ``Zero3MuonResult.muon_num_heads`` reports them; ``muon_ns_problem``): what
-    ``NSCounter.count`` counts for one step."""
+    """Number of 2-D Newton-Schulz problems per optimizer step of model ``name``: over the parameters DeepSpeed
+    optimizes with Muon, one per matrix, one per expert of an expert group, one per head of a projection in
+    ``num_heads`` (parameter name -> ``muon_num_heads``, as ``Zero3MuonResult.muon_num_heads`` reports them;
+    ``muon_ns_problem``): what ``NSCounter.count`` counts for one step."""
     from deepspeed.runtime.zero.muon.newton_schulz import newton_schulz_problem
     heads = num_heads or {}
     return sum(
@@ -182,31 +173,23 @@ def step_batch(name: str, step: int, target_scale: float = 1.0, samples: int = T
 
 
 def loss_fn(out, target):
-    """Mean squared error of ``out`` against ``target`` (both (N, out), fp32: a model's output is cast
-    first), the loss of every test model."""
+    """Mean squared error of ``out`` against ``target`` (both (N, out), fp32: a model's output is cast first), the loss
+    of every test model."""
     return torch.nn.functional.mse_loss(out, target)
 
 
+def _fc1_apart(**fc1_settings):
+    """MixedMLP's first layer in a group of its own, with ``fc1_settings``; the rest takes the config's settings."""
+    return lambda model: [
+        dict(params=list(model.fc1.parameters()), **fc1_settings),
+        dict(params=[p for n, p in model.named_parameters() if not n.startswith("fc1.")]),
+    ]
+
+
 GROUPINGS = {
-    # MixedMLP's first layer in a Muon group of its own, with its own momentum, learning rate and
-    # weight decay; the rest takes the config's settings.
-    "two_muon_groups":
-    lambda model: [
-        dict(params=list(model.fc1.parameters()), momentum=0.8, lr=0.01, weight_decay=0.0),
-        dict(params=[p for n, p in model.named_parameters() if not n.startswith("fc1.")]),
-    ],
-    # The first layer orthogonalized by the "standard" Newton-Schulz kernel, the rest by "gram".
-    "standard_first":
-    lambda model: [
-        dict(params=list(model.fc1.parameters()), ns_method="standard"),
-        dict(params=[p for n, p in model.named_parameters() if not n.startswith("fc1.")]),
-    ],
-    # The first layer orthogonalized by Polar Express, the rest by "gram".
-    "polar_express_first":
-    lambda model: [
-        dict(params=list(model.fc1.parameters()), ns_method="polar_express"),
-        dict(params=[p for n, p in model.named_parameters() if not n.startswith("fc1.")]),
-    ],
+    "two_muon_groups": _fc1_apart(momentum=0.8, lr=0.01, weight_decay=0.0),  # its own momentum, lr, weight decay
+    "standard_first": _fc1_apart(ns_method="standard"),  # the "standard" Newton-Schulz kernel, the rest "gram"
+    "polar_express_first": _fc1_apart(ns_method="polar_express"),  # Polar Express, the rest "gram"
 }
 
 

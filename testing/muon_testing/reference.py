@@ -2,13 +2,13 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The single-process reference: what a PyTorch user writes by hand, one process, the whole batch
-of a step at once, optionally ``torch.nn.utils.clip_grad_norm_``, then upstream ``muon_update`` per
-Muon matrix (weight decay and ``-lr * update`` as ``MuonWithAuxAdam`` applies them) and
-``torch.optim.AdamW`` for everything else (``train_reference``).
+"""The single-process reference: what a PyTorch user writes by hand, one process, the whole batch of a step at once,
+optionally ``torch.nn.utils.clip_grad_norm_``, then upstream ``muon_update`` per Muon matrix (weight decay and
+``-lr * update`` as ``MuonWithAuxAdam`` applies them) and ``torch.optim.AdamW`` for everything else
+(``train_reference``).
 
-Newton-Schulz computes in fp32 there and in the runs compared with it (``fp32_newton_schulz``),
-the premise of ``FLOOR``.
+Newton-Schulz computes in fp32 there and in the runs compared with it (``fp32_newton_schulz``), the premise of
+``FLOOR``.
 """
 
 import contextlib
@@ -20,9 +20,9 @@ from muon_testing.models import HYPER, TOTAL_SAMPLES, build_model, is_muon_param
 
 
 def device():
-    """The device the tests' tensors live on: DeepSpeed's accelerator's current device (``"cpu"``
-    on the CPU accelerator, ``"cuda:<local rank>"`` on a GPU). References, replays and the inputs
-    a DeepSpeed engine is fed go there; results come back as CPU numpy arrays."""
+    """The device the tests' tensors live on: DeepSpeed's accelerator's current device (``"cpu"`` on the CPU
+    accelerator, ``"cuda:<local rank>"`` on a GPU). References, replays and the inputs a DeepSpeed engine is fed go
+    there; results come back as CPU numpy arrays."""
     from deepspeed.accelerator import get_accelerator
     return torch.device(get_accelerator().current_device_name())
 
@@ -31,16 +31,15 @@ def device():
 def fp32_newton_schulz(every_method: bool = False):
     """Newton-Schulz's "gram" kernel in fp32, the tests' premise (FLOOR), on any accelerator.
 
-    Upstream's ``ns_compute_dtype`` runs "gram" in fp16 where the accelerator supports fp16: on
-    every GPU, and on CPUs whose oneDNN has fp16 (AVX512-FP16 or AMX,
-    ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``), where the reference and ZeRO-3 then differ
-    by 5.7e-4 (measured on the CPU, MixedMLP, 4 steps) instead of the fp32 floor. While a test
-    trains or replays, the accelerator reports no fp16 (fp16 engines claim it back while they are
-    built, ``fp16_allowed_on_cpu``).
+    Upstream's ``ns_compute_dtype`` runs "gram" in fp16 where the accelerator supports fp16: on every GPU, and on CPUs
+    whose oneDNN has fp16 (AVX512-FP16 or AMX, ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``), where the reference
+    and ZeRO-3 then differ by 5.7e-4 (measured on the CPU, MixedMLP, 4 steps) instead of the fp32 floor. While a test
+    trains or replays, the accelerator reports no fp16 (fp16 engines claim it back while they are built,
+    ``fp16_allowed_on_cpu``).
 
-    With ``every_method`` the accelerator reports no bf16 either, so the kernels that compute
-    in bf16 where it is supported ("standard", "polar_express") run in fp32 too: for fp32 runs only
-    (``bf16.enabled`` needs bf16 at ``deepspeed.initialize``)."""
+    With ``every_method`` the accelerator reports no bf16 either, so the kernels that compute in bf16 where it is
+    supported ("standard", "polar_express") run in fp32 too: for fp32 runs only (``bf16.enabled`` needs bf16 at
+    ``deepspeed.initialize``)."""
     from deepspeed.accelerator import get_accelerator
     accelerator = get_accelerator()
     original, original_bf16 = accelerator.is_fp16_supported, accelerator.is_bf16_supported
@@ -55,32 +54,24 @@ def fp32_newton_schulz(every_method: bool = False):
 
 def reference_muon_update(grad, momentum, beta, ns_method="gram", is_expert_group=False, num_heads=None):
     """Upstream ``muon_update``, except for 4-D convolution weights, where it fails in its final
-    ``torch.where(finite, update, grad)`` ((out, in*kh*kw) does not broadcast against
-    (out, in, kh, kw)); for those its own steps are composed as Keller Jordan's Muon does them:
-    the same lerps, NS on the weight flattened to (out, -1), scaled by its last two dimensions."""
+    ``torch.where(finite, update, grad)`` ((out, in*kh*kw) does not broadcast against (out, in, kh, kw)); for those its
+    own steps are composed as Keller Jordan's Muon does them: the same lerps, NS on the weight flattened to (out, -1),
+    scaled by its last two dimensions."""
     from deepspeed.runtime.zero.muon import original_muon
-    if num_heads is not None:
-        return original_muon.muon_update(grad, momentum, beta=beta, ns_method=ns_method, num_heads=num_heads)
-    if grad.ndim != 4 or is_expert_group:
-        return original_muon.muon_update(grad,
-                                         momentum,
-                                         beta=beta,
-                                         ns_method=ns_method,
-                                         is_expert_group=is_expert_group)
+    if num_heads is not None or grad.ndim != 4 or is_expert_group:
+        extra = dict(num_heads=num_heads) if num_heads is not None else dict(is_expert_group=is_expert_group)
+        return original_muon.muon_update(grad, momentum, beta=beta, ns_method=ns_method, **extra)
     momentum.lerp_(grad, 1 - beta)
     x = grad.lerp_(momentum, beta).view(len(grad), -1)
-    kernel = original_muon.zeropower_via_gram_newtonschulz
-    if ns_method == "standard":
-        kernel = original_muon.zeropower_via_newtonschulz5
-    elif ns_method == "polar_express":
-        kernel = original_muon.zeropower_via_polar_express
+    kernels = dict(standard="zeropower_via_newtonschulz5", polar_express="zeropower_via_polar_express")
+    kernel = getattr(original_muon, kernels.get(ns_method, "zeropower_via_gram_newtonschulz"))
     return kernel(x, steps=5) * max(1, grad.size(-2) / grad.size(-1))**0.5
 
 
 def muon_settings(model, grouping, hyper, ns_method="gram", is_muon=is_muon_param):
-    """Per parameter name, the Muon or AdamW settings DeepSpeed's Muon engine resolves: the
-    config's shared values (``ns_method``: the config's), ``muon_lr`` / ``adam_lr``, then the
-    group's own (engine ``_muon_param_groups``); ``is_muon(name, param)``: which half it is in."""
+    """Per parameter name, the Muon or AdamW settings DeepSpeed's Muon engine resolves: the config's shared values
+    (``ns_method``: the config's), ``muon_lr`` / ``adam_lr``, then the group's own (engine ``_muon_param_groups``);
+    ``is_muon(name, param)``: which half it is in."""
     names = {id(p): n for n, p in model.named_parameters()}
     settings = {}
     for group in param_groups(model, grouping) if grouping else [dict(params=list(model.parameters()))]:
@@ -92,21 +83,18 @@ def muon_settings(model, grouping, hyper, ns_method="gram", is_muon=is_muon_para
                             momentum=hyper["momentum"],
                             weight_decay=hyper["weight_decay"],
                             ns_method=ns_method)
-                keys = ("lr", "momentum", "weight_decay", "ns_method")
             else:
                 base = dict(lr=hyper["adam_lr"],
                             betas=hyper["betas"],
                             eps=hyper["eps"],
                             weight_decay=hyper["weight_decay"])
-                keys = ("lr", "betas", "eps", "weight_decay")
-            base.update({k: v for k, v in overrides.items() if k in keys})
+            base.update({k: v for k, v in overrides.items() if k in base})  # the group's own, of this half's keys
             settings[name] = base
     return settings
 
 
 def train_reference(*args, ns_fp32=False, **kwargs):
-    """``_train_reference`` with Newton-Schulz in fp32 (``fp32_newton_schulz``; with ``ns_fp32``
-    for every method)."""
+    """``_train_reference`` with Newton-Schulz in fp32 (``fp32_newton_schulz``; with ``ns_fp32`` for every method)."""
     with fp32_newton_schulz(every_method=ns_fp32):
         return _train_reference(*args, **kwargs)
 
@@ -123,11 +111,10 @@ def _train_reference(name: str,
                      ns_method: Optional[str] = None):
     """Single-process PyTorch + upstream ``muon_update`` training; see the module docstring.
 
-    A parameter without a gradient in a step (a branch no sample used) gets a zero gradient, as
-    DeepSpeed's optimizers treat it; a frozen parameter is left out. With ``adamw_only`` every
-    parameter uses AdamW (lr ``adam_lr``), the reference for DeepSpeed's ``"AdamW"`` optimizer.
-    With ``per_head`` the model's ``MUON_HEADS`` are orthogonalized per head. ``ns_method``: the
-    config's (``optimizer.params.ns_method``; None: upstream's default, "gram").
+    A parameter without a gradient in a step (a branch no sample used) gets a zero gradient, as DeepSpeed's optimizers
+    treat it; a frozen parameter is left out. With ``adamw_only`` every parameter uses AdamW (lr ``adam_lr``), the
+    reference for DeepSpeed's ``"AdamW"`` optimizer. With ``per_head`` the model's ``MUON_HEADS`` are orthogonalized
+    per head. ``ns_method``: the config's (``optimizer.params.ns_method``; None: upstream's default, "gram").
 
     Returns:
         ``(weights, norms)``: final parameters by name (numpy fp32) and the pre-clip global
@@ -157,9 +144,9 @@ def _train_reference(name: str,
 def train_steps(model, named, settings, muon, other, heads, steps, clip, loss_of, splits=(), after_step=None) -> list:
     """``steps`` optimizer steps of ``model`` (``loss_of(step)``: the step's loss over all its samples): Muon on
     ``muon`` (``heads``: name -> ``muon_num_heads``; ``splits``: name -> the update of a fused parameter, a callable
-    taking ``(grad, momentum, beta, ns_method)``), AdamW on
-    ``other`` (``(name, param)`` lists; ``settings`` by name), optional clipping, ``after_step(step)`` after each
-    step's updates; returns the pre-clip global gradient norm of every step."""
+    taking ``(grad, momentum, beta, ns_method)``), AdamW on ``other`` (``(name, param)`` lists; ``settings`` by name),
+    optional clipping, ``after_step(step)`` after each step's updates; returns the pre-clip global gradient norm of
+    every step."""
     adamw = torch.optim.AdamW([dict(params=[p], **settings[n]) for n, p in other]) if other else None
     momenta = {n: torch.zeros_like(p) for n, p in muon}
     norms = []

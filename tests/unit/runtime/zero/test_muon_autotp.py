@@ -101,9 +101,8 @@ def _check_whole_matrix_muon(stage, gas, world_size, clip=0.0, splits=None, **mu
     assert clip == 0.0 or engine.get_global_grad_norm() > clip, "the clip did not act"
     # a projection split into whole heads runs per-head Newton-Schulz on each shard, once per shard
     assert _ns_calls(engine) == (MUON_MATRICES + (TP - 1) * len(heads or ())) * STEPS
-    assert all(
-        getattr(p, "muon_split", None) == split for n, p in engine.module.named_parameters()
-        for m, split in (splits or {}).items() if n == m)
+    params = dict(engine.module.named_parameters())
+    assert all(getattr(params[n], "muon_split", None) == split for n, split in (splits or {}).items())
     engine.destroy()
 
 
@@ -130,10 +129,8 @@ class TestMuonAutoTPOneReplica(WholeMatrixMuon):
         """A fused projection split by AutoTP: its parts are cut from the whole matrix on the owner (here the
         user's ``muon_split`` of each MLP up projection into 32 and 64 of its rows, and of each down projection,
         which AutoTP splits by columns, into 32 and 64 of its columns: parts across AutoTP's shards of 48)."""
-        splits = {}
-        for layer in range(2):
-            splits[f"model.layers.{layer}.mlp.up_proj.weight"] = (-2, (32, 64))
-            splits[f"model.layers.{layer}.mlp.down_proj.weight"] = (-1, (32, 64))
+        splits = {f"model.layers.{i}.mlp.up_proj.weight": (-2, (32, 64)) for i in (0, 1)}
+        splits |= {f"model.layers.{i}.mlp.down_proj.weight": (-1, (32, 64)) for i in (0, 1)}
         _check_whole_matrix_muon(stage, 1, self.world_size, splits=splits)
 
     @pytest.mark.parametrize("stage", [1, 3])
@@ -159,13 +156,10 @@ class TestMuonAutoTPOneReplica(WholeMatrixMuon):
 
 def _shard_pipelines(engine):
     """Each partition's matrices as this rank's shards (what Muon trained before it knew AutoTP's maps)."""
-    update = engine.optimizer.muon_update
-    loads = {}
-    pipelines = {}
+    update, loads, pipelines = engine.optimizer.muon_update, {}, {}
     for key, part in update.partitions.items():
-        indices = list(range(len(part.params)))
-        pipelines[key] = update._build_pipeline(part, indices, part.pieces, [tuple(p.shape) for p in part.params],
-                                                loads)
+        shapes = [tuple(p.shape) for p in part.params]
+        pipelines[key] = update._build_pipeline(part, list(range(len(shapes))), part.pieces, shapes, loads)
     return pipelines
 
 
@@ -225,13 +219,11 @@ class TestMuonAutoTPTwoReplicas(WholeMatrixMuon):
             _engine(_config(stage, 1, self.world_size, tp=4))
 
     def test_stage_0_refused(self):
-        """ZeRO stage 0 runs upstream's Muon on each shard: refused rather than trained per shard."""
+        """ZeRO stage 0 runs upstream's Muon on each shard: refused rather than trained per shard, also for
+        DeepSpeed's Muon passed as the client optimizer."""
+        from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
         with pytest.raises(ValueError, match=r"tensor_parallel\.autotp_size: .*stage 0"):
             _engine(_config(0, 1, self.world_size))
-
-    def test_stage_0_refused_for_a_client_muon(self):
-        """The same for DeepSpeed's Muon passed as the client optimizer."""
-        from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
         config = _config(0, 1, self.world_size)
         del config["optimizer"]
         model = tiny_llama()

@@ -2,20 +2,19 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Every key of the Muon block is checked (``deepspeed.runtime.zero.muon.config``), and each
-accepted key changes the update of the half it is documented to reach.
+"""Every key of the Muon block is checked (``deepspeed.runtime.zero.muon.config``), and each accepted key changes the
+update of the half it is documented to reach.
 
-- A key of ``optimizer.params`` or of a parameter group that the engine would drop (``muon_momentum``,
-  ``lr_muon``, ``amsgrad``, ``ns_steps``; ``use_muon`` or ``muon_lr`` in a group) is refused at
-  ``deepspeed.initialize`` with a ``ValueError`` naming it and the accepted keys.
-- Per accepted key, MixedMLP at ZeRO-3 on 1 rank, fp32, 2 optimizer steps, the key changed from the
-  baseline: the weights equal a single-process reference with that setting (upstream ``muon_update``
-  for the matrices, torch's AdamW or Adam for the rest) to the fp32 floor and are far from the
-  baseline's; after the first step the half the key does not reach is bit for bit the baseline's
-  (after that the halves interact through the forward pass).
+- A key of ``optimizer.params`` or of a parameter group that the engine would drop (``muon_momentum``, ``lr_muon``,
+  ``amsgrad``, ``ns_steps``; ``use_muon`` or ``muon_lr`` in a group) is refused at ``deepspeed.initialize`` with a
+  ``ValueError`` naming it and the accepted keys.
+- Per accepted key, MixedMLP at ZeRO-3 on 1 rank, fp32, 2 optimizer steps, the key changed from the baseline: the
+  weights equal a single-process reference with that setting (upstream ``muon_update`` for the matrices, torch's AdamW
+  or Adam for the rest) to the fp32 floor and are far from the baseline's; after the first step the half the key does
+  not reach is bit for bit the baseline's (after that the halves interact through the forward pass).
 - The precedence of ``lr``, ``muon_lr``, ``adam_lr`` and a group's own ``lr``.
-- The distributed update's settings (``pipeline_depth``, ``batch_ns``) reach the update the engine
-  builds, and values it cannot use are refused naming the key.
+- The distributed update's settings (``pipeline_depth``, ``batch_ns``) reach the update the engine builds, and values
+  it cannot use are refused naming the key.
 """
 
 import re
@@ -38,11 +37,12 @@ differ by bf16 roundings that fall differently (measured 4.9e-4 after 2 steps; `
 explains the mechanism), while "standard" and "gram" differ by 4.9e-3."""
 
 
-def reference(steps=STEPS, muon=None, adam=None, adam_w_mode=True):
+def reference(steps=STEPS, muon=None, adam=None, adam_w_mode=True, rates=None):
     """Single-process training, the whole batch of a step at once, returning the weights after
     each step: upstream ``muon_update`` on the matrices with ``muon`` settings (lr, momentum,
     weight_decay, ns_method), torch's AdamW (Adam with L2 weight decay if not ``adam_w_mode``) on
-    the rest with ``adam`` settings (lr, betas, eps, weight_decay)."""
+    the rest with ``adam`` settings (lr, betas, eps, weight_decay); ``rates``: per step
+    ``[muon lr, adam lr]`` instead of the settings' lr."""
     m = dict(lr=HYPER["muon_lr"], momentum=HYPER["momentum"], weight_decay=HYPER["weight_decay"], ns_method="gram")
     a = dict(lr=HYPER["adam_lr"], betas=HYPER["betas"], eps=HYPER["eps"], weight_decay=HYPER["weight_decay"])
     m.update(muon or {})
@@ -57,43 +57,55 @@ def reference(steps=STEPS, muon=None, adam=None, adam_w_mode=True):
         momenta = {n: torch.zeros_like(p) for n, p in matrices}
         after = []
         for step in range(steps):
+            muon_lr, adam_lr = rates[step] if rates else (m["lr"], a["lr"])
             x, y = step_batch("mixed", step)
             model.zero_grad(set_to_none=True)
             loss_fn(model(x), y).backward()
             with torch.no_grad():
                 for n, p in matrices:
                     update = reference_muon_update(p.grad.clone(), momenta[n], m["momentum"], m["ns_method"])
-                    p.mul_(1 - m["lr"] * m["weight_decay"])
-                    p.add_(update.reshape(p.shape), alpha=-m["lr"])
+                    p.mul_(1 - muon_lr * m["weight_decay"])
+                    p.add_(update.reshape(p.shape), alpha=-muon_lr)
+            for group in adam_opt.param_groups:
+                group["lr"] = adam_lr
             adam_opt.step()
             after.append({n: p.detach().clone() for n, p in model.named_parameters()})
         return after
 
 
+def train_config(config, steps=STEPS, model_parameters=None):
+    """MixedMLP trained on every rank under ``config``; micro-step m of rank r takes samples
+    [(m * W + r) * mb, ... + mb). Returns the full weights after each step, per step the groups'
+    ``lr`` the optimizer step used, and the group names."""
+    world_size, rank = deepspeed.comm.get_world_size(), deepspeed.comm.get_rank()
+    gas, micro = config["gradient_accumulation_steps"], config["train_micro_batch_size_per_gpu"]
+    with fp32_newton_schulz():
+        model = build_model("mixed")
+        parameters = model_parameters(model) if model_parameters else list(model.parameters())
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=parameters)
+        names = [g.get("name") for g in engine.basic_optimizer.param_groups]
+        after, rates = [], []
+        for step in range(steps):
+            x, y = step_batch("mixed", step)
+            for m in range(gas):
+                lo = (m * world_size + rank) * micro
+                engine.backward(loss_fn(engine(x[lo:lo + micro].to(engine.device)),
+                                        y[lo:lo + micro].to(engine.device)))
+                if m == gas - 1:
+                    rates.append(list(engine.get_lr()))
+                engine.step()
+            after.append(gathered_weights(engine))
+        engine.destroy()
+    return after, rates, names
+
+
 def train(params, stage=3, steps=STEPS, model_parameters=None, zero=None):
     """ZeRO ``stage`` on the current ranks (gas 1) with ``optimizer.params`` replaced by ``params`` (and
     ``zero`` added to ``zero_optimization``); returns the full weights after each step."""
-    world_size = deepspeed.comm.get_world_size()
-    rank = deepspeed.comm.get_rank()
-    config = ds_config(stage, 1, world_size)
+    config = ds_config(stage, 1, deepspeed.comm.get_world_size())
     config["optimizer"]["params"] = params
     config["zero_optimization"].update(zero or {})
-    micro = config["train_micro_batch_size_per_gpu"]
-    with fp32_newton_schulz():
-        model = build_model("mixed")
-        engine, *_ = deepspeed.initialize(
-            model=model,
-            config=config,
-            model_parameters=model_parameters(model) if model_parameters else list(model.parameters()))
-        after = []
-        for step in range(steps):
-            x, y = step_batch("mixed", step)
-            lo = rank * micro
-            engine.backward(loss_fn(engine(x[lo:lo + micro].to(engine.device)), y[lo:lo + micro].to(engine.device)))
-            engine.step()
-            after.append(gathered_weights(engine))
-        engine.destroy()
-    return after
+    return train_config(config, steps, model_parameters)[0]
 
 
 def _halves(weights):
@@ -103,53 +115,27 @@ def _halves(weights):
     return muon, adam
 
 
-BASELINE = {
-    "muon_lr": HYPER["muon_lr"],
-    "adam_lr": HYPER["adam_lr"],
-    "momentum": HYPER["momentum"],
-    "weight_decay": HYPER["weight_decay"],
-    "betas": list(HYPER["betas"]),
-    "eps": HYPER["eps"],
-}
+SHARED = {k: HYPER[k] for k in ("momentum", "weight_decay", "eps")} | {"betas": list(HYPER["betas"])}
+BASELINE = dict(muon_lr=HYPER["muon_lr"], adam_lr=HYPER["adam_lr"], **SHARED)
 """``ds_config``'s Muon block: the tests' hyper-parameters."""
 
-# key -> (the params with it changed, reference settings (muon, adam, adam_w_mode), halves it reaches,
-# floor). The user guide's key table cites these cases.
+# key -> (the params with it changed, the reference's settings (muon, adam, adam_w_mode), the halves it reaches,
+# the floor: ``ns_method: standard`` computes in bf16 on the CPU, ``NS_STANDARD_FLOOR``). The user guide's key
+# table cites these cases.
 CASES = {
-    "lr": ({
-        k: v
-        for k, v in BASELINE.items() if k not in ("muon_lr", "adam_lr")
-    } | {
-        "lr": 0.005
-    }, (dict(lr=0.005), dict(lr=0.005), True), ("muon", "adam"), FLOOR),
-    "muon_lr": (BASELINE | {
-        "muon_lr": 0.05
-    }, (dict(lr=0.05), None, True), ("muon", ), FLOOR),
-    "adam_lr": (BASELINE | {
-        "adam_lr": 0.01
-    }, (None, dict(lr=0.01), True), ("adam", ), FLOOR),
-    "momentum": (BASELINE | {
-        "momentum": 0.5
-    }, (dict(momentum=0.5), None, True), ("muon", ), FLOOR),
-    "ns_method": (BASELINE | {
-        "ns_method": "standard"
-    }, (dict(ns_method="standard"), None, True), ("muon", ), NS_STANDARD_FLOOR),
-    "weight_decay": (BASELINE | {
-        "weight_decay": 0.5
-    }, (dict(weight_decay=0.5), dict(weight_decay=0.5), True), ("muon", "adam"), FLOOR),
-    "betas": (BASELINE | {
-        "betas": [0.5, 0.9]
-    }, (None, dict(betas=(0.5, 0.9)), True), ("adam", ), FLOOR),
-    "eps": (BASELINE | {
-        "eps": 1e-2
-    }, (None, dict(eps=1e-2), True), ("adam", ), FLOOR),
-    "adam_w_mode": (BASELINE | {
-        "adam_w_mode": False,
-        "weight_decay": 0.5
-    }, (dict(weight_decay=0.5), dict(weight_decay=0.5), False), ("muon", "adam"), FLOOR),
+    "lr": (SHARED | dict(lr=0.005), (dict(lr=0.005), dict(lr=0.005), True), ("muon", "adam"), FLOOR),
+    "muon_lr": (BASELINE | dict(muon_lr=0.05), (dict(lr=0.05), None, True), ("muon", ), FLOOR),
+    "adam_lr": (BASELINE | dict(adam_lr=0.01), (None, dict(lr=0.01), True), ("adam", ), FLOOR),
+    "momentum": (BASELINE | dict(momentum=0.5), (dict(momentum=0.5), None, True), ("muon", ), FLOOR),
+    "ns_method":
+    (BASELINE | dict(ns_method="standard"), (dict(ns_method="standard"), None, True), ("muon", ), NS_STANDARD_FLOOR),
+    "weight_decay": (BASELINE | dict(weight_decay=0.5), (dict(weight_decay=0.5), dict(weight_decay=0.5), True),
+                     ("muon", "adam"), FLOOR),
+    "betas": (BASELINE | dict(betas=[0.5, 0.9]), (None, dict(betas=(0.5, 0.9)), True), ("adam", ), FLOOR),
+    "eps": (BASELINE | dict(eps=1e-2), (None, dict(eps=1e-2), True), ("adam", ), FLOOR),
+    "adam_w_mode": (BASELINE | dict(adam_w_mode=False, weight_decay=0.5),
+                    (dict(weight_decay=0.5), dict(weight_decay=0.5), False), ("muon", "adam"), FLOOR),
 }
-"""Per key: the config with it changed, the reference's settings, the halves it reaches, the floor
-(``ns_method: standard`` computes in bf16 on the CPU: ``NS_STANDARD_FLOOR``)."""
 
 
 class TestEachKeyReachesItsHalf(DistributedTest):
@@ -264,34 +250,6 @@ def test_variant_refused_with_a_guess():
     assert "- model_parameters[0].variant: 'nor-muon' is not a Muon variant" in message, message
 
 
-def test_update_settings_values_refused_naming_the_key():
-    from deepspeed.runtime.zero.muon import config
-    for depth in (1, 3):
-        config.check_muon_keys({"pipeline_depth": depth, "batch_ns": True}, [{"params": [], "batch_ns": False}])
-    for bad in (0, -1, 2.0, True, "2", None):
-        with pytest.raises(ValueError,
-                           match=r"values it cannot use:\n- optimizer\.params\.pipeline_depth: "
-                           f"{bad!r} is invalid; buckets of the boundary update in flight"):
-            config.check_muon_keys({"pipeline_depth": bad}, None)
-    for bad in (1, "yes", 0.5):
-        with pytest.raises(ValueError,
-                           match=rf"- model_parameters\[0\]\.batch_ns: {bad!r} is invalid; same-shape Newton-Schulz"):
-            config.check_muon_keys({}, [{"params": [], "batch_ns": bad}])
-
-
-def test_max_step_memory_values_refused_naming_the_key():
-    from deepspeed.runtime.zero.muon import config
-    for good in (1, 8 * 2**30, 8e9, "momentum_partition", None):
-        config.check_muon_keys({"max_step_memory": good}, [{"params": [], "max_step_memory": good}])
-    for bad in (0, -4096, 1.5, True, "8GB", "momentum-partition"):
-        with pytest.raises(ValueError,
-                           match=r"values it cannot use:\n- optimizer\.params\.max_step_memory: "
-                           rf"{re.escape(repr(bad))} is invalid; bytes Muon's step may add on a rank's accelerator"):
-            config.check_muon_keys({"max_step_memory": bad}, None)
-    with pytest.raises(ValueError, match="Did you mean 'momentum_partition'"):
-        config.check_muon_keys({}, [{"params": [], "max_step_memory": "momentum-partition"}])
-
-
 def test_check_muon_keys_refusals():
     from deepspeed.runtime.zero.muon import config
     for key in ("amsgrad", "ns_steps", "nesterov", "bias_correction", "muon_momentum", "lr_muon"):
@@ -396,21 +354,16 @@ class TestUpdateSettingsReachTheUpdate(DistributedTest):
     @pytest.mark.parametrize("stage", [2, 3])
     def test_settings_reach_every_pipeline(self, stage):
         from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH
-        for settings, depth, batch_ns in (({}, DEFAULT_DEPTH, None), ({
-                "pipeline_depth": 1,
-                "batch_ns": False
-        }, 1, False), ({
-                "batch_ns": True
-        }, DEFAULT_DEPTH, True)):
+        cases = [({}, DEFAULT_DEPTH, None), (dict(pipeline_depth=1, batch_ns=False), 1, False),
+                 (dict(batch_ns=True), DEFAULT_DEPTH, True)]
+        for settings, depth, batch_ns in cases:
             net = build_model("mixed")
             config = ds_config(stage, 1, self.world_size)
             config["optimizer"]["params"].update(settings)
             engine, *_ = deepspeed.initialize(model=net, config=config, model_parameters=list(net.parameters()))
             pipelines = list(engine.optimizer.muon_update.pipelines.values())
             assert pipelines and all(p.batch_ns is batch_ns for p in pipelines), settings
-            assert all(1 <= p.depth <= depth for p in pipelines), settings
-            if depth == 1:
-                assert all(p.depth == 1 for p in pipelines)
+            assert all(1 <= p.depth <= depth for p in pipelines), settings  # depth 1: exactly 1
             engine.destroy()
 
     @pytest.mark.parametrize("stage", [2, 3])
@@ -453,30 +406,50 @@ BAD_VALUES = {
     "torch_adam": ("yes", 1),
     "foreach": ("true", 0),
     "fp32_optimizer_states": (1, "no"),
-    "pipeline_depth": (0, 2.0, True, "2", None),
-    "batch_ns": (1, "yes"),
-    "max_step_memory": (0, 1.5, True, "8GB"),
     "split_fused_muon": ("yes", 0),
     "variant": (5, None),
 }
-"""Per key of ``MuonConfig``: values its field refuses (a string where a number or a bool belongs, out of range)."""
+"""Per key of ``MuonConfig``: values its field refuses (a string where a number or a bool belongs, out of range);
+the update's settings are in the tests below."""
+
+
+def _check_values(key, bad, good=(), described=""):
+    """Each ``bad`` value is refused naming the block and the key, repeating the value and saying what the key
+    accepts (the field's description, which starts ``described``), in a parameter group too where the key is a
+    group key; each ``good`` value is accepted in both."""
+    from deepspeed.runtime.zero.muon import config
+    description = config.MuonConfig.model_fields[key].description
+    assert description.startswith(described), description
+    for value in good:
+        config.check_muon_keys({key: value}, [{"params": [], key: value}])
+    for value in bad:
+        with pytest.raises(ValueError) as info:
+            config.check_muon_keys({key: value}, None)
+        message, head = str(info.value), "The Muon optimizer's configuration has values it cannot use:\n"
+        assert message.startswith(f"{head}- optimizer.params.{key}: {value!r} is invalid; {description}."), message
+        if key in config.MuonGroupConfig.model_fields:
+            group = config.MuonGroupConfig.model_fields[key].description
+            with pytest.raises(ValueError,
+                               match=re.escape(f"- model_parameters[0].{key}: {value!r} is invalid; {group}.")):
+                config.check_muon_keys({}, [{"params": [], key: value}])
 
 
 @pytest.mark.parametrize("key", sorted(BAD_VALUES))
 def test_each_bad_value_refused_naming_the_key(key):
-    """The message names the block and the key, repeats the value, and says what the key accepts (the field's
-    description); in a parameter group too, where the key is a group key."""
+    _check_values(key, BAD_VALUES[key])
+
+
+def test_update_settings_values_refused_naming_the_key():
+    _check_values("pipeline_depth", (0, -1, 2.0, True, "2", None), (1, 3), "buckets of the boundary update in flight")
+    _check_values("batch_ns", (1, "yes", 0.5), (True, False), "same-shape Newton-Schulz")
+
+
+def test_max_step_memory_values_refused_naming_the_key():
     from deepspeed.runtime.zero.muon import config
-    description = config.MuonConfig.model_fields[key].description
-    for bad in BAD_VALUES[key]:
-        with pytest.raises(ValueError) as info:
-            config.check_muon_keys({key: bad}, None)
-        expected = f"- optimizer.params.{key}: {bad!r} is invalid; {description}."
-        assert str(info.value).startswith("The Muon optimizer's configuration has values it cannot use:\n"), key
-        assert expected in str(info.value), (expected, str(info.value))
-        if key in config.MuonGroupConfig.model_fields:
-            with pytest.raises(ValueError, match=re.escape(f"- model_parameters[0].{key}: {bad!r} is invalid; ")):
-                config.check_muon_keys({}, [{"params": [], key: bad}])
+    _check_values("max_step_memory", (0, -4096, 1.5, True, "8GB", "momentum-partition"),
+                  (1, 8 * 2**30, 8e9, "momentum_partition", None), "bytes Muon's step may add on a rank's accelerator")
+    with pytest.raises(ValueError, match="Did you mean 'momentum_partition'"):
+        config.check_muon_keys({}, [{"params": [], "max_step_memory": "momentum-partition"}])
 
 
 def test_qk_clip_threshold_value_refused_naming_the_key():

@@ -5,15 +5,15 @@
 """Configurations ZeRO-3 with Muon cannot serve fail at ``deepspeed.initialize``, naming the key
 (``deepspeed.runtime.zero.muon.support.refuse_unsupported_zero3``).
 
-Each of these would otherwise train wrongly or fail later: ZenFlow's selective step skips the
-Muon boundary update; torch autocast's fp16 GradScaler unscales gradients after Muon has fed them
-to the momentum; quantized gradients fail at the first backward on an accelerator without the
-quantizer op (the CPU here); NVMe offload fails deep in its setup with an opaque message when the
-async I/O op cannot be built. MiCS (``mics_shard_size``) is gone from both bases: upstream
-refuses the key itself, which is checked here too.
+Each of these would otherwise train wrongly or fail later: ZenFlow's selective step skips the Muon boundary update;
+torch autocast's fp16 GradScaler unscales gradients after Muon has fed them to the momentum; quantized gradients fail
+at the first backward on an accelerator without the quantizer op (the CPU here); NVMe offload fails deep in its setup
+with an opaque message when the async I/O op cannot be built. MiCS (``mics_shard_size``) is gone from both bases:
+upstream refuses the key itself, which is checked here too.
 """
 
 import os
+from unittest import mock
 
 import pytest
 
@@ -24,15 +24,11 @@ OURS = "ValueError: ZeRO-3 with the Muon optimizer cannot run"
 RUN = Zero3MuonRun(gas=1, steps=0)
 CASES = {
     "mics": (RUN.with_(zero=(("mics_shard_size", 2), )), "zero_optimization.mics_shard_size"),
-    "zenflow": (RUN.with_(offload="cpu", zero=(("zenflow", {
-        "topk_ratio": 0.1
-    }), )), "zero_optimization.zenflow"),
+    "zenflow": (RUN.with_(offload="cpu", zero=(("zenflow", dict(topk_ratio=0.1)), )), "zero_optimization.zenflow"),
     "quantized_gradients":
     (RUN.with_(zero=(("zero_quantized_gradients", True), )), "zero_optimization.zero_quantized_gradients"),
-    "torch_autocast_fp16": (RUN.with_(extra=(("torch_autocast", {
-        "enabled": True,
-        "dtype": "torch.float16"
-    }), )), "torch_autocast"),
+    "torch_autocast_fp16":
+    (RUN.with_(extra=(("torch_autocast", dict(enabled=True, dtype="torch.float16")), )), "torch_autocast"),
 }
 
 
@@ -46,23 +42,14 @@ class TestZero3MuonErrors(DistributedTest):
         """The error names the offending key, and no other case's key."""
         from deepspeed.runtime import torch_autocast
         run, key = CASES[name]
-        # An engine with torch_autocast turns it on for the whole process (module globals):
-        # restore them, these processes run later tests.
-        saved = torch_autocast.TORCH_AUTOCAST_INITIALIZED, torch_autocast.TORCH_AUTOCAST_DTYPE
-        # ZeRO-3 reduces gradients with the quantized all-to-all only across nodes (W / devices
-        # per node > 1): the ranks pose as W nodes of one CPU device each (LOCAL_SIZE, which the
-        # CPU accelerator's device_count() reads).
-        local_size = os.environ.get("LOCAL_SIZE")
-        if name == "quantized_gradients":
-            os.environ["LOCAL_SIZE"] = "1"
-        try:
+        # An engine with torch_autocast turns it on for the whole process (module globals): restored, these processes
+        # run later tests. ZeRO-3 reduces gradients with the quantized all-to-all only across nodes (W / devices per
+        # node > 1): the ranks pose as W nodes of one CPU device each (LOCAL_SIZE, which the CPU accelerator's
+        # device_count() reads).
+        saved = {k: getattr(torch_autocast, k) for k in ("TORCH_AUTOCAST_INITIALIZED", "TORCH_AUTOCAST_DTYPE")}
+        env = {"LOCAL_SIZE": "1"} if name == "quantized_gradients" else {}
+        with mock.patch.multiple(torch_autocast, **saved), mock.patch.dict(os.environ, env):
             message = initialize_error(run)
-        finally:
-            torch_autocast.TORCH_AUTOCAST_INITIALIZED, torch_autocast.TORCH_AUTOCAST_DTYPE = saved
-            if local_size is None:
-                os.environ.pop("LOCAL_SIZE", None)
-            else:
-                os.environ["LOCAL_SIZE"] = local_size
         assert message is not None and key in message, message
         prefix = "DeepSpeedConfigError: MiCS ZeRO-3 sharding has been removed" if name == "mics" else OURS
         assert message.startswith(prefix), message
@@ -72,12 +59,8 @@ class TestZero3MuonErrors(DistributedTest):
     @pytest.mark.world_size(1)
     def test_nvme_offload_without_async_io_is_refused(self, tmp_path):
         from deepspeed.runtime.zero.muon import support
-        available = support.async_io_available
-        support.async_io_available = lambda: False
-        try:
+        with mock.patch.object(support, "async_io_available", lambda: False):
             message = initialize_error(RUN.with_(offload="nvme"), nvme_dir=tmp_path)
-        finally:
-            support.async_io_available = available
         assert message is not None and "zero_optimization.offload_optimizer.device 'nvme'" in message
         assert "libaio" in message
 

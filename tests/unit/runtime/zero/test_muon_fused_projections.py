@@ -51,33 +51,17 @@ def test_recognized_layouts():
     }
 
 
-class GptOssExperts(torch.nn.Module):
-    """GPT-OSS's layout: ``gate_up_proj`` of ``(experts, H, 2 I)``, gate and up interleaved column by column."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 32, 32))
-
-
-class Qwen3MoeExperts(GptOssExperts):
-    """A module named as a recognized experts class but shaped otherwise: its odd rows cannot halve."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 33, 32))
-
-
-class CodeGenAttention(torch.nn.Module):
-    """CodeGen's ``qkv_proj``: blocks of q, v and k per device, not three runs of rows."""
-
-    def __init__(self):
-        super().__init__()
-        self.qkv_proj = torch.nn.Linear(32, 96, bias=False)
-
-
-@pytest.mark.parametrize("module", [GptOssExperts, Qwen3MoeExperts, CodeGenAttention])
-def test_layouts_not_listed_stay_whole(module):
-    model = torch.nn.Sequential(module())
+@pytest.mark.parametrize(
+    "name,attr,shape",
+    [
+        ("GptOssExperts", "gate_up_proj", (4, 32, 32)),  # GPT-OSS: (experts, H, 2 I), gate, up interleaved by column
+        ("Qwen3MoeExperts", "gate_up_proj", (4, 33, 32)),  # named as a recognized class, but odd rows cannot halve
+        ("CodeGenAttention", "qkv_proj", None),  # CodeGen: blocks of q, v and k per device, not three runs of rows
+    ])
+def test_layouts_not_listed_stay_whole(name, attr, shape):
+    module = type(name, (torch.nn.Module, ), {})()
+    setattr(module, attr, torch.nn.Parameter(torch.zeros(shape)) if shape else torch.nn.Linear(32, 96, bias=False))
+    model = torch.nn.Sequential(module)
     for param in model.parameters():
         param.use_muon = True
     assert tag_fused_projections(model) == {}
@@ -96,16 +80,14 @@ def test_user_split_kept_and_adam_untouched():
 @pytest.mark.parametrize("shape,split", [((12, 5), (-2, (4, 8))), ((5, 12), (1, (6, 6))), ((3, 8, 5), (-2, (4, 4)))])
 def test_parts_orthogonalized_on_their_own(shape, split):
     torch.manual_seed(0)
-    update = torch.randn(shape)
+    update, checked = torch.randn(shape), check_split(split, shape, "w")
     with fp32_newton_schulz():
-        got = orthogonalize_parts(update, check_split(split, shape, "w"), 5, "gram", torch.float32)
-        dim = check_split(split, shape, "w")[0]
-        want = torch.cat([
+        got = orthogonalize_parts(update, checked, 5, "gram", torch.float32)
+        want = [
             original_muon.muon_orthogonalize(part.contiguous(), 5, "gram", part.ndim == 3, None, torch.float32)
-            for part in update.split(list(split[1]), dim=dim)
-        ],
-                         dim=dim)
-    assert relative_difference([want], [got]) <= FLOOR
+            for part in update.split(list(split[1]), dim=checked[0])
+        ]
+    assert relative_difference([torch.cat(want, dim=checked[0])], [got]) <= FLOOR
 
 
 @pytest.mark.parametrize("split,heads,message", [((0, (4, 4)), None, "sizes"), ((2, (6, 6)), None, "dim"),
@@ -115,12 +97,15 @@ def test_bad_split_refused(split, heads, message):
         check_split(split, (12, 6), "w", heads)
 
 
-def _train(name, stage, gas, world_size, **muon_params):
+def _initialize(model, stage, gas, world_size, **muon_params):
     config = ds_config(stage, gas, world_size)
     del config["train_batch_size"]
     config["optimizer"]["params"].update(muon_params)
-    model = MODELS[name]()
-    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=list(model.parameters()))
+    return deepspeed.initialize(model=model, config=config, model_parameters=list(model.parameters()))[0]
+
+
+def _train(name, stage, gas, world_size, **muon_params):
+    engine = _initialize(MODELS[name](), stage, gas, world_size, **muon_params)
     with fp32_newton_schulz():
         for step in range(STEPS):
             for ids in micro_batches(step, dist.get_rank(), world_size, gas):
@@ -145,14 +130,10 @@ def test_report_names_what_is_split_and_what_kept(split):
     model = MODELS["gpt2"]()
     select_muon_parameters(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{
-        "params": [p for p in params if p.use_muon],
-        "use_muon": True,
-        "split_fused_muon": split
-    }, {
-        "params": [p for p in params if not p.use_muon],
-        "use_muon": False
-    }]
+    groups = [
+        dict(params=[p for p in params if p.use_muon], use_muon=True, split_fused_muon=split),
+        dict(params=[p for p in params if not p.use_muon], use_muon=False)
+    ]
     lines = []
 
     class Log:
@@ -195,10 +176,8 @@ class TestFusedProjections(DistributedTest):
     def test_bad_user_split_refused(self):
         model = MODELS["gpt2"]()
         setattr(model.transformer.h[0].attn.c_attn.weight, SPLIT_ATTR, (-1, (32, 32)))
-        config = ds_config(1, 1, self.world_size)
-        del config["train_batch_size"]
         with pytest.raises(ValueError, match=r"muon_split of transformer\.h\.0\.attn\.c_attn\.weight: sizes"):
-            deepspeed.initialize(model=model, config=config, model_parameters=list(model.parameters()))
+            _initialize(model, 1, 1, self.world_size)
 
     def test_bad_value_refused(self):
         with pytest.raises(ValueError, match="split_fused_muon: 'yes'"):

@@ -5,14 +5,13 @@
 """Muon's two learning rates under DeepSpeed's schedulers, and the progress log that names them
 (``deepspeed.runtime.zero.muon.lr_groups``).
 
-Per scheduler (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest) and ZeRO stage (1,
-2, 3), on 2 gloo ranks, fp32, MixedMLP (3 Muon matrices, 4 Adam tensors), 5 optimizer steps of 16
-samples, ``muon_lr`` 0.02 and ``adam_lr`` 0.003: the rate each group trains with at every step is
-the one the schedule's formula gives from that group's own configured rate (written out below,
-not taken from the scheduler), and the weights equal a single-process reference at those rates
-(upstream ``muon_update`` for the matrices, ``torch.optim.AdamW`` for the rest) to the fp32 floor.
-A scalar rate that would overwrite both rates is refused at ``deepspeed.initialize`` at every
-stage; the resolution rules are checked on a bare optimizer.
+Per scheduler (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest) and ZeRO stage (1, 2, 3), on 2 gloo
+ranks, fp32, MixedMLP (3 Muon matrices, 4 Adam tensors), 5 optimizer steps of 16 samples, ``muon_lr`` 0.02 and
+``adam_lr`` 0.003: the rate each group trains with at every step is the one the schedule's formula gives from that
+group's own configured rate (written out below, not taken from the scheduler), and the weights equal a single-process
+reference at those rates (upstream ``muon_update`` for the matrices, ``torch.optim.AdamW`` for the rest) to the fp32
+floor. A scalar rate that would overwrite both rates is refused at ``deepspeed.initialize`` at every stage; the
+resolution rules are checked on a bare optimizer.
 """
 
 import math
@@ -23,9 +22,9 @@ import pytest
 import torch
 
 from unit.common import DistributedTest
-from muon_testing.compare import FLOOR, gathered_weights, relative_difference
-from muon_testing.models import HYPER, build_model, is_muon_param, loss_fn, step_batch
-from muon_testing.reference import fp32_newton_schulz, reference_muon_update
+from muon_testing.compare import FLOOR, relative_difference
+from muon_testing.models import HYPER, build_model
+from unit.runtime.zero.test_muon_config_keys import reference as config_keys_reference, train_config
 from unit.runtime.zero.zero3_muon_helpers import ds_config
 
 STEPS = 5
@@ -36,108 +35,54 @@ def _warmup(i, n):  # linear warmup fraction at scheduler iteration i (DeepSpeed
     return i / n if i < n else 1.0
 
 
-# name -> (scheduler params, rate(configured rate of a group, its index, optimizer step k)). The rate
-# at step k is the schedule at iteration k - 1: the scheduler sets iteration -1's rate when it is
-# built and steps after every optimizer step.
+def _cosine(i):  # WarmupCosineLR's ratio at iteration i: warmup from 0.1 over 2, then cosine down to 0.01 at 4
+    return 0.1 + 0.9 * i / 2 if i < 2 else 0.01 + 0.99 * (1 + math.cos(math.pi * min(1.0, (i - 1) / 2))) / 2
+
+
+WARMUP_2_OF_4 = dict(total_num_steps=4, warmup_num_steps=2, warmup_type="linear")
 SCHEDULES = {
     # warmup_min_lr 0 given as a scalar (0 overwrites no rate), warmup_max_lr unset: each group's own
-    "WarmupLR": ({
-        "warmup_min_lr": 0,
-        "warmup_num_steps": 3,
-        "warmup_type": "linear"
-    }, lambda c, g, k: 0.0 if k == 0 else c * _warmup(k - 1, 3)),
+    "WarmupLR": dict(warmup_min_lr=0, warmup_num_steps=3, warmup_type="linear"),
     # warmup_max_lr unset: upstream's default would be 0.001 for both groups
-    "WarmupDecayLR": ({
-        "total_num_steps": 4,
-        "warmup_num_steps": 2,
-        "warmup_type": "linear"
-    }, lambda c, g, k: 0.0 if k == 0 else c * (_warmup(k - 1, 2) if k - 1 < 2 else max(0.0, (4 - (k - 1)) / 2))),
+    "WarmupDecayLR": WARMUP_2_OF_4,
     # ratios of each group's own rate (upstream already kept both rates)
-    "WarmupCosineLR": ({
-        "total_num_steps": 4,
-        "warmup_num_steps": 2,
-        "warmup_type": "linear",
-        "warmup_min_ratio": 0.1,
-        "cos_min_ratio": 0.01
-    }, lambda c, g, k: 0.0 if k == 0 else c * (0.1 + 0.9 * (k - 1) / 2 if k - 1 < 2 else 0.01 + 0.99 *
-                                               (1 + math.cos(math.pi * min(1.0, (k - 2) / 2))) / 2)),
+    "WarmupCosineLR": WARMUP_2_OF_4 | dict(warmup_min_ratio=0.1, cos_min_ratio=0.01),
     # cycle_min_lr as a per-group list (used as given), cycle_max_lr unset: each group's own rate
-    "OneCycle": ({
-        "cycle_min_lr": [MUON_LR / 10, ADAM_LR / 4],
-        "cycle_first_step_size": 2
-    }, lambda c, g, k: [c / 10, c / 4][g] + (c - [c / 10, c / 4][g]) * [0.0, 0.5, 1.0, 0.5, 0.0][k]),
+    "OneCycle": dict(cycle_min_lr=[MUON_LR / 10, ADAM_LR / 4], cycle_first_step_size=2),
     # lr_range_test_min_lr unset: upstream's default would be 0.001 for both groups
-    "LRRangeTest": ({
-        "lr_range_test_step_size": 2,
-        "lr_range_test_step_rate": 1.0
-    }, lambda c, g, k: c * (1 + k / 2)),
+    "LRRangeTest": dict(lr_range_test_step_size=2, lr_range_test_step_rate=1.0),
+}
+# name -> rate(configured rate of a group, its index, optimizer step k). The rate at step k is the schedule at
+# iteration k - 1: the scheduler sets iteration -1's rate when it is built and steps after every optimizer step.
+RATES = {
+    "WarmupLR": lambda c, g, k: 0.0 if k == 0 else c * _warmup(k - 1, 3),
+    "WarmupDecayLR": lambda c, g, k: 0.0 if k == 0 else c * (_warmup(k - 1, 2) if k < 3 else max(0.0, (5 - k) / 2)),
+    "WarmupCosineLR": lambda c, g, k: 0.0 if k == 0 else c * _cosine(k - 1),
+    "OneCycle": lambda c, g, k: [c / 10, c / 4][g] + (c - [c / 10, c / 4][g]) * [0.0, 0.5, 1.0, 0.5, 0.0][k],
+    "LRRangeTest": lambda c, g, k: c * (1 + k / 2),
 }
 
 
 def expected_rates(name):
     """[[Muon rate, Adam rate] per optimizer step] of schedule ``name``."""
-    rate = SCHEDULES[name][1]
+    rate = RATES[name]
     return [[rate(MUON_LR, 0, k), rate(ADAM_LR, 1, k)] for k in range(STEPS)]
 
 
-def reference(rates, model_name="mixed", hyper=HYPER):
-    """Single-process training at the given per-step ``[muon_lr, adam_lr]``: upstream ``muon_update``
-    per Muon matrix (weight decay and ``-lr * update`` as ``MuonWithAuxAdam`` applies them) and
-    AdamW for the rest, the whole batch of a step at once. Returns the weights by name."""
-    with fp32_newton_schulz():
-        model = build_model(model_name)
-        named = list(model.named_parameters())
-        muon = [(n, p) for n, p in named if is_muon_param(n, p)]
-        other = [p for n, p in named if not is_muon_param(n, p)]
-        adamw = torch.optim.AdamW(other,
-                                  lr=hyper["adam_lr"],
-                                  betas=hyper["betas"],
-                                  eps=hyper["eps"],
-                                  weight_decay=hyper["weight_decay"])
-        momenta = {n: torch.zeros_like(p) for n, p in muon}
-        for step, (muon_lr, adam_lr) in enumerate(rates):
-            x, y = step_batch(model_name, step)
-            model.zero_grad(set_to_none=True)
-            loss_fn(model(x), y).backward()
-            with torch.no_grad():
-                for n, p in muon:
-                    update = reference_muon_update(p.grad.clone(), momenta[n], hyper["momentum"])
-                    p.mul_(1 - muon_lr * hyper["weight_decay"])
-                    p.add_(update.reshape(p.shape), alpha=-muon_lr)
-            for group in adamw.param_groups:
-                group["lr"] = adam_lr
-            adamw.step()
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
+def reference(rates):
+    """The single-process reference's weights after training at the given per-step ``[muon_lr, adam_lr]``."""
+    return config_keys_reference(len(rates), rates=rates)[-1]
 
 
-def train(config, steps=STEPS, model_name="mixed"):
-    """Train on every rank; returns (per step the groups' ``lr`` the optimizer step used, group names,
-    the full weights). Micro-step m of rank r takes samples [(m * W + r) * mb, ... + mb)."""
-    world_size, rank = dist.get_world_size(), dist.get_rank()
-    gas = config["gradient_accumulation_steps"]
-    micro = config["train_micro_batch_size_per_gpu"]
-    with fp32_newton_schulz():
-        model = build_model(model_name)
-        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=list(model.parameters()))
-        names = [g["name"] for g in engine.basic_optimizer.param_groups]
-        rates = []
-        for step in range(steps):
-            x, y = step_batch(model_name, step)
-            for m in range(gas):
-                lo = (m * world_size + rank) * micro
-                engine.backward(loss_fn(engine(x[lo:lo + micro].to(engine.device)),
-                                        y[lo:lo + micro].to(engine.device)))
-                if m == gas - 1:
-                    rates.append(list(engine.get_lr()))
-                engine.step()
-        weights = gathered_weights(engine)
-        engine.destroy()
-    return rates, names, weights
+def train(config, steps=STEPS):
+    """(per step the groups' ``lr`` the optimizer step used, group names, the full weights at the end)."""
+    after, rates, names = train_config(config, steps)
+    return rates, names, after[-1]
 
 
 def scheduled_config(stage, world_size, name, params=None, gas=2):
     config = ds_config(stage, gas, world_size)
-    config["scheduler"] = {"type": name, "params": dict(SCHEDULES[name][0] if params is None else params)}
+    config["scheduler"] = {"type": name, "params": dict(SCHEDULES[name] if params is None else params)}
     return config
 
 
@@ -186,11 +131,8 @@ class TestSchedulerRatesPerGroup(DistributedTest):
     def test_scalar_rate_refused(self, stage):
         """WarmupDecayLR with ``warmup_max_lr: 0.001`` (the issue's case: Muon at 1/20 of its rate, Adam
         at 3.3x) is refused, naming the key, both groups with their rates and the list to write."""
-        config = scheduled_config(stage, dist.get_world_size(), "WarmupDecayLR", {
-            "total_num_steps": 4,
-            "warmup_max_lr": 0.001
-        })
-        error = init_error(config)
+        params = dict(total_num_steps=4, warmup_max_lr=0.001)
+        error = init_error(scheduled_config(stage, dist.get_world_size(), "WarmupDecayLR", params))
         assert error is not None and error.startswith("ValueError: scheduler.params.warmup_max_lr: one value, 0.001,")
         for part in ("muon-params (Muon) 0.02", "adam-params (Adam) 0.003",
                      '"warmup_max_lr": [<muon-params>, <adam-params>]', "[0.02, 0.003]", "leave it unset"):
@@ -199,14 +141,9 @@ class TestSchedulerRatesPerGroup(DistributedTest):
     @pytest.mark.parametrize("stage", [1, 3])
     def test_per_group_list_used_as_given(self, stage):
         """``warmup_max_lr`` as a list: each group warms up to its value, and the weights follow."""
-        params = {
-            "warmup_min_lr": [0.002, 0.0001],
-            "warmup_max_lr": [0.01, 0.001],
-            "warmup_num_steps": 2,
-            "warmup_type": "linear"
-        }
+        lo, hi = [0.002, 0.0001], [0.01, 0.001]
+        params = dict(warmup_min_lr=lo, warmup_max_lr=hi, warmup_num_steps=2, warmup_type="linear")
         rates, _, weights = train(scheduled_config(stage, dist.get_world_size(), "WarmupLR", params))
-        lo, hi = params["warmup_min_lr"], params["warmup_max_lr"]
         expected = [[lo[g] + (hi[g] - lo[g]) * (0.0 if k == 0 else _warmup(k - 1, 2)) for g in range(2)]
                     for k in range(STEPS)]
         for got, want in zip(rates, expected):
@@ -254,14 +191,16 @@ def _muon_like(rates=(MUON_LR, ADAM_LR), names=("muon-params", "adam-params")):
     return torch.optim.SGD(groups, lr=1.0)
 
 
+def _plain():
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+
 def test_resolution_rules():
     from deepspeed.runtime.zero.muon.lr_groups import scheduler_params_for_groups as resolve
     opt = _muon_like()
     # unset configured-rate keys: each group's rate; unset warmup_min_lr keeps the default 0
-    assert resolve("WarmupDecayLR", {"total_num_steps": 9}, opt) == {
-        "total_num_steps": 9,
-        "warmup_max_lr": [MUON_LR, ADAM_LR]
-    }
+    assert resolve("WarmupDecayLR", {"total_num_steps": 9}, opt) == dict(total_num_steps=9,
+                                                                         warmup_max_lr=[MUON_LR, ADAM_LR])
     assert resolve("OneCycle", {}, opt) == {"cycle_min_lr": [MUON_LR, ADAM_LR], "cycle_max_lr": [MUON_LR, ADAM_LR]}
     assert resolve("LRRangeTest", {}, opt) == {"lr_range_test_min_lr": [MUON_LR, ADAM_LR]}
     # None counts as unset (a config key written as null)
@@ -274,10 +213,8 @@ def test_resolution_rules():
     # one configured rate for all groups: a scalar overwrites nothing that differs
     assert resolve("WarmupLR", {"warmup_max_lr": 0.5}, _muon_like(rates=(0.1, 0.1))) == {"warmup_max_lr": 0.5}
     # not Muon, or a scheduler outside DeepSpeed's: the params themselves, unchanged
-    plain = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     params = {"total_num_steps": 9}
-    out = resolve("WarmupDecayLR", params, plain)
-    assert out is params
+    assert resolve("WarmupDecayLR", params, _plain()) is params
     assert resolve("StepLR", {"step_size": 3}, opt) == {"step_size": 3}
 
 
@@ -307,20 +244,14 @@ def test_list_of_wrong_length_refused():
                                "value per group, in this order: \"warmup_max_lr\": [<muon-params>, <adam-params>].")
 
 
-def test_rates_by_group_labels():
-    from deepspeed.runtime.zero.muon.lr_groups import rates_by_group
-    opt = _muon_like(names=("x", "x"))
-    assert rates_by_group(opt, [1, 2]) == {"x#0": 1, "x#1": 2}
-    plain = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    assert rates_by_group(plain, [0.1]) == [0.1]
-
-
-def test_momenta_by_group_labels():
-    """The progress log's ``mom=``: a Muon group's beta, an Adam group's betas, by group name."""
-    from deepspeed.runtime.zero.muon.lr_groups import momenta_by_group
+def test_rates_and_momenta_by_group_labels():
+    """The progress log's ``lr=`` and ``mom=`` (a Muon group's beta, an Adam group's betas) by group name; a
+    repeated name is numbered; not Muon, the list as it was."""
+    from deepspeed.runtime.zero.muon.lr_groups import momenta_by_group, rates_by_group
+    assert rates_by_group(_muon_like(names=("x", "x")), [1, 2]) == {"x#0": 1, "x#1": 2}
+    assert rates_by_group(_plain(), [0.1]) == [0.1]
     opt = _muon_like()
     opt.param_groups[0]["momentum"] = 0.95
     opt.param_groups[1]["betas"] = (0.9, 0.95)
     assert momenta_by_group(opt, [0.0, (0.9, 0.95)]) == {"muon-params": 0.95, "adam-params": (0.9, 0.95)}
-    plain = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    assert momenta_by_group(plain, [0.0]) == [0.0]
+    assert momenta_by_group(_plain(), [0.0]) == [0.0]

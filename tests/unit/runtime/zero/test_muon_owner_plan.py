@@ -2,12 +2,12 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The owner plan: every matrix owned exactly once, deterministic, buckets bounded, cost balanced (the heap LPT
-equals a scan over the bins); where even every matrix alone exceeds the momentum budget, buckets chosen against
-that floor; under ``max_step_memory`` (``plan_within_cap``) every owner computes at once within the cap, at the
-deepest pipeline it allows, and a cap below the least need is refused with it; ``Uniform`` pieces give the needs
-of the lists they stand for; ``plan_figures`` (``test_muon_owner_plan_configs``: the cost model, the buffer
-budget, sub-groups, ZeRO-1/2 holders)."""
+"""The owner plan: every matrix owned exactly once, deterministic, buckets bounded, cost balanced (the heap LPT equals
+a scan over the bins); where even every matrix alone exceeds the momentum budget, buckets chosen against that floor;
+under ``max_step_memory`` (``plan_within_cap``) every owner computes at once within the cap, at the deepest pipeline it
+allows, and a cap below the least need is refused with it; ``Uniform`` pieces give the needs of the lists they stand
+for; ``plan_figures`` (``test_muon_owner_plan_configs``: the cost model, the buffer budget, sub-groups, ZeRO-1/2
+holders)."""
 
 import math
 import random
@@ -36,13 +36,13 @@ def llama_like(layers=4, hidden=256, kv=64, ffn=688):
 
 
 def llama3(layers, hidden, kv, mlp):
-    """Llama-3's Muon matrices (``llama_like``) in the optimizer's order: upstream ``MuonWithAuxAdam`` sorts a
-    group's parameters by ``size()``, descending."""
+    """Llama-3's Muon matrices (``llama_like``) in the optimizer's order: upstream ``MuonWithAuxAdam`` sorts a group's
+    parameters by ``size()``, descending."""
     return sorted(llama_like(layers, hidden, kv, mlp), reverse=True)
 
 
-# Llama-3's Muon matrices at ZeRO-3 in the optimizer's order; 8B: per layer gate and up 14336x4096, down
-# 4096x14336, q and o 4096x4096, k and v 1024x4096; 32 layers.
+# Llama-3's Muon matrices at ZeRO-3 in the optimizer's order; 8B: per layer gate and up 14336x4096, down 4096x14336, q
+# and o 4096x4096, k and v 1024x4096; 32 layers.
 LLAMA3_8B = llama3(32, 4096, 1024, 14336)
 LLAMA3_70B = llama3(80, 8192, 1024, 28672)
 
@@ -123,10 +123,9 @@ def _zero3(shapes, world_size, uniform=False):
 
 
 def _floor_checks(specs, pieces, world_size, result_itemsize):
-    """``plan_for_depth`` at depth 2 where every matrix alone exceeds the budget: depth 1, and no rank
-    needs more than ``max(budget, alone)`` (the every-matrix-alone plan's need on it), so the peak is
-    the floor's: the largest matrix's piece, whole matrix, NS working set and held narrow result.
-    Returns the plan."""
+    """``plan_for_depth`` at depth 2 where every matrix alone exceeds the budget: depth 1, and no rank needs more than
+    ``max(budget, alone)`` (the every-matrix-alone plan's need on it), so the peak is the floor's: the largest matrix's
+    piece, whole matrix, NS working set and held narrow result. Returns the plan."""
     plan, depth = plan_for_depth(specs, pieces, world_size, 10**9, 2, result_itemsize=result_itemsize)
     alone_plan = plan_owners(specs, world_size, 1, ns_itemsize=result_itemsize)
     alone, budget = rank_numels(alone_plan, pieces, 1, result_itemsize)
@@ -142,12 +141,11 @@ def _floor_checks(specs, pieces, world_size, result_itemsize):
 
 @pytest.mark.parametrize("result_itemsize", [4, 2])
 def test_over_budget_buckets_are_chosen_against_the_floor(result_itemsize):
-    """One 64x64 matrix and twelve 8x64 at W=8: a rank holds 1280 elements, but the 64x64's owner
-    needs its piece, the whole matrix and ``6 * 64^2`` of working set even alone, and every other
-    rank its outgoing 512 (the 64x64's piece), an 8x64 and its working set. Instead of every matrix
-    alone (thirteen buckets, one owner busy at a time), the small ones share buckets of 8 and 4 (up
-    to 4096 elements, the large matrix's), one owner each: no rank needs more than that fallback.
-    The large one stays alone (with another matrix every rank's outgoing buffer, the floor's owner's
+    """One 64x64 matrix and twelve 8x64 at W=8: a rank holds 1280 elements, but the 64x64's owner needs its piece, the
+    whole matrix and ``6 * 64^2`` of working set even alone, and every other rank its outgoing 512 (the 64x64's piece),
+    an 8x64 and its working set. Instead of every matrix alone (thirteen buckets, one owner busy at a time), the small
+    ones share buckets of 8 and 4 (up to 4096 elements, the large matrix's), one owner each: no rank needs more than
+    that fallback. The large one stays alone (with another matrix every rank's outgoing buffer, the floor's owner's
     included, would grow)."""
     specs, pieces = _zero3([(64, 64)] + [(8, 64)] * 12, 8)
     plan = _floor_checks(specs, pieces, 8, result_itemsize)
@@ -228,13 +226,10 @@ def test_uniform_pieces_give_the_needs_of_their_lists(world_size):
     specs, uniform = _zero3(shapes, world_size, uniform=True)
     _, lists = _zero3(shapes, world_size, uniform=False)
     for factor in (0.0, 1.0, math.inf):
-        plan = plan_owners(specs,
-                           world_size,
-                           0,
-                           buckets=make_cost_buckets([newton_schulz_cost(s) for s in specs], world_size, factor))
+        buckets = make_cost_buckets([newton_schulz_cost(s) for s in specs], world_size, factor)
+        plan, held = plan_owners(specs, world_size, 0, buckets=buckets), [7] * len(specs)
         for slots in (1, 3):
-            assert rank_numels(plan, uniform, slots, 2,
-                               [7] * len(specs)) == rank_numels(plan, lists, slots, 2, [7] * len(specs))
+            assert rank_numels(plan, uniform, slots, 2, held) == rank_numels(plan, lists, slots, 2, held)
     assert Uniform.of((5, 5, 5)) == Uniform(5, 3) and Uniform.of((5, 4)) == (5, 4)
 
 
@@ -242,8 +237,8 @@ def test_uniform_pieces_give_the_needs_of_their_lists(world_size):
                                                (LLAMA3_70B, 256), (LLAMA3_70B, 4096)],
                          ids=["8b-w8", "8b-w32", "8b-w1024", "70b-w32", "70b-w256", "70b-w4096"])
 def test_default_cap_every_owner_computes_at_once(shapes, world_size):
-    """Under the default cap (NS in fp16, a GPU's "gram"): every rank within it, NS parallel efficiency at least
-    0.75 (the strict rule's plan serializes there: one matrix per bucket or close to it), pipeline depth 2."""
+    """Under the default cap (NS in fp16, a GPU's "gram"): every rank within it, NS parallel efficiency at least 0.75
+    (the strict rule's plan serializes there: one matrix per bucket or close to it), pipeline depth 2."""
     specs, pieces = _zero3(shapes, world_size, uniform=True)
     plan, depth = plan_within_cap(specs, pieces, world_size, DEFAULT_MAX_STEP_MEMORY // 4, 2, result_itemsize=2)
     need, _ = rank_numels(plan, pieces, slots_for_depth(depth), 2)
@@ -268,8 +263,8 @@ def test_a_cap_below_the_floor_is_refused_with_the_least_need():
 
 
 def test_matrices_that_stay_home_take_no_buffer():
-    """A matrix one holder orthogonalizes in place (``travels`` False) adds no exchange buffer, only its working
-    set: at W = 1 the plan needs the largest working set alone."""
+    """A matrix one holder orthogonalizes in place (``travels`` False) adds no exchange buffer, only its working set:
+    at W = 1 the plan needs the largest working set alone."""
     specs = [MatrixSpec(s, travels=False) for s in LLAMA3_8B[:7]]
     pieces = [(s.numel, ) for s in specs]
     plan, depth = plan_within_cap(specs, pieces, 1, DEFAULT_MAX_STEP_MEMORY // 4, 2, result_itemsize=2)

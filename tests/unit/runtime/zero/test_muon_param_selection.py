@@ -4,24 +4,23 @@
 # DeepSpeed Team
 """Which parameters DeepSpeed's Muon puts on Muon (``deepspeed.runtime.zero.muon.param_selection``).
 
-- The rule, on plain modules (no processes): the name rule still sends ``*embed*`` / ``lm_head``
-  to Adam; a weight sharing an embedding's storage goes to Adam; a flag the user set is kept,
-  one DeepSpeed set in an earlier selection is not mistaken for the user's; the report's lists
-  are cut after 20 names; a Muon optimizer with nothing on Muon warns.
-- Tiny GPT-2 (``wte``, ``wpe``, head tied to ``wte``), T5 (``shared``, relative-attention-bias
-  embeddings) and Llama models from ``transformers`` configs, at ZeRO stages 1, 2, 3 and under
-  ``zero.Init``, W=2: embeddings and tied heads on Adam, the other matrices on Muon, user flags
-  kept; the tags the ZeRO optimizers read agree with ``engine.muon_selection``; rank 0 (only)
-  logs the selection at WARNING; one step trains, and at stage 3 Newton-Schulz runs once per
-  Muon matrix.
-- Client optimizers: DeepSpeed's ``MuonWithAuxAdam`` built from groups with ``use_muon`` and
-  untagged tensors trains as the config-named ``"type": "Muon"`` run does (same weights to the
-  fp32 floor, 2.9e-7 measured; untagged, stock runs no Newton-Schulz and ends 5.2e-2 away after
-  3 steps), at ZeRO-2 and ZeRO-3; a user flag contradicting its group
-  is an error naming the parameter; a Keller-Jordan-style Muon is refused at stages 1-3 with a
-  message naming the class and the config, and runs at stage 0.
+- The rule, on plain modules (no processes): the name rule still sends ``*embed*`` / ``lm_head`` to Adam; a weight
+  sharing an embedding's storage goes to Adam; a flag the user set is kept, one DeepSpeed set in an earlier selection
+  is not mistaken for the user's; the report's lists are cut after 20 names; a Muon optimizer with nothing on Muon
+  warns.
+- Tiny GPT-2 (``wte``, ``wpe``, head tied to ``wte``), T5 (``shared``, relative-attention-bias embeddings) and Llama
+  models from ``transformers`` configs, at ZeRO stages 1, 2, 3 and under ``zero.Init``, W=2: embeddings and tied heads
+  on Adam, the other matrices on Muon, user flags kept; the tags the ZeRO optimizers read agree with
+  ``engine.muon_selection``; rank 0 (only) logs the selection at WARNING; one step trains, and at stage 3 Newton-Schulz
+  runs once per Muon matrix.
+- Client optimizers: DeepSpeed's ``MuonWithAuxAdam`` built from groups with ``use_muon`` and untagged tensors trains as
+  the config-named ``"type": "Muon"`` run does (same weights to the fp32 floor, 2.9e-7 measured; untagged, stock runs
+  no Newton-Schulz and ends 5.2e-2 away after 3 steps), at ZeRO-2 and ZeRO-3; a user flag contradicting its group is an
+  error naming the parameter; a Keller-Jordan-style Muon is refused at stages 1-3 with a message naming the class and
+  the config, and runs at stage 0.
 """
 
+import contextlib
 import logging
 
 import pytest
@@ -58,59 +57,37 @@ MODELS = {
 }
 
 
+TINY = {  # kind -> its transformers model and config classes, the config's settings besides the vocabulary
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config",
+             dict(n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)),
+    "t5": ("T5ForConditionalGeneration", "T5Config",
+           dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=2, decoder_start_token_id=0)),
+    "llama": ("LlamaForCausalLM", "LlamaConfig",
+              dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=2, tie_word_embeddings=False)),
+}
+
+
 def tiny_transformer(kind):
     """A 2-layer ``transformers`` model of width 32 and vocabulary 96, weights fixed by a seed."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    if kind == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB,
-                                         n_positions=32,
-                                         n_embd=32,
-                                         n_layer=2,
-                                         n_head=2,
-                                         bos_token_id=0,
-                                         eos_token_id=0)
-        return transformers.GPT2LMHeadModel(config)
-    if kind == "t5":
-        config = transformers.T5Config(vocab_size=VOCAB,
-                                       d_model=32,
-                                       d_kv=8,
-                                       d_ff=64,
-                                       num_layers=2,
-                                       num_heads=2,
-                                       decoder_start_token_id=0)
-        return transformers.T5ForConditionalGeneration(config)
-    config = transformers.LlamaConfig(vocab_size=VOCAB,
-                                      hidden_size=32,
-                                      intermediate_size=64,
-                                      num_hidden_layers=2,
-                                      num_attention_heads=2,
-                                      num_key_value_heads=2,
-                                      tie_word_embeddings=False)
-    return transformers.LlamaForCausalLM(config)
+    model, config, settings = TINY[kind]
+    return getattr(transformers, model)(getattr(transformers, config)(vocab_size=VOCAB, **settings))
 
 
-class Capture(logging.Handler):
-    """Records of DeepSpeed's logger (which does not propagate) while installed."""
-
-    def __init__(self):
-        super().__init__(level=logging.DEBUG)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-    def __enter__(self):
-        from deepspeed.utils import logger
-        logger.addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        from deepspeed.utils import logger
-        logger.removeHandler(self)
-
-    def selection_lines(self):
-        return [r for r in self.records if r.getMessage().startswith("Muon optimizer:")]
+@contextlib.contextmanager
+def selection_log():
+    """The records of DeepSpeed's logger (which does not propagate) while inside."""
+    from deepspeed.utils import logger
+    records = []
+    handler = logging.Handler(level=logging.DEBUG)
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
 
 
 # ---- The rule on plain modules ----------------------------------------------------------------
@@ -226,19 +203,16 @@ class TestMuonSelectionModels(DistributedTest):
         from deepspeed.runtime.zero.muon.param_selection import layer_shape
         spec = MODELS[kind]
         config = _config(stage)
-        if zero_init:
-            with deepspeed.zero.Init(config_dict_or_path=config):
-                model = tiny_transformer(kind)
-            assert all(p.numel() == 0 for p in model.parameters())  # placeholders: shapes are ds_shape
-        else:
+        with deepspeed.zero.Init(config_dict_or_path=config) if zero_init else contextlib.nullcontext():
             model = tiny_transformer(kind)
+        assert not zero_init or all(p.numel() == 0 for p in model.parameters())  # placeholders: shapes are ds_shape
         params = dict(model.named_parameters())
         params[spec["user_false"]].use_muon = False
         params[spec["user_true"]].use_muon = True
         matrices = {n for n, p in params.items() if len(layer_shape(p)) >= 2}
         expected_adam = spec["adam_matrices"] - {spec["user_true"]} | {spec["user_false"]}
 
-        with Capture() as log, fp32_newton_schulz(), NSCounter() as counter:
+        with selection_log() as records, fp32_newton_schulz(), NSCounter() as counter:
             engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
             loss = engine(**_batch(kind, dist.get_rank())).loss
             engine.backward(loss)
@@ -266,7 +240,7 @@ class TestMuonSelectionModels(DistributedTest):
                 if n in selection.muon)
             assert sum(ns) == problems, (ns, problems)
 
-        lines = log.selection_lines()
+        lines = [r for r in records if r.getMessage().startswith("Muon optimizer:")]
         if dist.get_rank() == 0:
             assert len(lines) == 1 and lines[0].levelno == logging.WARNING
             message = lines[0].getMessage()
@@ -310,21 +284,10 @@ class Orthogonalizer(torch.optim.SGD):
 
 def _mixed_groups(model):
     """DeepSpeed's Muon groups for MixedMLP, with the settings of the config-named run (HYPER)."""
-    matrices = [p for p in model.parameters() if p.ndim >= 2]
-    others = [p for p in model.parameters() if p.ndim < 2]
-    return [
-        dict(params=matrices,
-             use_muon=True,
-             lr=HYPER["muon_lr"],
-             momentum=HYPER["momentum"],
-             weight_decay=HYPER["weight_decay"]),
-        dict(params=others,
-             use_muon=False,
-             lr=HYPER["adam_lr"],
-             betas=HYPER["betas"],
-             eps=HYPER["eps"],
-             weight_decay=HYPER["weight_decay"]),
-    ]
+    decay = HYPER["weight_decay"]
+    muon = dict(use_muon=True, lr=HYPER["muon_lr"], momentum=HYPER["momentum"], weight_decay=decay)
+    adam = dict(use_muon=False, lr=HYPER["adam_lr"], betas=HYPER["betas"], eps=HYPER["eps"], weight_decay=decay)
+    return [dict(params=[p for p in model.parameters() if (p.ndim >= 2) == g["use_muon"]], **g) for g in (muon, adam)]
 
 
 def _client_config(stage, gas):
@@ -378,8 +341,7 @@ class TestMuonClientOptimizer(DistributedTest):
         model = build_model("mixed")
         model.fc2.weight.use_muon = False
         with pytest.raises(ValueError,
-                           match=r"fc2\.weight has use_muon = False, but the optimizer's parameter "
-                           r"group 0"):
+                           match=r"fc2\.weight has use_muon = False, but the optimizer's parameter group 0"):
             deepspeed.initialize(model=model,
                                  optimizer=MuonWithAuxAdam(_mixed_groups(model)),
                                  config=_client_config(3, 1))
@@ -389,8 +351,7 @@ class TestMuonClientOptimizer(DistributedTest):
     def test_other_muon_refused_on_flat_partitions(self, optimizer_cls, stage):
         import deepspeed
         model = build_model("mixed")
-        groups = [dict(g, lr=0.01) for g in _mixed_groups(model)]
-        groups = [{k: v for k, v in g.items() if k in ("params", "use_muon", "lr")} for g in groups]
+        groups = [dict(params=g["params"], use_muon=g["use_muon"], lr=0.01) for g in _mixed_groups(model)]
         with pytest.raises(ValueError) as error:
             deepspeed.initialize(model=model, optimizer=optimizer_cls(groups), config=_client_config(stage, 1))
         message = str(error.value)
@@ -400,7 +361,7 @@ class TestMuonClientOptimizer(DistributedTest):
     def test_other_muon_runs_at_stage_0(self):
         import deepspeed
         model = build_model("mixed")
-        groups = [{k: v for k, v in g.items() if k in ("params", "use_muon")} for g in _mixed_groups(model)]
+        groups = [dict(params=g["params"], use_muon=g["use_muon"]) for g in _mixed_groups(model)]
         before = model.fc1.weight.detach().clone()
         engine, *_ = deepspeed.initialize(model=model, optimizer=KellerStyleMuon(groups), config=_client_config(0, 1))
         x, y = step_batch("mixed", 0)

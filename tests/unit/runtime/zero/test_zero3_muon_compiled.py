@@ -2,20 +2,18 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The compiled path: upstream's ``torch.compile``'d Newton-Schulz kernels run through inductor in
-the ranks, as they do in production.
+"""The compiled path: upstream's ``torch.compile``'d Newton-Schulz kernels run through inductor in the ranks.
 
-The other tests run with ``TORCHDYNAMO_DISABLE=1`` (NS compiles slowly on the CPU), under which
-``torch.compile`` returns the kernels undecorated when ``original_muon`` is imported; here the
-ranks decorate them again, as upstream's ``@compiler.compile()`` does, for the length of the test.
-Slow on the CPU (inductor compiles C++ for each matrix shape), hence one small model. Measured
-(0.19.8 base, W=2, 3 steps): compiled and eager ZeRO-3 weights are bit-identical (inductor keeps
-fp32 arithmetic, no FMA contraction, and the matmuls are the same library calls); both are 5.8e-7
-from the eager reference, gas=1 vs gas=4 6.1e-7. So the tolerance is the eager one, ``FLOOR``.
+The other tests run with ``TORCHDYNAMO_DISABLE=1`` (NS compiles slowly on the CPU), under which ``torch.compile``
+returns the kernels undecorated at import; here the ranks decorate them again for the test (inductor compiles C++ for
+each matrix shape on the CPU, hence one small model). Measured (0.19.8 base, W=2, 3 steps): compiled and eager ZeRO-3 weights are
+bit-identical (inductor keeps fp32 arithmetic, no FMA contraction, and the matmuls are the same library calls); both
+are 5.8e-7 from the eager reference, gas=1 vs gas=4 6.1e-7. So the tolerance is the eager one, ``FLOOR``.
 """
 
 import contextlib
 import os
+from unittest import mock
 
 import pytest
 
@@ -29,25 +27,20 @@ RUN = Zero3MuonRun(model="cross", gas=4, steps=3)
 
 @contextlib.contextmanager
 def compiled_newton_schulz():
-    """Upstream's NS kernels wrapped in ``torch.compile`` (as ``@compiler.compile()`` wraps them when
-    TorchDynamo is on at import), and TorchDynamo on; both restored on exit."""
+    """Upstream's NS kernels wrapped in ``torch.compile`` (as ``@compiler.compile()`` wraps them when TorchDynamo is on
+    at import), and TorchDynamo on; both restored on exit."""
     import torch
     from deepspeed.runtime.zero.muon import original_muon
-    saved_env = os.environ.get("TORCHDYNAMO_DISABLE")
     saved = {name: getattr(original_muon, name) for name in NS_KERNELS if hasattr(original_muon, name)}
-    os.environ["TORCHDYNAMO_DISABLE"] = "0"
-    try:
-        for name, kernel in saved.items():
-            if not hasattr(kernel, "_torchdynamo_orig_callable"):
-                setattr(original_muon, name, torch.compile(kernel))
-        yield
-    finally:
-        for name, kernel in saved.items():
-            setattr(original_muon, name, kernel)
-        if saved_env is None:
-            os.environ.pop("TORCHDYNAMO_DISABLE", None)
-        else:
-            os.environ["TORCHDYNAMO_DISABLE"] = saved_env
+    with mock.patch.dict(os.environ, TORCHDYNAMO_DISABLE="0"):
+        try:
+            for name, kernel in saved.items():
+                if not hasattr(kernel, "_torchdynamo_orig_callable"):
+                    setattr(original_muon, name, torch.compile(kernel))
+            yield
+        finally:
+            for name, kernel in saved.items():
+                setattr(original_muon, name, kernel)
 
 
 @pytest.fixture(scope="module")

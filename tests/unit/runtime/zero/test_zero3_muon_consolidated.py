@@ -4,16 +4,15 @@
 # DeepSpeed Team
 """Weights out of a ZeRO-3 Muon run.
 
-- ``zero_to_fp32`` (the function, the conversion to a file and the ``zero_to_fp32.py`` script that
-  ``save_checkpoint`` copies into the checkpoint folder) gives exactly the fp32 master weights the
-  engine holds (``safe_get_full_fp32_param``), for every parameter, Muon matrices and the auxiliary
-  Adam's alike: W=2, gas=2, in fp32, bf16 and with CPU optimizer offload.
-- ``save_16bit_model`` with ``stage3_gather_16bit_weights_on_model_save`` writes exactly the
-  engine's gathered module weights (bf16 in a bf16 run, fp32 in an fp32 run).
+- ``zero_to_fp32`` (the function, the conversion to a file and the ``zero_to_fp32.py`` script that ``save_checkpoint``
+  copies into the checkpoint folder) gives exactly the fp32 master weights the engine holds
+  (``safe_get_full_fp32_param``), for every parameter, Muon matrices and the auxiliary Adam's alike: W=2, gas=2, in
+  fp32, bf16 and with CPU optimizer offload.
+- ``save_16bit_model`` with ``stage3_gather_16bit_weights_on_model_save`` writes exactly the engine's gathered module
+  weights (bf16 in a bf16 run, fp32 in an fp32 run).
 
-Each comparison is against the engine's own weights after a few steps (which moved every
-parameter away from its initialization), with ``torch.equal`` (same shape, dtype-matched values),
-over the model's full set of parameter names.
+Each comparison is against the engine's own weights after a few steps (which moved every parameter away from its
+initialization), with ``torch.equal`` (same shape, dtype-matched values), over the model's full set of parameter names.
 """
 
 import subprocess
@@ -34,8 +33,8 @@ TAG = "consolidated"
 
 
 def trained_engine(run: Zero3MuonRun):
-    """A ZeRO-3 engine of ``run`` after ``run.steps`` optimizer steps on every rank of the current
-    process group (collective), on the samples ``Zero3MuonRun.train`` uses; the caller destroys it."""
+    """A ZeRO-3 engine of ``run`` after ``run.steps`` optimizer steps on every rank of the current process group
+    (collective), on the samples ``Zero3MuonRun.train`` uses; the caller destroys it."""
     from deepspeed import comm as dist
     world_size, rank = dist.get_world_size(), dist.get_rank()
     input_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[run.dtype]
@@ -46,17 +45,15 @@ def trained_engine(run: Zero3MuonRun):
             x, y = step_batch(run.model, step, run.target_scale, run.samples)
             for m in range(run.gas):
                 lo = (m * world_size + rank) * micro
-                engine.backward(
-                    loss_fn(
-                        engine(x[lo:lo + micro].to(engine.device, input_dtype)).float(),
-                        y[lo:lo + micro].to(engine.device)))
+                inputs = x[lo:lo + micro].to(engine.device, input_dtype)
+                engine.backward(loss_fn(engine(inputs).float(), y[lo:lo + micro].to(engine.device)))
                 engine.step()
     return engine
 
 
 def fp32_master_weights(engine) -> dict:
-    """Every parameter's full fp32 master weights by name (``safe_get_full_fp32_param``; collective),
-    fp32 CPU tensors of the parameter's shape."""
+    """Every parameter's full fp32 master weights by name (``safe_get_full_fp32_param``; collective), fp32 CPU tensors
+    of the parameter's shape."""
     from deepspeed.utils import safe_get_full_fp32_param
     weights = {}
     for name, param in engine.module.named_parameters():
@@ -102,20 +99,14 @@ class TestZero3MuonConsolidated(DistributedTest):
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag=TAG)
         assert_exactly(state, master, torch.float32, "get_fp32_state_dict_from_zero_checkpoint")
-        converted, script = tmp_path / f"rank{dist.get_rank()}" / "converted", tmp_path / f"rank{dist.get_rank()}" / "script"
+        converted, script = (tmp_path / f"rank{dist.get_rank()}" / out for out in ("converted", "script"))
         convert_zero_checkpoint_to_fp32_state_dict(str(tmp_path), str(converted), tag=TAG)
         assert_exactly(torch.load(converted / "pytorch_model.bin", map_location="cpu", weights_only=True), master,
                        torch.float32, "convert_zero_checkpoint_to_fp32_state_dict")
         if dist.get_rank() == 0:
             # The copy save_checkpoint wrote, run as users do: checkpoint_dir output_dir --tag.
-            subprocess.run(
-                [sys.executable,
-                 str(tmp_path / "zero_to_fp32.py"),
-                 str(tmp_path),
-                 str(script), "--tag", TAG],
-                check=True,
-                cwd=str(tmp_path),
-                stdout=subprocess.DEVNULL)
+            args = [sys.executable, str(tmp_path / "zero_to_fp32.py"), str(tmp_path), str(script), "--tag", TAG]
+            subprocess.run(args, check=True, cwd=str(tmp_path), stdout=subprocess.DEVNULL)
             assert_exactly(torch.load(script / "pytorch_model.bin", map_location="cpu", weights_only=True), master,
                            torch.float32, "zero_to_fp32.py")
         dist.barrier()

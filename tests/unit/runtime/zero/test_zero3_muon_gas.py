@@ -4,14 +4,13 @@
 # DeepSpeed Team
 """ZeRO-3 Muon under gradient accumulation, on W gloo ranks (``DS_ACCELERATOR=cpu``).
 
-Every step trains on the same 16 samples, split into one micro-batch per rank (gas=1) or four
-(gas=4), fp32, momentum 0.95. The weights must then agree, to the fp32 floor (``FLOOR``, 2e-6:
-about 3x the largest difference measured between such runs, 6.0e-7), with the same ZeRO-3 run at
-gas=1, with a single-process PyTorch reference calling upstream ``muon_update``, and (from 0.19.8,
-see ZERO2_MATCHES_REFERENCE) with ZeRO-2, whose Muon already runs once per step. Newton-Schulz
-must run once per Muon matrix per step, summed over ranks, and never on a non-boundary
-micro-step. Wrong results are far off: momentum advanced per micro-step gave 1e-1 on stock
-0.19.7, and clipping the update instead of the gradient moves these weights by 4e-3.
+Every step trains on the same 16 samples, split into one micro-batch per rank (gas=1) or four (gas=4), fp32, momentum
+0.95. The weights must then agree, to the fp32 floor (``FLOOR``, 2e-6: about 3x the largest difference measured between
+such runs, 6.0e-7), with the same ZeRO-3 run at gas=1, with a single-process PyTorch reference calling upstream
+``muon_update``, and (from 0.19.8, see ZERO2_MATCHES_REFERENCE) with ZeRO-2, whose Muon already runs once per step.
+Newton-Schulz must run once per Muon matrix per step, summed over ranks, and never on a non-boundary micro-step. Wrong
+results are far off: momentum advanced per micro-step gave 1e-1 on stock 0.19.7, and clipping the update instead of the
+gradient moves these weights by 4e-3.
 """
 
 import inspect
@@ -26,10 +25,9 @@ from muon_testing.compare import FLOOR, relative_difference
 from muon_testing.models import CrossShapes, build_model, newton_schulz_problem_count
 from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
-# Stock 0.19.7's ZeRO-2 Muon does not match upstream muon_update on this model: measured 4.6e-2
-# (two bias-free layers) and 4.9e-2 (MixedMLP) from the reference at W=1, where our ZeRO-3 is at
-# 0.0 and 3.7e-7. ZeRO-2 is a yardstick from 0.19.8 on, and on 0.19.7 with the ZeRO-1/2 Muon of
-# patch 0012 (the binding); the reference is one on every base.
+# Stock 0.19.7's ZeRO-2 Muon does not match upstream muon_update on this model: measured 4.6e-2 (two bias-free layers)
+# and 4.9e-2 (MixedMLP) from the reference at W=1, where our ZeRO-3 is at 0.0 and 3.7e-7. ZeRO-2 is a yardstick from
+# 0.19.8 on, and on 0.19.7 with the ZeRO-1/2 Muon of patch 0012 (the binding); the reference is one on every base.
 ZERO2_MATCHES_REFERENCE = (tuple(int(v) for v in deepspeed.__version__.split("+")[0].split(".")[:3]) >= (0, 19, 8)
                            or "MuonUpdate.create" in inspect.getsource(stage_1_and_2))
 GAS4 = Zero3MuonRun(model="mixed", gas=4, steps=4)
@@ -60,8 +58,8 @@ class TestZero3MuonGas(DistributedTest):
     @pytest.mark.core
     @pytest.mark.parametrize("world_size", [1, 2, 4])
     def test_gas4_matches_gas1_zero2_and_reference(self, world_size, reference):
-        """gas=4 = gas=1 = ZeRO-2 gas=4 = reference; NS once per matrix per step; the same
-        weights on every rank; and the weights moved (a broken step cannot pass as "equal")."""
+        """gas=4 = gas=1 = ZeRO-2 gas=4 = reference; NS once per matrix per step; the same weights on every rank; and
+        the weights moved (a broken step cannot pass as "equal")."""
         runs = {"gas4": GAS4.train(), "gas1": GAS4.with_(gas=1).train()}
         if ZERO2_MATCHES_REFERENCE:
             runs["zero2"] = GAS4.with_(stage=2).train()

@@ -4,21 +4,16 @@
 # DeepSpeed Team
 """fp16 with dynamic loss scaling, bf16, and gradient clipping, checked by replay.
 
-fp16 and bf16 forward passes cannot be reproduced bit for bit by a single-process model, so each
-run (W=2, gas=2, 8 steps) records, at every optimizer step, every Muon matrix's accumulated
-gradient as DeepSpeed's reduce path left it (still multiplied by the loss scale), the loss scale,
-the gradient that entered the Muon update, the momentum after it and the fp32 master weights
-(``zero3_muon_helpers.Recorder``). The replay recomputes, from the accumulated gradients and loss
-scales alone, what ``clip_grad_norm_`` on the raw gradients followed by upstream ``muon_update``
-in fp32 gives. Stock 0.19.8 fails this: its momentum keeps loss-scaled gradients (40-70% off once
-the scale changes) and it clips the orthogonalized update.
+No single-process model reproduces fp16 and bf16 forward passes bit for bit, so each run (W=2, gas=2, 8 steps) records
+at every optimizer step every Muon matrix's accumulated gradient as the reduce path left it (still loss-scaled), the
+loss scale, the gradient that entered the Muon update, the momentum after it and the fp32 master weights
+(``Recorder``). The replay recomputes from the accumulated gradients and loss scales alone what ``clip_grad_norm_`` on
+the raw gradients followed by upstream ``muon_update`` in fp32 gives. Stock 0.19.8 fails this: its momentum keeps
+loss-scaled gradients (40-70% off once the scale changes) and it clips the orthogonalized update. fp16 runs on the CPU:
+``fp16_allowed_on_cpu``.
 
-fp16 on the CPU accelerator: DeepSpeed refuses fp16 there although fp16 tensors work on the CPU;
-the fp16 runs claim accelerator support while their engine is built (``fp16_allowed_on_cpu``),
-then Newton-Schulz keeps its fp32 compute dtype.
-
-Tolerance: ``REPLAY_FLOOR`` = 1e-6 (the gradient entering Muon and the momentum come out
-bit-identical; master weights within one ulp, see its docstring).
+Tolerance: ``REPLAY_FLOOR`` = 1e-6 (the gradient entering Muon and the momentum come out bit-identical; master weights
+within one ulp, see its docstring).
 """
 
 import math
@@ -50,11 +45,10 @@ def loss_scale_moves_both_ways_and_overflow_steps_change_nothing(run, result):
 
 
 def clip_bites_but_muon_steps_keep_their_size(run, result):
-    """With the clip biting (raw norms 8-30 against 1.0), each Muon matrix still moves by lr times
-    an orthogonal matrix's norm, ~sqrt(min(rows, cols)) times the aspect-ratio scale: clipping
-    only rescales what enters the momentum. (Clipping the orthogonalized update instead, as
-    stock ZeRO does, divides every step by the norm of all the updates: over 7.5 here, from the
-    three Muon matrices alone.)"""
+    """With the clip biting (raw norms 8-30 against 1.0), each Muon matrix still moves by lr times an orthogonal
+    matrix's norm, ~sqrt(min(rows, cols)) times the aspect-ratio scale: clipping only rescales what enters the
+    momentum. (Clipping the orthogonalized update instead, as stock ZeRO does, divides every step by the norm of all
+    the updates: over 7.5 here, from the three Muon matrices alone.)"""
     steps, initial = result.records
     assert min(s["norm"] for s in steps if not s["skipped"]) > 5 * run.clip
     previous = initial
@@ -86,8 +80,21 @@ RUNS = {
     "fp32_clip": (BASE.with_(**BITES), clip_bites_but_muon_steps_keep_their_size),
     "fp32_clip_loose": (BASE.with_(**LOOSE), loose_clip_does_not_bite),
 }
-CORE = {"fp16", "bf16_clip"}
-MARKS = {name: [pytest.mark.core] if name in CORE else [] for name in RUNS}
+MARKS = {name: [pytest.mark.core] if name in ("fp16", "bf16_clip") else [] for name in RUNS}
+
+
+def assert_matches_replay(run, check, result):
+    """The gradient entering Muon, the momentum and the master weights match the replay at every step; the momentum is
+    fp32; and the run's own property (loss scale, clip biting or not)."""
+    steps = replay(result.records, MUON_NAMES, HYPER, clip=run.clip)
+    for key in ("entered", "momentum", "master"):
+        pairs = [step[n][key] for step in steps for n in MUON_NAMES if key in step[n]]
+        assert pairs, key
+        error = max_relative_error(pairs)
+        assert error <= REPLAY_FLOOR, (key, error)
+    assert set(result.momentum_dtypes) == {"torch.float32"}
+    if check is not None:
+        check(run, result)
 
 
 class TestZero3MuonPrecision(DistributedTest):
@@ -96,22 +103,12 @@ class TestZero3MuonPrecision(DistributedTest):
 
     @pytest.mark.parametrize("name", [pytest.param(n, marks=MARKS[n]) for n in RUNS])
     def test_muon_update_matches_replay(self, name):
-        """The gradient entering Muon, the momentum and the master weights match the replay at
-        every step; the momentum is fp32; ``get_global_grad_norm()`` is the raw gradient norm
-        (1e-5: a norm of the fp32 partitions summed in another order); and the run's own property
-        (loss scale, clip biting or not)."""
+        """``assert_matches_replay``, and ``get_global_grad_norm()`` is the raw gradient norm (1e-5: a norm of the fp32
+        partitions summed in another order)."""
         run, check = RUNS[name]
         result = run.train(record=True)
-        steps = replay(result.records, MUON_NAMES, HYPER, clip=run.clip)
-        for key in ("entered", "momentum", "master"):
-            pairs = [step[n][key] for step in steps for n in MUON_NAMES if key in step[n]]
-            assert pairs, key
-            error = max_relative_error(pairs)
-            assert error <= REPLAY_FLOOR, (key, error)
-        assert set(result.momentum_dtypes) == {"torch.float32"}
+        assert_matches_replay(run, check, result)
         recorded = [s for s in result.records[0] if not s["skipped"]]
         assert recorded
         for step in recorded:
             assert step["norm"] == pytest.approx(step["norm_from_gradients"], rel=1e-5)
-        if check is not None:
-            check(run, result)

@@ -4,15 +4,11 @@
 # DeepSpeed Team
 """ZeRO-3 Muon at world size 1: the configurations of the W=2 tests that one device can run.
 
-A node with one GPU runs a DistributedTest only where its world size fits the device count
-(``tests/unit/common.py``, ``placement``), so these are the variants ``dev.py gpu-check`` runs
-on the GPU: bf16 and fp16 with dynamic loss scaling (an overflow step leaves the momentum and the
-master weights unchanged, the scale moves both ways) checked by replay as in
-``test_zero3_muon_precision.py``; CPU optimizer offload, and parameter offload with it, against
-the single-process reference; upstream's ``torch.compile``d Newton-Schulz (the W=1 checkpoint resume is in
-``unit/checkpoint/test_zero3_muon_checkpoint.py``). Same runs, checks and tolerances as
-those tests (``FLOOR``, ``REPLAY_FLOOR``), at W=1 gas 2 (the accumulation boundary still takes
-two micro-steps).
+A node with one GPU runs a DistributedTest only where its world size fits the device count, so these are the variants
+``dev.py gpu-check`` runs on the GPU: bf16 and fp16 with dynamic loss scaling checked by replay
+(``test_zero3_muon_precision.py``); CPU optimizer offload, and parameter offload with it, against the reference;
+upstream's ``torch.compile``d Newton-Schulz (the W=1 checkpoint resume: ``test_zero3_muon_checkpoint.py``). Same runs,
+checks and tolerances as those tests, at W=1 gas 2 (the boundary still takes two micro-steps).
 """
 
 import pytest
@@ -20,10 +16,9 @@ import pytest
 from unit.common import DistributedTest
 from unit.runtime.zero.test_zero3_muon_compiled import RUN as COMPILED_RUN
 from unit.runtime.zero.test_zero3_muon_compiled import compiled_newton_schulz
-from unit.runtime.zero.test_zero3_muon_precision import MARKS, MUON_NAMES, RUNS
+from unit.runtime.zero.test_zero3_muon_precision import MARKS, MUON_NAMES, RUNS, assert_matches_replay
 from muon_testing.compare import FLOOR, relative_difference
-from muon_testing.models import HYPER
-from unit.runtime.zero.zero3_muon_helpers import REPLAY_FLOOR, Zero3MuonRun, max_relative_error, replay
+from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
 PRECISION = ("bf16", "bf16_clip", "fp16")
 OFFLOAD = {
@@ -52,24 +47,13 @@ class TestZero3MuonSingleRank(DistributedTest):
 
     @pytest.mark.parametrize("name", [pytest.param(n, marks=MARKS[n]) for n in PRECISION])
     def test_precision_matches_replay(self, name):
-        """As ``TestZero3MuonPrecision.test_muon_update_matches_replay``: the gradient entering Muon,
-        the momentum and the master weights match the replay at every step (fp16: the overflow
-        steps are skipped, the loss scale moves both ways); the momentum is fp32."""
         run, check = RUNS[name]
-        result = run.train(record=True)
-        steps = replay(result.records, MUON_NAMES, HYPER, clip=run.clip)
-        for key in ("entered", "momentum", "master"):
-            pairs = [step[n][key] for step in steps for n in MUON_NAMES if key in step[n]]
-            assert pairs, key
-            assert max_relative_error(pairs) <= REPLAY_FLOOR, key
-        assert set(result.momentum_dtypes) == {"torch.float32"}
-        if check is not None:
-            check(run, result)
+        assert_matches_replay(run, check, run.train(record=True))
 
     @pytest.mark.parametrize("name", sorted(OFFLOAD))
     def test_matches_reference(self, name, offload_reference):
-        """CPU offload of the optimizer (and of the parameters): the single-process reference, to the
-        fp32 floor; Newton-Schulz once per Muon matrix per step."""
+        """CPU offload of the optimizer (and of the parameters): the single-process reference, to the fp32 floor;
+        Newton-Schulz once per Muon matrix per step."""
         result = OFFLOAD[name].train()
         assert relative_difference(offload_reference, result.weights) <= FLOOR
         assert result.ns_off_boundary() == 0
@@ -77,8 +61,8 @@ class TestZero3MuonSingleRank(DistributedTest):
 
     @pytest.mark.compiled
     def test_compiled_newton_schulz_matches_eager_reference(self, compiled_reference):
-        """Upstream's compiled Newton-Schulz kernels (TorchDynamo on): the eager reference to the fp32
-        floor, and TorchDynamo compiled something (else this did not test the compiled path)."""
+        """Upstream's compiled Newton-Schulz kernels (TorchDynamo on): the eager reference to the fp32 floor, and
+        TorchDynamo compiled something (else this did not test the compiled path)."""
         with compiled_newton_schulz():
             result = COMPILED_RUN.train()
         assert sum(r.dynamo_graphs for r in result.per_rank) > 0

@@ -2,19 +2,14 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The ZeRO Muon tests' harness, on top of ``muon_testing`` (the models, per-step data,
-comparisons and single-process reference the tests share with the benchmark and the demo).
+"""The ZeRO Muon tests' harness, on top of ``muon_testing`` (models, data, comparisons, reference).
 
-- ``Zero3MuonRun``: one DeepSpeed training run, described as data; ``train()`` runs it on every
-  rank of the current process group and returns a ``Zero3MuonResult``. ``ds_config`` is its
-  DeepSpeed config; ``initialize_error`` the error ``deepspeed.initialize`` raises for one.
-- ``Recorder`` / ``replay``: what the boundary update saw and did at every step, recomputed with
-  upstream ``muon_update`` (for fp16/bf16 runs no single-process model reproduces bit for bit).
+- ``Zero3MuonRun``: one DeepSpeed training run as data; ``train()`` runs it on every rank and returns a
+  ``Zero3MuonResult``; ``initialize_error``: the error ``deepspeed.initialize`` raises for one.
+- ``Recorder`` / ``replay``: what the boundary update saw and did at every step, recomputed with upstream
+  ``muon_update`` (no single-process model reproduces fp16/bf16 runs bit for bit).
 - Checkpoints: the optimizer state gathered whole, universal conversion, older layouts.
-- Tolerances beyond ``muon_testing.compare.FLOOR``: ``BF16_NS_FLOOR``, ``REPLAY_FLOOR``.
-
-DeepSpeed names are imported inside functions; the measurements behind the tolerances are in
-docs/configurations.md.
+- Tolerances beyond ``FLOOR``: ``BF16_NS_FLOOR``, ``REPLAY_FLOOR`` (measurements: docs/configurations.md).
 """
 
 import contextlib
@@ -23,6 +18,7 @@ import glob
 import os
 import types
 from typing import Optional
+from unittest import mock
 
 import numpy as np
 import torch
@@ -33,15 +29,14 @@ from muon_testing.models import HYPER, TOTAL_SAMPLES, build_model, loss_fn, para
 from muon_testing.reference import device, fp32_newton_schulz, train_reference
 
 BF16_NS_FLOOR = 5e-3
-"""For runs using the "standard" Newton-Schulz kernel, which computes in bf16 on the CPU: one
-bf16 rounding that falls the other way (2^-8 relative) after a 1e-7 input difference moves the
-weights by up to ~1e-3 (5.3e-4 measured in a two-group run)."""
+"""For runs using the "standard" Newton-Schulz kernel, which computes in bf16 on the CPU: one bf16 rounding that falls
+the other way (2^-8 relative) after a 1e-7 input difference moves the weights by up to ~1e-3 (5.3e-4 measured in a
+two-group run)."""
 
 REPLAY_FLOOR = 1e-6
-"""Replay of recorded fp16/bf16/fp32 steps: the gradient entering Muon and the momentum come out
-bit-identical (measured 0.0); master weights differ by at most one ulp (3.4e-7 to 4.2e-7
-measured) where the vectorized flat-partition update and the whole-matrix replay put different
-elements in the scalar remainder loop."""
+"""Replay of recorded fp16/bf16/fp32 steps: the gradient entering Muon and the momentum come out bit-identical
+(measured 0.0); master weights differ by at most one ulp (3.4e-7 to 4.2e-7 measured) where the vectorized
+flat-partition update and the whole-matrix replay put different elements in the scalar remainder loop."""
 
 OVERFLOW_FACTOR = 1e6
 """Multiplies the inputs of a step's first micro-batch on an ``overflow_steps`` step: fp16 overflows."""
@@ -49,21 +44,12 @@ OVERFLOW_FACTOR = 1e6
 
 @contextlib.contextmanager
 def fp16_allowed_on_cpu(enabled=True):
-    """DeepSpeed refuses fp16 on the CPU accelerator, although fp16 tensors work on the CPU. The
-    fp16 tests claim support while the engine is built (and only then, so that Newton-Schulz
-    keeps its fp32 compute dtype, the precision the reference uses; ``fp32_newton_schulz`` takes
-    it away on a GPU too)."""
-    if not enabled:
-        yield
-        return
+    """DeepSpeed refuses fp16 on the CPU accelerator, although fp16 tensors work there: claimed while the engine is
+    built, and only then, so that Newton-Schulz keeps the reference's fp32 compute dtype."""
     from deepspeed.accelerator import get_accelerator
-    accelerator = get_accelerator()
-    original = accelerator.is_fp16_supported
-    accelerator.is_fp16_supported = lambda: True
-    try:
+    patch = mock.patch.object(get_accelerator(), "is_fp16_supported", lambda: True)
+    with patch if enabled else contextlib.nullcontext():
         yield
-    finally:
-        accelerator.is_fp16_supported = original
 
 
 def ds_config(stage: int,
@@ -74,86 +60,59 @@ def ds_config(stage: int,
               hyper=HYPER,
               samples: int = TOTAL_SAMPLES,
               partition_all: bool = True) -> dict:
-    """A DeepSpeed config for ``samples`` samples per step split over ranks and micro-steps.
-
-    With ``partition_all`` (stage 3) every parameter is partitioned and fetched for each use, as a
-    large model's matrices are (``stage3_param_persistence_threshold: 0``; at the default 1e5
-    elements every parameter of these small models would stay whole on every rank)."""
+    """A DeepSpeed config for ``samples`` samples per step split over ranks and micro-steps. With ``partition_all``
+    (stage 3) every parameter is partitioned, as a large model's matrices are
+    (``stage3_param_persistence_threshold: 0``; at the default 1e5 these small ones would stay whole)."""
     zero = {"stage": stage}
     if stage == 3 and partition_all:
         zero["stage3_param_persistence_threshold"] = 0
     zero.update(zero_extra or {})
+    params = {k: hyper[k] for k in ("muon_lr", "adam_lr", "momentum", "weight_decay")}
+    params.update(betas=list(hyper["betas"]), eps=hyper["eps"])
+    optimizer = {"type": "Muon", "params": params}
     return {
         "train_batch_size": samples,
         "train_micro_batch_size_per_gpu": samples // (world_size * gas),
         "gradient_accumulation_steps": gas,
         "gradient_clipping": clip,
-        "optimizer": {
-            "type": "Muon",
-            "params": {
-                "muon_lr": hyper["muon_lr"],
-                "adam_lr": hyper["adam_lr"],
-                "momentum": hyper["momentum"],
-                "weight_decay": hyper["weight_decay"],
-                "betas": list(hyper["betas"]),
-                "eps": hyper["eps"],
-            },
-        },
+        "optimizer": optimizer,
         "zero_optimization": zero,
     }
 
 
-ADAMW = {
-    "type": "AdamW",
-    "params": {
-        "lr": HYPER["adam_lr"],
-        "betas": list(HYPER["betas"]),
-        "eps": HYPER["eps"],
-        "weight_decay": HYPER["weight_decay"]
-    }
-}
+ADAMW = {"type": "AdamW", "params": dict(lr=HYPER["adam_lr"], betas=list(HYPER["betas"]))}
+ADAMW["params"].update(eps=HYPER["eps"], weight_decay=HYPER["weight_decay"])
 """DeepSpeed's ``AdamW`` with the reference's hyper-parameters (``Zero3MuonRun(optimizer="AdamW")``)."""
 
 FP16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
-"""fp16 section of ``Zero3MuonRun(dtype="fp16")``: loss scale 256, grown after 2 clean steps, cut
-at the first overflow, so a few steps see it move both ways."""
+"""fp16 section of ``Zero3MuonRun(dtype="fp16")``: loss scale 256, grown after 2 clean steps, cut at the first
+overflow, so a few steps see it move both ways."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Zero3MuonRun:
-    """One DeepSpeed training run of a test model: ``steps`` optimizer steps of ``samples``
-    samples each (``step_batch``), split over W ranks and ``gas`` micro-steps, so every step uses
-    the same samples whatever ``gas`` and W are.
+    """One DeepSpeed training run of a test model: ``steps`` optimizer steps of ``samples`` samples each
+    (``step_batch``) split over W ranks and ``gas`` micro-steps, the same samples whatever ``gas`` and W are.
 
-    Attributes:
-        model: a key of MODELS. stage: ZeRO stage. gas: ``gradient_accumulation_steps``.
-        dtype: "fp32", "bf16" (``bf16.enabled``) or "fp16" (``FP16``, allowed on the CPU by
-            ``fp16_allowed_on_cpu`` while the engine is built).
-        clip: ``gradient_clipping`` (0: off). target_scale: multiplies the targets (large
-            gradient norms, so a clip of 1.0 bites).
-        offload: ``offload_optimizer.device`` ("cpu", "nvme"; nvme needs ``train(nvme_dir=...)``).
-        momentum_in_memory: ``save_muon_momentum_buffer_in_memory``.
-        zero: more ``zero_optimization`` keys. extra: more top-level config keys.
-        partition_all: ``stage3_param_persistence_threshold: 0`` (see ``ds_config``).
-        optimizer: "Muon" or "AdamW" (``ADAMW``). per_head: ``per_head_muon``.
-        groups: a key of GROUPINGS (several parameter groups). zero_init: build the model under
-            ``deepspeed.zero.Init``. pipeline_depth: ``optimizer.params.pipeline_depth`` (buckets in
-            flight ahead of the one the owner orthogonalizes; 1 is serial; None: not set, 2).
-            max_step_memory: ``optimizer.params.max_step_memory`` (None: not set, the default cap).
-        overflow_steps: steps whose first micro-batch is scaled by OVERFLOW_FACTOR.
-        restart_after: after that many steps, ``save_checkpoint`` (tag ``restart``), a fresh
-            engine, ``load_checkpoint``, go on (needs ``train(checkpoint_dir=...)``); equal to
-            ``steps``: save at the end and stop.
-        universal: checkpoints go through ``ds_to_universal`` (tag ``restart_universal``,
-            converted on rank 0) and load with ``"checkpoint": {"load_universal": true}``.
-        resume_from: start at this step from the checkpoint a run with ``restart_after`` equal
-            to it saved in ``checkpoint_dir`` (at any world size when ``universal``).
-        ns_method: ``optimizer.params.ns_method`` (None: not set, upstream's "gram"); the reference
-            uses it too. ns_fp32: every Newton-Schulz kernel in fp32 on the CPU, in the run and its
-            reference ("standard" and "polar_express" compute in bf16 there otherwise;
-            ``fp32_newton_schulz(every_method=True)``); fp32 runs only.
-        momentum_to_bf16: before that ``load_checkpoint``, store the checkpoint's Muon momentum in
-            bf16, as stock 0.19.8 writes it under bf16 training.
+    Attributes (config keys where not said; None: not set):
+        model: a key of MODELS. dtype: "fp32", "bf16" or "fp16" (``FP16``; ``fp16_allowed_on_cpu``). clip:
+            ``gradient_clipping`` (0: off). target_scale: multiplies the targets (so a clip of 1.0 bites).
+        offload: ``offload_optimizer.device`` ("cpu", "nvme": needs ``train(nvme_dir=...)``). momentum_in_memory:
+            ``save_muon_momentum_buffer_in_memory``. zero / extra: more ``zero_optimization`` / top-level keys.
+        partition_all: see ``ds_config``. optimizer: "Muon" or "AdamW" (``ADAMW``). groups: a key of GROUPINGS.
+        zero_init: the model built under ``deepspeed.zero.Init``. overflow_steps: steps whose first micro-batch
+            is scaled by OVERFLOW_FACTOR. pipeline_depth: buckets in flight ahead of the one the owner
+            orthogonalizes (1: serial; default 2).
+        restart_after: after that many steps ``save_checkpoint`` (tag ``restart``), a fresh engine,
+            ``load_checkpoint``, go on (needs ``train(checkpoint_dir=...)``); equal to ``steps``: save and stop.
+        universal: checkpoints go through ``ds_to_universal`` (tag ``restart_universal``, on rank 0) and load
+            with ``"checkpoint": {"load_universal": true}``.
+        resume_from: start at this step from the checkpoint a run with ``restart_after`` equal to it saved
+            in ``checkpoint_dir`` (at any world size when ``universal``).
+        ns_method: also the reference's (None: upstream's "gram"). ns_fp32: every Newton-Schulz kernel in
+            fp32 in the run and its reference (``fp32_newton_schulz(every_method=True)``); fp32 runs only.
+        momentum_to_bf16: before that ``load_checkpoint``, the checkpoint's Muon momentum stored in bf16, as
+            stock 0.19.8 writes it under bf16 training.
     """
     model: str = "mixed"
     stage: int = 3
@@ -194,13 +153,7 @@ class Zero3MuonRun:
                 zero["offload_optimizer"]["nvme_path"] = str(nvme_dir)
         if self.momentum_in_memory:
             zero["save_muon_momentum_buffer_in_memory"] = True
-        config = ds_config(self.stage,
-                           self.gas,
-                           world_size,
-                           clip=self.clip,
-                           zero_extra=zero,
-                           samples=self.samples,
-                           partition_all=self.partition_all)
+        config = ds_config(self.stage, self.gas, world_size, self.clip, zero, HYPER, self.samples, self.partition_all)
         if self.dtype == "fp16":
             config["fp16"] = dict(FP16)
         elif self.dtype == "bf16":
@@ -209,12 +162,9 @@ class Zero3MuonRun:
             config["optimizer"] = ADAMW
         if self.per_head:
             config["optimizer"]["params"]["per_head_muon"] = True
-        if self.ns_method is not None:
-            config["optimizer"]["params"]["ns_method"] = self.ns_method
-        if self.pipeline_depth is not None:
-            config["optimizer"]["params"]["pipeline_depth"] = self.pipeline_depth
-        if self.max_step_memory is not None:
-            config["optimizer"]["params"]["max_step_memory"] = self.max_step_memory
+        for key in ("ns_method", "pipeline_depth", "max_step_memory"):
+            if getattr(self, key) is not None:
+                config["optimizer"]["params"][key] = getattr(self, key)
         config.update(dict(self.extra))
         return config
 
@@ -250,18 +200,14 @@ class Zero3MuonRun:
         return engine
 
     def train(self, checkpoint_dir=None, nvme_dir=None, record=False) -> "Zero3MuonResult":
-        """Train on every rank of the current process group (collective); see Zero3MuonResult.
-
-        Micro-step ``m`` of rank ``r`` takes samples ``[(m * W + r) * mb, ... + mb)`` of the step.
-        With ``record`` a ``Recorder`` is installed (ZeRO-3 Muon runs only). Newton-Schulz
-        computes in fp32 (``fp32_newton_schulz``).
-        """
+        """Train on every rank (collective). Micro-step ``m`` of rank ``r`` takes samples
+        ``[(m * W + r) * mb, ... + mb)`` of the step. ``record``: with a ``Recorder`` (ZeRO-3 Muon runs only).
+        Newton-Schulz computes in fp32 (``fp32_newton_schulz``)."""
         with fp32_newton_schulz(every_method=self.ns_fp32):
             return self._train(checkpoint_dir, nvme_dir, record)
 
     def _save(self, engine, checkpoint_dir, rank):
-        """``save_checkpoint`` (tag ``restart``); stock 0.19.8's bf16 momentum if asked; the
-        universal conversion if asked (on rank 0). Collective."""
+        """``save_checkpoint`` (tag ``restart``), then what ``momentum_to_bf16`` and ``universal`` ask. Collective."""
         from deepspeed import comm as dist
         engine.save_checkpoint(checkpoint_dir, tag="restart")
         dist.barrier()
@@ -320,28 +266,23 @@ class Zero3MuonRun:
                 norms.append(float(norm) if norm is not None else None)
                 loss_scales.append(float(getattr(engine.optimizer, "loss_scale", 1.0)))
         boundary = getattr(engine.optimizer, "muon_update", None)
-        local = dict(ns_per_step=ns_per_step,
-                     ns_off_boundary=ns_off_boundary,
-                     ns_by_kernel=dict(counter.by_kernel),
-                     stats=dataclasses.asdict(boundary.stats) if boundary is not None else None,
+        local = dict(ns_per_step=ns_per_step, ns_off_boundary=ns_off_boundary, ns_by_kernel=dict(counter.by_kernel))
+        local.update(stats=dataclasses.asdict(boundary.stats) if boundary is not None else None,
                      dynamo_graphs=int(counters["stats"]["unique_graphs"]) - graphs_before)
         per_rank = [None] * world_size
         dist.all_gather_object(per_rank, local)
+        states = engine.optimizer.optimizer.state.values() if self.stage == 3 else []
+        heads = {n: getattr(p, "muon_num_heads", None) for n, p in engine.module.named_parameters()}
         result = Zero3MuonResult(weights=gathered_weights(engine),
                                  optimizer_state=gathered_optimizer_state(engine) if self.stage == 3 else None,
                                  loaded_state=loaded_state,
                                  norms=norms,
                                  loss_scales=loss_scales,
                                  per_rank=[types.SimpleNamespace(**r) for r in per_rank],
-                                 final_momentum_dtypes=sorted({
-                                     str(state["momentum_buffer"].dtype)
-                                     for state in engine.optimizer.optimizer.state.values()
-                                     if "momentum_buffer" in state
-                                 }) if self.stage == 3 else [],
-                                 muon_num_heads={
-                                     n: getattr(p, "muon_num_heads", None)
-                                     for n, p in engine.module.named_parameters()
-                                 },
+                                 final_momentum_dtypes=sorted(
+                                     {str(s["momentum_buffer"].dtype)
+                                      for s in states if "momentum_buffer" in s}),
+                                 muon_num_heads=heads,
                                  records=(recorder.steps, recorder.initial_master) if recorder is not None else None,
                                  momentum_dtypes=recorder.momentum_dtypes if recorder is not None else None)
         engine.destroy()
@@ -350,23 +291,19 @@ class Zero3MuonRun:
 
 @dataclasses.dataclass
 class Zero3MuonResult:
-    """What ``Zero3MuonRun.train`` returns on every rank (the same on all ranks).
+    """What ``Zero3MuonRun.train`` returns, the same on every rank.
 
     Attributes:
-        weights: full parameters by name (fp32 CPU tensors) after training.
-        norms: ``get_global_grad_norm()`` per step. loss_scales: the optimizer's loss scale after
-            each step (1.0 without one).
-        per_rank: per rank: ``ns_per_step`` (NS calls at each boundary), ``ns_off_boundary`` (NS
-            calls on non-boundary micro-steps), ``ns_by_kernel``, ``stats`` (the boundary's
-            counters as a dict, or None without one), ``dynamo_graphs`` (graphs TorchDynamo
-            compiled during the run: 0 when it is disabled).
-        final_momentum_dtypes: dtypes of the Muon momentum buffers at the end (ZeRO-3).
-        optimizer_state: ZeRO-3: ``gathered_optimizer_state`` at the end.
-        loaded_state: ZeRO-3 with ``resume_from``: ``gathered_optimizer_state`` right after
-            ``load_checkpoint``.
-        muon_num_heads: ``muon_num_heads`` by parameter name, as DeepSpeed tagged them.
-        records / momentum_dtypes: with ``train(record=True)``, ``(Recorder.steps,
-            Recorder.initial_master)`` and ``Recorder.momentum_dtypes``.
+        weights: full parameters by name (fp32 CPU tensors) after training. norms:
+            ``get_global_grad_norm()`` per step. loss_scales: the loss scale after each step (1.0 without one).
+        per_rank: per rank: ``ns_per_step`` (NS calls at each boundary), ``ns_off_boundary`` (NS calls on
+            other micro-steps), ``ns_by_kernel``, ``stats`` (the boundary's counters as a dict, or None),
+            ``dynamo_graphs`` (graphs TorchDynamo compiled during the run: 0 when it is disabled).
+        final_momentum_dtypes / optimizer_state: ZeRO-3: the Muon momentum buffers' dtypes and
+            ``gathered_optimizer_state`` at the end. loaded_state: with ``resume_from``, the latter right
+            after ``load_checkpoint``. muon_num_heads: by parameter name, as DeepSpeed tagged them.
+        records / momentum_dtypes: with ``train(record=True)``, ``(Recorder.steps, Recorder.initial_master)``
+            and ``Recorder.momentum_dtypes``.
     """
     weights: dict
     norms: list
@@ -390,16 +327,15 @@ class Zero3MuonResult:
         return {k: sum(r.ns_by_kernel[k] for r in self.per_rank) for k in NS_KERNELS}
 
     def assert_newton_schulz_once_per_problem_per_step(self, problems, steps):
-        """Summed over ranks: ``problems`` matrices orthogonalized (``NSCounter.count``) at every
-        boundary, none off the boundary."""
+        """Summed over ranks: ``problems`` matrices orthogonalized at every boundary, none off it."""
         assert self.ns_per_step() == [problems] * steps, self.ns_per_step()
         assert self.ns_off_boundary() == 0
 
 
 def ds_to_universal_args(checkpoint_dir, tag, inject_missing_state=False) -> types.SimpleNamespace:
-    """``ds_to_universal.main``'s arguments for ``checkpoint_dir/tag`` into
-    ``checkpoint_dir/<tag>_universal``: one worker, no child processes, as upstream's tests run it
-    (``inject_missing_state``: for a ZeRO-1/2 checkpoint of a model without ``universal_checkpoint_info``)."""
+    """``ds_to_universal.main``'s arguments for ``checkpoint_dir/tag`` into ``checkpoint_dir/<tag>_universal``:
+    one worker, no child processes, as upstream's tests run it (``inject_missing_state``: for a ZeRO-1/2
+    checkpoint of a model without ``universal_checkpoint_info``)."""
     return types.SimpleNamespace(input_folder=os.path.join(checkpoint_dir, tag),
                                  output_folder=os.path.join(checkpoint_dir, f"{tag}_universal"),
                                  num_extract_workers=1,
@@ -410,8 +346,7 @@ def ds_to_universal_args(checkpoint_dir, tag, inject_missing_state=False) -> typ
 
 
 def convert_to_universal(checkpoint_dir, tag, inject_missing_state=False) -> str:
-    """``ds_to_universal`` of ``checkpoint_dir/tag`` into ``checkpoint_dir/<tag>_universal``, run
-    on rank 0 (``ds_to_universal_args``); collective. Returns the output folder."""
+    """``ds_to_universal`` (``ds_to_universal_args``) on rank 0; collective. Returns the output folder."""
     from deepspeed import comm as dist
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
     args = ds_to_universal_args(checkpoint_dir, tag, inject_missing_state)
@@ -423,11 +358,10 @@ def convert_to_universal(checkpoint_dir, tag, inject_missing_state=False) -> str
 
 
 def gathered_optimizer_state(engine) -> dict:
-    """A ZeRO-3 engine's per-parameter optimizer state, whole: ``{(name, key): ndarray}`` for
-    ``key`` "fp32" (the master weights) and each flat state of the parameter's sub-group
-    (``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``) in the parameter's shape, as fp32
-    (exact for fp32 and bf16 states), plus ``(name, "step")`` where the sub-group has a step, and a Muon
-    variant's owner state in its checkpoint form (``MuonUpdate.state_dict``). Collective."""
+    """A ZeRO-3 engine's per-parameter optimizer state, whole: ``{(name, key): ndarray}`` for ``key`` "fp32" (the
+    master weights) and each flat state of the sub-group (``momentum_buffer``, ``exp_avg``, ...) in the parameter's
+    shape, as fp32 (exact for fp32 and bf16 states), plus ``(name, "step")`` where the sub-group has a step; a Muon
+    variant's owner state is saved to its checkpoint form first. Collective."""
     opt = engine.optimizer
     if getattr(opt, "muon_update", None) is not None:
         opt.muon_update.save_owner_state()
@@ -478,13 +412,8 @@ def initialize_error(run: Zero3MuonRun, nvme_dir=None) -> Optional[str]:
     return None
 
 
-# Recording and replay. Where no single-process model reproduces a run bit for bit (fp16 and bf16
-# forward passes, loss scaling), the tests check the optimizer on the gradients DeepSpeed actually
-# accumulated: Recorder (installed on every rank) gathers, at every optimizer step, each Muon
-# matrix's accumulated gradient as the reduce path left it (still multiplied by the loss scale),
-# the loss scale, the raw norm, the gradient that entered the Muon update, the momentum after it
-# and the fp32 master weights after the step; replay recomputes from the accumulated gradients and
-# loss scales alone what clip_grad_norm_ followed by upstream muon_update in fp32 gives.
+# Recording and replay: where no single-process model reproduces a run bit for bit (fp16 and bf16 forward passes, loss
+# scaling), the optimizer is checked on the gradients DeepSpeed accumulated.
 
 
 def _full(opt, sub_group_id, flat, param):
@@ -499,17 +428,15 @@ def _full(opt, sub_group_id, flat, param):
 
 
 class Recorder:
-    """Hooks on a ZeRO-3 optimizer that record every Muon matrix at every optimizer step.
+    """Hooks on a ZeRO-3 optimizer that record every Muon matrix at every optimizer step (on every rank).
 
     Attributes:
-        steps: one dict per optimizer step: ``skipped`` (no update: overflow), ``loss_scale``
-            (the scale in force during the step's backward passes, read before ``step()`` may
-            grow or shrink it),
-            ``norm`` (``get_global_grad_norm()``), ``norm_from_gradients`` (the norm of every
-            parameter's accumulated gradient over the loss scale), and per Muon parameter name
-            ``accumulated``
-            (before unscaling), ``entered`` (what the Muon update received), ``momentum`` (after)
-            and ``master`` (fp32 weights after the step); all numpy fp32 of the full shape.
+        steps: one dict per optimizer step: ``skipped`` (no update: overflow), ``loss_scale`` (the scale of
+            the step's backward passes, read before ``step()`` may change it), ``norm``
+            (``get_global_grad_norm()``), ``norm_from_gradients`` (the norm of every parameter's accumulated
+            gradient over the loss scale), and per Muon parameter name ``accumulated`` (before unscaling),
+            ``entered`` (what the Muon update received), ``momentum`` (after) and ``master`` (fp32 weights
+            after the step); all numpy fp32 of the full shape.
         initial_master: fp32 master weights before training, by name.
         momentum_dtypes: dtype of every Muon sub-group's momentum buffer at every step, as strings.
     """
@@ -611,26 +538,17 @@ def _replay(records, names, hyper, clip=0.0):
     masters = {n: torch.from_numpy(initial[n]).to(dev).clone() for n in names}  # not a view of the records
     out = []
     for step in steps:
-        got = {}
-        if step["skipped"]:
-            for n in names:
-                got[n] = dict(momentum=(momenta[n].cpu().numpy().copy(), step[n]["momentum"]),
-                              master=(masters[n].cpu().numpy().copy(), step[n]["master"]))
-            out.append(got)
-            continue
-        raw = {n: torch.from_numpy(step[n]["accumulated"]).to(dev) / step["loss_scale"] for n in names}
-        coef = 1.0
-        if clip > 0:
-            coef = min(1.0, clip / (step["norm"] + 1e-6))
+        got = {n: {} for n in names}
+        coef = min(1.0, clip / (step["norm"] + 1e-6)) if clip > 0 and not step["skipped"] else 1.0
         for n in names:
-            grad = raw[n] * coef
-            entered = grad.clone()
-            update = muon_update(grad, momenta[n], beta=hyper["momentum"])
-            # As MuonWithAuxAdam applies it to the flat partition.
-            masters[n].mul_(1 - hyper["muon_lr"] * hyper["weight_decay"])
-            masters[n].add_(update.reshape(masters[n].shape), alpha=-hyper["muon_lr"])
-            got[n] = dict(entered=(entered.cpu().numpy(), step[n]["entered"]),
-                          momentum=(momenta[n].cpu().numpy().copy(), step[n]["momentum"]),
+            if not step["skipped"]:
+                grad = torch.from_numpy(step[n]["accumulated"]).to(dev) / step["loss_scale"] * coef
+                got[n]["entered"] = (grad.cpu().numpy().copy(), step[n]["entered"])
+                update = muon_update(grad, momenta[n], beta=hyper["momentum"])
+                # As MuonWithAuxAdam applies it to the flat partition.
+                masters[n].mul_(1 - hyper["muon_lr"] * hyper["weight_decay"])
+                masters[n].add_(update.reshape(masters[n].shape), alpha=-hyper["muon_lr"])
+            got[n].update(momentum=(momenta[n].cpu().numpy().copy(), step[n]["momentum"]),
                           master=(masters[n].cpu().numpy().copy(), step[n]["master"]))
         out.append(got)
     return out
@@ -658,8 +576,8 @@ def momentum_tensors(engine):
 
 
 def train_one_step(engine, step, poison=False):
-    """One optimizer step (gas 1) of MixedMLP on ``step_batch("mixed", step)``; with ``poison`` the
-    first input of every rank is nan, so every gradient is."""
+    """One optimizer step (gas 1) of MixedMLP on ``step_batch("mixed", step)``; with ``poison`` the first input of
+    every rank is nan, so every gradient is."""
     x, y = step_batch("mixed", step)
     mb = engine.train_micro_batch_size_per_gpu()
     rank = engine.global_rank
