@@ -22,6 +22,7 @@ ZeRO-1, 2 and 2 + CPU offload, DeepSpeed's AdamW (FusedAdam, with offload DeepSp
 A state of another length than the partition's is refused by the converter before any parameter is written.
 """
 
+import copy
 import dataclasses
 import glob
 import os
@@ -60,7 +61,7 @@ class Case:
             "zero_force_ds_cpu_optimizer": False,
         }
         if self.optimizer == "adamw":
-            config["optimizer"] = ADAMW
+            config["optimizer"] = copy.deepcopy(ADAMW)
         return config
 
     def build_engine(self, world_size, load_universal=False):

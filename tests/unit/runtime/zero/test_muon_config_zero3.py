@@ -45,7 +45,7 @@ class TestZero3MuonErrors(DistributedTest):
         # An engine with torch_autocast turns it on for the whole process (module globals): restored, these processes
         # run later tests. ZeRO-3 reduces gradients with the quantized all-to-all only across nodes (W / devices per
         # node > 1): the ranks pose as W nodes of one CPU device each (LOCAL_SIZE, which the CPU accelerator's
-        # device_count() reads).
+        # device_count() reads). patch.multiple sets the two globals to their own values and puts them back on exit.
         saved = {k: getattr(torch_autocast, k) for k in ("TORCH_AUTOCAST_INITIALIZED", "TORCH_AUTOCAST_DTYPE")}
         env = {"LOCAL_SIZE": "1"} if name == "quantized_gradients" else {}
         with mock.patch.multiple(torch_autocast, **saved), mock.patch.dict(os.environ, env):

@@ -125,7 +125,8 @@ if HAS_PER_HEAD:
 
 
 def matrix_specs(owned, ns_method="gram"):
-    """The owner's ``MatrixSpec`` of each ``(shape, muon_orthogonalize keywords)`` (``test_muon_polar_express`` too)."""
+    """The owner's ``MatrixSpec`` of each ``(shape, muon_orthogonalize keywords)`` (``test_muon_polar_express``
+    too)."""
     problems = [(shape, kw.get("is_expert_group", False), kw.get("num_heads")) for shape, kw in owned]
     return [MatrixSpec(s, ns_method, e, h, newton_schulz_problem(s, e, h)) for s, e, h in problems]
 

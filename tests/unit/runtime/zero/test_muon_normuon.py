@@ -9,8 +9,8 @@ simulated by threads (``muon_testing.threaded_exchange``), against the paper's a
   every rank's pieces are its pieces of whole-matrix NorMuon (written here from arXiv:2510.05491,
   Algorithm 1, with the authors' norm-preserving rescale, on upstream ``muon_update``), to
   ``RULE_FLOOR``.
-- The state lives on the owner only: each matrix's rows on exactly one rank, none for plain Muon
-  (``test_muon_owner_state``, which also checks that the plan's budget counts its rows).
+- The state lives on the owner only: each matrix's rows on exactly one rank, none for plain Muon,
+  and the plan's budget counts its rows (``test_muon_owner_state``'s checks).
 - Its settings from a parameter group (``variant_of``), and refusals naming the key.
 """
 
@@ -21,9 +21,10 @@ from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.normuon import NorMuon
 from deepspeed.runtime.zero.muon.owner_state import variant_of
 from muon_testing.threaded_exchange import LAYOUTS
-from unit.runtime.zero.test_muon_owner_state import SETTINGS, VARIANTS, check_through_the_pipeline
+from unit.runtime.zero.test_muon_owner_state import (SETTINGS, check_budget_counts_the_state,
+                                                     check_no_state_without_variant, check_through_the_pipeline)
 
-VARIANT = VARIANTS[1]  # NorMuon(beta2=0.9, eps=1e-8): test_muon_owner_state's plain-Muon and budget tests run it
+VARIANT = NorMuon(beta2=0.9, eps=1e-8)
 RULE_FLOOR = 5e-7
 """Relative difference allowed between the pipeline's NorMuon and the test's formula on the same
 Newton-Schulz results (bit-identical to upstream's, ``test_muon_pipeline``): both fp32, they differ
@@ -55,6 +56,14 @@ def _reference(specs, grads, variant):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_normuon_through_the_pipeline(layout, world_size, bucket_numel):
     check_through_the_pipeline(layout, world_size, bucket_numel, VARIANT, _reference, RULE_FLOOR)
+
+
+def test_plain_muon_keeps_no_state_and_normuon_changes_the_update():
+    check_no_state_without_variant(VARIANT)
+
+
+def test_the_budget_counts_normuon_state():
+    check_budget_counts_the_state(VARIANT)
 
 
 def test_variant_of_a_group():

@@ -10,7 +10,7 @@ defined here (``RowSum``), W ranks simulated by threads (``muon_testing.threaded
   matrix's state lives on its owner only; plain Muon allocates none and runs the same as before.
 - The registry: names resolve to the variant with the group's settings; an unknown name, a
   clashing registration and a setting the variant refuses are errors naming the key.
-- The plan's budget counts the state (``within_budget(state_numels=)``), RowSum's and NorMuon's.
+- The plan's budget counts the state (``within_budget(state_numels=)``); NorMuon's in ``test_muon_normuon``.
 - The checkpoint form (``expand_rows`` / ``rows_in_piece``) round-trips over ragged partitions.
 """
 
@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from deepspeed.runtime.zero.muon import original_muon, owner_state
-from deepspeed.runtime.zero.muon.normuon import NorMuon
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, plan_owners, within_budget
 from deepspeed.runtime.zero.muon.owner_state import (check_same_kind, expand_rows, register_variant, rows_in_piece,
                                                      variant_of)
@@ -65,7 +64,6 @@ class RowSum:
 
 
 VARIANT = RowSum(scale=0.5)
-VARIANTS = [VARIANT, NorMuon(beta2=0.9, eps=1e-8)]  # the second: test_muon_normuon's
 RULE_FLOOR = 1e-6
 """Relative difference allowed between the pipeline's pieces and the rule applied here to whole
 matrices of upstream ``muon_update``: the same fp32 operations on the same Newton-Schulz results
@@ -118,8 +116,9 @@ def check_through_the_pipeline(layout, world_size, bucket_numel, variant, refere
         assert _relative(states[j].reshape(-1), state) <= floor
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=["row_sum", "normuon"])
-def test_plain_muon_keeps_no_state_and_the_variant_changes_the_update(variant):
+def check_no_state_without_variant(variant):
+    """Plain Muon's pipelines keep no owner state and refuse a variant; ``variant`` changes the update (also
+    ``test_muon_normuon``'s)."""
     *_, results, _, _, pipelines, _ = _run(LAYOUTS["zero3"], 2, 100, 2, steps=2)
     assert all(p.owner_state is None for p in pipelines)
     *_, varied, _, _, _, _ = _run(LAYOUTS["zero3"], 2, 100, 2, steps=2, variant=variant)
@@ -129,16 +128,24 @@ def test_plain_muon_keeps_no_state_and_the_variant_changes_the_update(variant):
                          variant)
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=["row_sum", "normuon"])
-def test_the_budget_counts_the_owner_state(variant):
+def check_budget_counts_the_state(variant):
     """Tall matrices (many rows, a small Newton-Schulz working set): one bucket of 1000 elements in flight fits each
-    rank's momentum partition, until the owners' per-row states are counted too."""
+    rank's momentum partition, until the owners' per-row states of ``variant`` are counted too (also
+    ``test_muon_normuon``'s)."""
     specs = [MatrixSpec((256, 8)) for _ in range(8)]
     pieces, _ = LAYOUTS["zero3"](specs, 2)
     plan = plan_owners(specs, 2, 1000)
     assert within_budget(plan, pieces, 1)
     assert within_budget(plan, pieces, 1, state_numels=[0] * len(specs))
     assert not within_budget(plan, pieces, 1, state_numels=[variant.state_numel(s) for s in specs])
+
+
+def test_plain_muon_keeps_no_state_and_the_variant_changes_the_update():
+    check_no_state_without_variant(VARIANT)
+
+
+def test_the_budget_counts_the_owner_state():
+    check_budget_counts_the_state(VARIANT)
 
 
 @pytest.mark.parametrize("bucket_numel", [1, 10**9], ids=["one-per-bucket", "one-bucket"])

@@ -205,7 +205,8 @@ class TestMuonSelectionModels(DistributedTest):
         config = _config(stage)
         with deepspeed.zero.Init(config_dict_or_path=config) if zero_init else contextlib.nullcontext():
             model = tiny_transformer(kind)
-        assert not zero_init or all(p.numel() == 0 for p in model.parameters())  # placeholders: shapes are ds_shape
+        if zero_init:  # placeholders: the shapes selection reads are ds_shape
+            assert all(p.numel() == 0 for p in model.parameters())
         params = dict(model.named_parameters())
         params[spec["user_false"]].use_muon = False
         params[spec["user_true"]].use_muon = True

@@ -12,8 +12,8 @@ ZeRO-3 kept the previous window's gradient partition whenever a parameter's firs
 in micro-step 0, and fed a parameter without gradient in a window its last gradient again.
 
 DeepSpeed's ``AdamW`` (the fix is ZeRO-3's own), with and without CPU offload (where the parameters it did not reduce
-in the boundary micro-step kept their previous gradient too). Tolerance: the runs differ only in the order of fp32 sums,
-so ``FLOOR``; 0.19.8 without the fix leaves ``extra`` 1.5e-2 from the reference (measured without offload).
+in the boundary micro-step kept their previous gradient too). Tolerance: the runs differ only in the order of fp32
+sums, so ``FLOOR``; 0.19.8 without the fix leaves ``extra`` 1.5e-2 from the reference (measured without offload).
 """
 
 import pytest

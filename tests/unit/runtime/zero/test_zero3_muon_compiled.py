@@ -6,9 +6,9 @@
 
 The other tests run with ``TORCHDYNAMO_DISABLE=1`` (NS compiles slowly on the CPU), under which ``torch.compile``
 returns the kernels undecorated at import; here the ranks decorate them again for the test (inductor compiles C++ for
-each matrix shape on the CPU, hence one small model). Measured (0.19.8 base, W=2, 3 steps): compiled and eager ZeRO-3 weights are
-bit-identical (inductor keeps fp32 arithmetic, no FMA contraction, and the matmuls are the same library calls); both
-are 5.8e-7 from the eager reference, gas=1 vs gas=4 6.1e-7. So the tolerance is the eager one, ``FLOOR``.
+each matrix shape on the CPU, hence one small model). Measured (0.19.8 base, W=2, 3 steps): compiled and eager ZeRO-3
+weights are bit-identical (inductor keeps fp32 arithmetic, no FMA contraction, and the matmuls are the same library
+calls); both are 5.8e-7 from the eager reference, gas=1 vs gas=4 6.1e-7. So the tolerance is the eager one, ``FLOOR``.
 """
 
 import contextlib

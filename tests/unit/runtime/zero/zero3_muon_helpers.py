@@ -13,6 +13,7 @@
 """
 
 import contextlib
+import copy
 import dataclasses
 import glob
 import os
@@ -80,9 +81,15 @@ def ds_config(stage: int,
     }
 
 
-ADAMW = {"type": "AdamW", "params": dict(lr=HYPER["adam_lr"], betas=list(HYPER["betas"]))}
-ADAMW["params"].update(eps=HYPER["eps"], weight_decay=HYPER["weight_decay"])
-"""DeepSpeed's ``AdamW`` with the reference's hyper-parameters (``Zero3MuonRun(optimizer="AdamW")``)."""
+ADAMW = {
+    "type": "AdamW",
+    "params": dict(lr=HYPER["adam_lr"],
+                   betas=list(HYPER["betas"]),
+                   eps=HYPER["eps"],
+                   weight_decay=HYPER["weight_decay"])
+}
+"""DeepSpeed's ``AdamW`` with the reference's hyper-parameters (``Zero3MuonRun(optimizer="AdamW")``; each run
+gets its own copy)."""
 
 FP16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
 """fp16 section of ``Zero3MuonRun(dtype="fp16")``: loss scale 256, grown after 2 clean steps, cut at the first
@@ -153,13 +160,19 @@ class Zero3MuonRun:
                 zero["offload_optimizer"]["nvme_path"] = str(nvme_dir)
         if self.momentum_in_memory:
             zero["save_muon_momentum_buffer_in_memory"] = True
-        config = ds_config(self.stage, self.gas, world_size, self.clip, zero, HYPER, self.samples, self.partition_all)
+        config = ds_config(self.stage,
+                           self.gas,
+                           world_size,
+                           clip=self.clip,
+                           zero_extra=zero,
+                           samples=self.samples,
+                           partition_all=self.partition_all)
         if self.dtype == "fp16":
             config["fp16"] = dict(FP16)
         elif self.dtype == "bf16":
             config["bf16"] = {"enabled": True}
         if self.optimizer == "AdamW":
-            config["optimizer"] = ADAMW
+            config["optimizer"] = copy.deepcopy(ADAMW)
         if self.per_head:
             config["optimizer"]["params"]["per_head_muon"] = True
         for key in ("ns_method", "pipeline_depth", "max_step_memory"):
