@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from unit.common import DistributedTest
-from unit.checkpoint.zero3_universal_helpers import unequal_states
+from unit.checkpoint.zero3_universal_helpers import unequal_states, universal_engine
 from unit.runtime.zero.test_zero3_normuon import check_normuon, normuon_reference, normuon_run
 from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
@@ -148,7 +148,7 @@ class TestNorMuonUniversal(DistributedTest):
             assert any(k[1] == KEY for k in saved_state), list(saved_state)[:4]
         run = UNIVERSAL.with_(stage=stage, offload=offload if stage < 3 else None)
         if saved == 3 and stage < 3:
-            engine = run.build_engine(dict(run.config(dist.get_world_size()), checkpoint={"load_universal": True}))
+            engine = universal_engine(run)
             engine.load_checkpoint(str(tmp_path), tag="restart_universal")
             held = _rows_held(engine)
             engine.destroy()
@@ -184,7 +184,7 @@ class TestNorMuonUniversal(DistributedTest):
             torch.save(saved, path)
 
         _on_rank_0(damage)
-        engine = UNIVERSAL.build_engine(config)
+        engine = universal_engine(UNIVERSAL)
         with pytest.raises(ValueError, match=f"has no {KEY}"):
             engine.load_checkpoint(str(tmp_path), tag="missing")
         engine.destroy()
@@ -195,8 +195,7 @@ class TestNorMuonUniversal(DistributedTest):
             engine.load_checkpoint(str(tmp_path), tag="restart_universal")
         engine.destroy()
         # At ZeRO-2, a file whose rows are not one value each: refused, naming the file.
-        zero2 = UNIVERSAL.with_(stage=2)
-        engine = zero2.build_engine(dict(zero2.config(2), checkpoint={"load_universal": True}))
+        engine = universal_engine(UNIVERSAL.with_(stage=2))
         with pytest.raises(ValueError,
                            match=f"ZeRO-2 Muon, parameter group 0: '{KEY}' of the checkpoint: matrix 0 "
                            r"\(shape \(33, 21\)\) is not normuon's per-row state"):
