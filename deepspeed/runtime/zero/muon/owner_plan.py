@@ -19,13 +19,9 @@ Graham 1969, "Bounds on multiprocessing timing anomalies"), since every rank wai
 slowest owner of a bucket; then the heaviest bin goes to the rank with the least work so far, so
 the totals stay balanced too. A matrix only some ranks hold goes to the least loaded of them.
 
-How large the buckets are is the Muon key ``max_step_memory``'s (``plan_partition``): in bytes, a cap on what
-Muon's step adds on a rank, within which ``plan_within_cap`` cuts buckets by NS cost so that every owner computes
-at once (about one NS problem per owner and bucket) at the deepest pipeline the cap allows; ``STRICT``
-(``"momentum_partition"``), the rule ``plan_for_depth`` keeps: the largest buckets of at most ``reduce_bucket_size``
-elements whose buffers and owner working set fit each rank's momentum partition (Muon then needs no more than
-Adam's second moment), or, where even every matrix alone exceeds it, the least any plan needs. The partition
-shrinks as 1/W while a whole matrix and its NS working set do not, so from some W that rule leaves one owner
+The Muon key ``max_step_memory`` sizes the buckets (``plan_partition``): a cap in bytes on what Muon's step adds
+on a rank (``plan_within_cap``), or ``STRICT``, each rank's momentum partition (``plan_for_depth``). The partition
+shrinks as 1/W while a whole matrix and its NS working set do not, so from some W the strict rule leaves one owner
 computing while the others wait; hence the cap of its own.
 """
 
@@ -78,10 +74,7 @@ class MatrixSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def problems(self) -> Tuple[Tuple[int, int, int], ...]:
@@ -100,13 +93,11 @@ class MatrixSpec:
         elements for "gram", ``4mn + 2m^2`` otherwise (``m, n = min, max(rows, cols)``), of ``itemsize`` bytes
         each; a fused parameter's parts run one shape at a time (the largest counts) between an fp32 stack of them
         and the result (twice its elements); plus ``extra_numel``."""
+        per_mn, per_mm = (2, 4) if self.ns_method == "gram" else (4, 2)
         most = 0
         for batch, rows, cols in self.problems:
             m, n = min(rows, cols), max(rows, cols)
-            if self.ns_method == "gram":
-                most = max(most, batch * (2 * m * n + 4 * m * m))
-            else:
-                most = max(most, batch * (4 * m * n + 2 * m * m))
+            most = max(most, batch * (per_mn * m * n + per_mm * m * m))
         kernel = -(-most * itemsize // 4)
         return kernel + (2 * self.numel if self.split else 0) + self.extra_numel
 
@@ -209,8 +200,6 @@ class Uniform(Sequence):
             return NotImplemented
         return list(self) == list(other)
 
-    __hash__ = None
-
     def __repr__(self):
         return f"Uniform({self.value}, {self.n})"
 
@@ -275,8 +264,6 @@ def plan_owners(specs: Sequence[MatrixSpec],
     if initial_load is not None and len(initial_load) != world_size:
         raise ValueError(f"initial_load has {len(initial_load)} entries for {world_size} ranks.")
     costs = tuple(newton_schulz_cost(spec, ns_steps) for spec in specs)
-    workspaces = tuple(spec.ns_workspace(ns_itemsize) for spec in specs)
-    travels = tuple(spec.travels for spec in specs)
     if buckets is None:
         buckets = make_buckets([spec.numel for spec in specs], bucket_numel) if specs else ()
     buckets = tuple(tuple(b) for b in buckets)
@@ -289,30 +276,31 @@ def plan_owners(specs: Sequence[MatrixSpec],
             for j in sorted(bucket, key=lambda j: (-costs[j], j)):
                 owners[j] = min(holders[j], key=lambda r: (total_load[r], r))
                 total_load[owners[j]] += costs[j]
-        return OwnerPlan(world_size, tuple(owners), buckets, costs, workspaces, travels)
-    ranks = [(load, r) for r, load in enumerate(total_load)]
-    heapq.heapify(ranks)
-    for bucket in buckets:
-        # LPT into W bins: balances this bucket. Bins not used yet (load 0) come in index order.
-        used, next_empty, bin_of, bin_load = [], 0, {}, {}
-        for j in sorted(bucket, key=lambda j: (-costs[j], j)):
-            if next_empty < world_size and (not used or (0.0, next_empty) < used[0]):
-                b = next_empty
-                next_empty += 1
-            else:
-                _, b = heapq.heappop(used)
-            bin_of[j] = b
-            bin_load[b] = bin_load.get(b, 0.0) + costs[j]
-            heapq.heappush(used, (bin_load[b], b))
-        # heaviest bin to the rank with the least work so far: balances the whole plan
-        bins = sorted(bin_load, key=lambda b: (-bin_load[b], b))
-        least = [heapq.heappop(ranks) for _ in bins]
-        rank_of_bin = {b: r for b, (_, r) in zip(bins, least)}
-        for b, (load, r) in zip(bins, least):
-            heapq.heappush(ranks, (load + bin_load[b], r))
-        for j in bucket:
-            owners[j] = rank_of_bin[bin_of[j]]
-    return OwnerPlan(world_size, tuple(owners), buckets, costs, workspaces, travels)
+    else:
+        ranks = [(load, r) for r, load in enumerate(total_load)]
+        heapq.heapify(ranks)
+        for bucket in buckets:
+            # LPT into W bins: balances this bucket. Bins not used yet (load 0) come in index order.
+            used, next_empty, bin_of, bin_load = [], 0, {}, {}
+            for j in sorted(bucket, key=lambda j: (-costs[j], j)):
+                if next_empty < world_size and (not used or (0.0, next_empty) < used[0]):
+                    b = next_empty
+                    next_empty += 1
+                else:
+                    _, b = heapq.heappop(used)
+                bin_of[j] = b
+                bin_load[b] = bin_load.get(b, 0.0) + costs[j]
+                heapq.heappush(used, (bin_load[b], b))
+            # heaviest bin to the rank with the least work so far: balances the whole plan
+            bins = sorted(bin_load, key=lambda b: (-bin_load[b], b))
+            least = [heapq.heappop(ranks) for _ in bins]
+            rank_of_bin = {b: r for b, (_, r) in zip(bins, least)}
+            for b, (load, r) in zip(bins, least):
+                heapq.heappush(ranks, (load + bin_load[b], r))
+            for j in bucket:
+                owners[j] = rank_of_bin[bin_of[j]]
+    return OwnerPlan(world_size, tuple(owners), buckets, costs,
+                     tuple(spec.ns_workspace(ns_itemsize) for spec in specs), tuple(spec.travels for spec in specs))
 
 
 def _largest_buffers(plan: OwnerPlan, pieces: Sequence[Sequence[int]]) -> Tuple[List[int], List[int]]:
@@ -364,8 +352,8 @@ def rank_numels(plan: OwnerPlan,
     most_out, most_in = _largest_buffers(plan, pieces)
     held = [-(-n * result_itemsize // 4) if result_itemsize < 4 else 0 for n in most_in]
     state, workspace = [0] * w, [0] * w
-    for j, owner in enumerate(plan.owners):
-        workspace[owner] = max(workspace[owner], plan.workspaces[j] if plan.workspaces else 0)
+    for owner, n in zip(plan.owners, plan.workspaces):
+        workspace[owner] = max(workspace[owner], n)
     for owner, n in zip(plan.owners, state_numels or ()):
         state[owner] += n
     busy = min(slots, max(1, len(plan.buckets)))
@@ -414,14 +402,8 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
         ValueError: see ``plan_owners``.
     """
 
-    def plan(bucket_numel):
-        return plan_owners(specs,
-                           world_size,
-                           bucket_numel,
-                           ns_steps,
-                           initial_load,
-                           holders,
-                           ns_itemsize=result_itemsize)
+    def plan(numel):
+        return plan_owners(specs, world_size, numel, ns_steps, initial_load, holders, ns_itemsize=result_itemsize)
 
     def needs(candidate):
         return rank_numels(candidate, pieces, slots, result_itemsize, state_numels)
@@ -432,11 +414,6 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
         if total > max_bucket_numel:
             break
         candidates.append(total)
-    whole = plan(max_bucket_numel) if max_bucket_numel > total else None
-    if whole is not None:
-        need, budget = needs(whole)
-        if all(n <= b for n, b in zip(need, budget)):
-            return whole
     best = plan(1)  # every matrix alone: the least the pipeline can allocate
     alone, budget = needs(best)
     limit = [max(b, a) for b, a in zip(budget, alone)]
@@ -444,6 +421,7 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
     def fits(candidate):
         return all(n <= m for n, m in zip(needs(candidate)[0], limit))
 
+    whole = plan(max_bucket_numel) if max_bucket_numel > total else None
     if whole is not None and fits(whole):
         return whole
     lo, hi = 0, len(candidates) - 1
@@ -586,10 +564,8 @@ def plan_within_cap(specs: Sequence[MatrixSpec],
     sent = sum(spec.numel for spec in specs) / world_size  # per rank over the step, whatever the buckets
     large = [c for c in chosen if sent >= MIN_SEND_NUMEL * len(c[0].buckets)]
     if large:
-        plan, _ = max(large, key=lambda c: (len(c[0].buckets), -c[1]))
-    else:
-        plan, _ = min(chosen, key=lambda c: (len(c[0].buckets), c[1]))
-    return plan, depth
+        return max(large, key=lambda c: (len(c[0].buckets), -c[1]))[0], depth
+    return min(chosen, key=lambda c: (len(c[0].buckets), c[1]))[0], depth
 
 
 def floor_numel(specs: Sequence[MatrixSpec],
@@ -720,17 +696,9 @@ def plan_partitions(specs: Sequence,
         # one holder orthogonalizes in place (pieces on the NS device: no optimizer offload)
         chosen = [dataclasses.replace(specs[j], travels=sum(map(bool, p)) > 1) for j, p in zip(indices, pieces)]
         state = [variant.state_numel(s) for s in chosen] if variant is not None else None
-        plan, d = plan_partition(chosen,
-                                 pieces,
-                                 world_size,
-                                 max_step_memory,
-                                 reduce_bucket_size,
-                                 depth,
-                                 initial_load=load,
-                                 holders=holders,
-                                 result_itemsize=ns_itemsize,
-                                 state_numels=state)
-        floor = floor_numel(chosen, pieces, world_size, NS_STEPS_DEFAULT, holders, ns_itemsize, state, load)
+        plan_args = dict(initial_load=load, holders=holders, result_itemsize=ns_itemsize, state_numels=state)
+        plan, d = plan_partition(chosen, pieces, world_size, max_step_memory, reduce_bucket_size, depth, **plan_args)
+        floor = floor_numel(chosen, pieces, world_size, **plan_args)
         load = [a + b for a, b in zip(load, plan.load())]
         out.append((indices, plan, d, pieces, ns_itemsize, state, holders, floor))
     return out
