@@ -468,12 +468,10 @@ STRICT = "momentum_partition"
 or the least any plan needs where that is larger (``plan_for_depth``); buckets bounded by ``reduce_bucket_size``."""
 
 BUCKET_FACTORS = (math.inf, 8.0, 4.0, 2.0, 1.0, 0.5, 0.25, 0.0)
-"""The bucket sizes ``plan_within_cap`` tries, as ``make_cost_buckets`` factors (all in one bucket .. every matrix
-alone)."""
+"""The ``make_cost_buckets`` factors ``plan_within_cap`` tries: all in one bucket .. every matrix alone."""
 
 EFFICIENCY_GOAL = 0.9
-"""``plan_within_cap`` takes the deepest pipeline, then the most buckets, among the plans whose NS critical path is
-within ``1 / EFFICIENCY_GOAL`` of the ideal (or 5 % of the best plan that fits, where none is that close)."""
+"""The least ``ideal_path / critical_path`` of the plans ``plan_within_cap`` chooses among (where one reaches it)."""
 
 MIN_SEND_NUMEL = 16 * 2**20
 """fp32 elements (64 MiB) a rank should send per bucket on average: smaller buckets pay more in per-collective
@@ -525,13 +523,12 @@ def plan_within_cap(specs: Sequence[MatrixSpec],
                     state_numels: Optional[Sequence[int]] = None) -> Tuple[OwnerPlan, int]:
     """``(plan, depth)`` in which every owner computes at once, within ``cap_numel`` fp32 elements per rank.
 
-    Buckets are cut by NS cost (``make_cost_buckets`` at each of ``BUCKET_FACTORS``: from about one NS problem per
-    owner up, and down to every matrix alone), owners balanced per bucket (``plan_owners``); a plan fits where every
-    rank's ``rank_numels`` need at its depth's slots is at most ``cap_numel``. Among the fitting plans at depths
-    ``depth`` down to 1: those whose ``critical_path`` is within ``1 / EFFICIENCY_GOAL`` of ``ideal_path`` (or 5 %
-    of the best fitting one, where none is), at the deepest depth that has one (exchange overlaps NS), with the
-    most buckets (the least memory, the most overlap) whose ranks send ``MIN_SEND_NUMEL`` per bucket on average,
-    else the fewest. ``reduce_bucket_size`` plays no part.
+    Buckets are cut by NS cost (``make_cost_buckets`` at each of ``BUCKET_FACTORS``), owners balanced per bucket
+    (``plan_owners``); a plan fits where every rank's ``rank_numels`` need at its depth's slots is at most
+    ``cap_numel``. Among the fitting plans at depths ``depth`` down to 1: those whose ``critical_path`` is within
+    ``1 / EFFICIENCY_GOAL`` of ``ideal_path`` (or 5 % of the best fitting one, where none is), at the deepest depth
+    that has one (exchange overlaps NS), with the most buckets (the least memory, the most overlap) whose ranks send
+    ``MIN_SEND_NUMEL`` per bucket on average, else the fewest. ``reduce_bucket_size`` plays no part.
 
     Raises:
         CapBelowFloor: no plan fits (``needed_numel``: every matrix alone at depth 1, the least any plan needs).
@@ -661,8 +658,7 @@ def zero3_sub_groups(specs: Sequence, world_size: int, sub_group_size: int) -> L
 def zero12_partition(specs: Sequence, world_size: int) -> List[list]:
     """ZeRO-1/2's flat buffer of the Muon group cut in W equal partitions: per matrix the elements of it each rank
     holds; ``holders`` the ranks with any (one partition of the whole group)."""
-    total = sum(s.numel for s in specs)
-    size = math.ceil(total / world_size)
+    size = math.ceil(sum(s.numel for s in specs) / world_size)
     pieces, holders, start = [], [], 0
     for spec in specs:
         end = start + spec.numel
