@@ -370,9 +370,8 @@ def within_budget(plan: OwnerPlan,
                   slots: int,
                   result_itemsize: int = 4,
                   state_numels: Optional[Sequence[int]] = None) -> bool:
-    """Whether every rank's exchange buffers and owner allocations fit the elements it holds (its
-    momentum partition): Muon then needs at the peak of its step no more than Adam's second moment.
-    ``need <= budget`` rank by rank (``rank_numels``: the terms)."""
+    """Whether ``need <= budget`` on every rank (``rank_numels``): Muon's step then needs at its peak no more than
+    the rank's momentum partition, as Adam's second moment."""
     need, budget = rank_numels(plan, pieces, slots, result_itemsize, state_numels)
     return all(n <= b for n, b in zip(need, budget))
 
