@@ -105,11 +105,10 @@ class MatrixSpec:
 def newton_schulz_cost(spec: MatrixSpec, ns_steps: int = NS_STEPS_DEFAULT) -> float:
     """Approximate flops of one NS orthogonalization of ``spec``, for balancing (not a time).
 
-    With ``m, n = min, max(rows, cols)``: the quintic iteration (upstream
-    ``zeropower_via_newtonschulz5``; Polar Express costs the same) does ``X X^T``, ``A A`` and
-    ``B X`` per step, ``4 m^2 n + 2 m^3``; the Gram variant (``zeropower_via_gram_newtonschulz``,
-    for ``m < n``) forms ``X X^T`` once, iterates on the ``m x m`` Gram matrix (about ``6 m^3`` per
-    step) and applies ``Q X`` twice.
+    With ``m, n = min, max(rows, cols)``: the quintic iteration (upstream ``zeropower_via_newtonschulz5``; Polar
+    Express costs the same) does ``X X^T``, ``A A`` and ``B X`` per step, ``4 m^2 n + 2 m^3``; the Gram variant
+    (``zeropower_via_gram_newtonschulz``, for ``m < n``) forms ``X X^T`` once, iterates on the ``m x m`` Gram matrix
+    (about ``6 m^3`` per step) and applies ``Q X`` twice.
     """
     cost = 0.0
     for batch, rows, cols in spec.problems:
@@ -342,12 +341,11 @@ def rank_numels(plan: OwnerPlan,
                 slots: int,
                 result_itemsize: int = 4,
                 state_numels: Optional[Sequence[int]] = None) -> Tuple[List[int], List[int]]:
-    """``(need, budget)`` per rank, in elements (fp32: 4 bytes each). ``need[r]``: what Muon adds on
-    rank ``r`` at the peak of its step, ``reserved_numel`` plus, as owner, its NS working set
-    (``OwnerPlan.workspace``), its largest bucket's results where they are narrower than fp32
-    (``result_itemsize`` bytes; held until the bucket's calls are done: ``ceil(n * itemsize / 4)``)
-    and a variant's state of its matrices (``state_numels`` per matrix; None for plain Muon).
-    ``budget[r]``: the elements it holds, ``sum(p[r] for p in pieces)`` (its momentum partition)."""
+    """``(need, budget)`` per rank, in elements (fp32: 4 bytes each). ``need[r]``: what Muon adds on rank ``r`` at the
+    peak of its step, ``reserved_numel`` plus, as owner, its NS working set (``OwnerPlan.workspace``), its largest
+    bucket's results where they are narrower than fp32 (``result_itemsize`` bytes; held until the bucket's calls are
+    done: ``ceil(n * itemsize / 4)``) and a variant's state of its matrices (``state_numels`` per matrix; None for
+    plain Muon). ``budget[r]``: the elements it holds, ``sum(p[r] for p in pieces)`` (its momentum partition)."""
     w = plan.world_size
     most_out, most_in = _largest_buffers(plan, pieces)
     held = [-(-n * result_itemsize // 4) if result_itemsize < 4 else 0 for n in most_in]
