@@ -19,13 +19,9 @@ Graham 1969, "Bounds on multiprocessing timing anomalies"), since every rank wai
 slowest owner of a bucket; then the heaviest bin goes to the rank with the least work so far, so
 the totals stay balanced too. A matrix only some ranks hold goes to the least loaded of them.
 
-How large the buckets are is the Muon key ``max_step_memory``'s (``plan_partition``): in bytes, a cap on what
-Muon's step adds on a rank, within which ``plan_within_cap`` cuts buckets by NS cost so that every owner computes
-at once (about one NS problem per owner and bucket) at the deepest pipeline the cap allows; ``STRICT``
-(``"momentum_partition"``), the rule ``plan_for_depth`` keeps: the largest buckets of at most ``reduce_bucket_size``
-elements whose buffers and owner working set fit each rank's momentum partition (Muon then needs no more than
-Adam's second moment), or, where even every matrix alone exceeds it, the least any plan needs. The partition
-shrinks as 1/W while a whole matrix and its NS working set do not, so from some W that rule leaves one owner
+The Muon key ``max_step_memory`` sizes the buckets (``plan_partition``): a cap in bytes on what Muon's step adds
+on a rank (``plan_within_cap``), or ``STRICT``, each rank's momentum partition (``plan_for_depth``). The partition
+shrinks as 1/W while a whole matrix and its NS working set do not, so from some W the strict rule leaves one owner
 computing while the others wait; hence the cap of its own.
 """
 
@@ -78,10 +74,7 @@ class MatrixSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def problems(self) -> Tuple[Tuple[int, int, int], ...]:
@@ -100,13 +93,11 @@ class MatrixSpec:
         elements for "gram", ``4mn + 2m^2`` otherwise (``m, n = min, max(rows, cols)``), of ``itemsize`` bytes
         each; a fused parameter's parts run one shape at a time (the largest counts) between an fp32 stack of them
         and the result (twice its elements); plus ``extra_numel``."""
+        per_mn, per_mm = (2, 4) if self.ns_method == "gram" else (4, 2)
         most = 0
         for batch, rows, cols in self.problems:
             m, n = min(rows, cols), max(rows, cols)
-            if self.ns_method == "gram":
-                most = max(most, batch * (2 * m * n + 4 * m * m))
-            else:
-                most = max(most, batch * (4 * m * n + 2 * m * m))
+            most = max(most, batch * (per_mn * m * n + per_mm * m * m))
         kernel = -(-most * itemsize // 4)
         return kernel + (2 * self.numel if self.split else 0) + self.extra_numel
 
@@ -114,11 +105,10 @@ class MatrixSpec:
 def newton_schulz_cost(spec: MatrixSpec, ns_steps: int = NS_STEPS_DEFAULT) -> float:
     """Approximate flops of one NS orthogonalization of ``spec``, for balancing (not a time).
 
-    With ``m, n = min, max(rows, cols)``: the quintic iteration (upstream
-    ``zeropower_via_newtonschulz5``; Polar Express costs the same) does ``X X^T``, ``A A`` and
-    ``B X`` per step, ``4 m^2 n + 2 m^3``; the Gram variant (``zeropower_via_gram_newtonschulz``,
-    for ``m < n``) forms ``X X^T`` once, iterates on the ``m x m`` Gram matrix (about ``6 m^3`` per
-    step) and applies ``Q X`` twice.
+    With ``m, n = min, max(rows, cols)``: the quintic iteration (upstream ``zeropower_via_newtonschulz5``; Polar
+    Express costs the same) does ``X X^T``, ``A A`` and ``B X`` per step, ``4 m^2 n + 2 m^3``; the Gram variant
+    (``zeropower_via_gram_newtonschulz``, for ``m < n``) forms ``X X^T`` once, iterates on the ``m x m`` Gram matrix
+    (about ``6 m^3`` per step) and applies ``Q X`` twice.
     """
     cost = 0.0
     for batch, rows, cols in spec.problems:
@@ -209,8 +199,6 @@ class Uniform(Sequence):
             return NotImplemented
         return list(self) == list(other)
 
-    __hash__ = None
-
     def __repr__(self):
         return f"Uniform({self.value}, {self.n})"
 
@@ -275,8 +263,6 @@ def plan_owners(specs: Sequence[MatrixSpec],
     if initial_load is not None and len(initial_load) != world_size:
         raise ValueError(f"initial_load has {len(initial_load)} entries for {world_size} ranks.")
     costs = tuple(newton_schulz_cost(spec, ns_steps) for spec in specs)
-    workspaces = tuple(spec.ns_workspace(ns_itemsize) for spec in specs)
-    travels = tuple(spec.travels for spec in specs)
     if buckets is None:
         buckets = make_buckets([spec.numel for spec in specs], bucket_numel) if specs else ()
     buckets = tuple(tuple(b) for b in buckets)
@@ -289,30 +275,31 @@ def plan_owners(specs: Sequence[MatrixSpec],
             for j in sorted(bucket, key=lambda j: (-costs[j], j)):
                 owners[j] = min(holders[j], key=lambda r: (total_load[r], r))
                 total_load[owners[j]] += costs[j]
-        return OwnerPlan(world_size, tuple(owners), buckets, costs, workspaces, travels)
-    ranks = [(load, r) for r, load in enumerate(total_load)]
-    heapq.heapify(ranks)
-    for bucket in buckets:
-        # LPT into W bins: balances this bucket. Bins not used yet (load 0) come in index order.
-        used, next_empty, bin_of, bin_load = [], 0, {}, {}
-        for j in sorted(bucket, key=lambda j: (-costs[j], j)):
-            if next_empty < world_size and (not used or (0.0, next_empty) < used[0]):
-                b = next_empty
-                next_empty += 1
-            else:
-                _, b = heapq.heappop(used)
-            bin_of[j] = b
-            bin_load[b] = bin_load.get(b, 0.0) + costs[j]
-            heapq.heappush(used, (bin_load[b], b))
-        # heaviest bin to the rank with the least work so far: balances the whole plan
-        bins = sorted(bin_load, key=lambda b: (-bin_load[b], b))
-        least = [heapq.heappop(ranks) for _ in bins]
-        rank_of_bin = {b: r for b, (_, r) in zip(bins, least)}
-        for b, (load, r) in zip(bins, least):
-            heapq.heappush(ranks, (load + bin_load[b], r))
-        for j in bucket:
-            owners[j] = rank_of_bin[bin_of[j]]
-    return OwnerPlan(world_size, tuple(owners), buckets, costs, workspaces, travels)
+    else:
+        ranks = [(load, r) for r, load in enumerate(total_load)]
+        heapq.heapify(ranks)
+        for bucket in buckets:
+            # LPT into W bins: balances this bucket. Bins not used yet (load 0) come in index order.
+            used, next_empty, bin_of, bin_load = [], 0, {}, {}
+            for j in sorted(bucket, key=lambda j: (-costs[j], j)):
+                if next_empty < world_size and (not used or (0.0, next_empty) < used[0]):
+                    b = next_empty
+                    next_empty += 1
+                else:
+                    _, b = heapq.heappop(used)
+                bin_of[j] = b
+                bin_load[b] = bin_load.get(b, 0.0) + costs[j]
+                heapq.heappush(used, (bin_load[b], b))
+            # heaviest bin to the rank with the least work so far: balances the whole plan
+            bins = sorted(bin_load, key=lambda b: (-bin_load[b], b))
+            least = [heapq.heappop(ranks) for _ in bins]
+            rank_of_bin = {b: r for b, (_, r) in zip(bins, least)}
+            for b, (load, r) in zip(bins, least):
+                heapq.heappush(ranks, (load + bin_load[b], r))
+            for j in bucket:
+                owners[j] = rank_of_bin[bin_of[j]]
+    return OwnerPlan(world_size, tuple(owners), buckets, costs,
+                     tuple(spec.ns_workspace(ns_itemsize) for spec in specs), tuple(spec.travels for spec in specs))
 
 
 def _largest_buffers(plan: OwnerPlan, pieces: Sequence[Sequence[int]]) -> Tuple[List[int], List[int]]:
@@ -354,18 +341,17 @@ def rank_numels(plan: OwnerPlan,
                 slots: int,
                 result_itemsize: int = 4,
                 state_numels: Optional[Sequence[int]] = None) -> Tuple[List[int], List[int]]:
-    """``(need, budget)`` per rank, in elements (fp32: 4 bytes each). ``need[r]``: what Muon adds on
-    rank ``r`` at the peak of its step, ``reserved_numel`` plus, as owner, its NS working set
-    (``OwnerPlan.workspace``), its largest bucket's results where they are narrower than fp32
-    (``result_itemsize`` bytes; held until the bucket's calls are done: ``ceil(n * itemsize / 4)``)
-    and a variant's state of its matrices (``state_numels`` per matrix; None for plain Muon).
-    ``budget[r]``: the elements it holds, ``sum(p[r] for p in pieces)`` (its momentum partition)."""
+    """``(need, budget)`` per rank, in elements (fp32: 4 bytes each). ``need[r]``: what Muon adds on rank ``r`` at the
+    peak of its step, ``reserved_numel`` plus, as owner, its NS working set (``OwnerPlan.workspace``), its largest
+    bucket's results where they are narrower than fp32 (``result_itemsize`` bytes; held until the bucket's calls are
+    done: ``ceil(n * itemsize / 4)``) and a variant's state of its matrices (``state_numels`` per matrix; None for
+    plain Muon). ``budget[r]``: the elements it holds, ``sum(p[r] for p in pieces)`` (its momentum partition)."""
     w = plan.world_size
     most_out, most_in = _largest_buffers(plan, pieces)
     held = [-(-n * result_itemsize // 4) if result_itemsize < 4 else 0 for n in most_in]
     state, workspace = [0] * w, [0] * w
-    for j, owner in enumerate(plan.owners):
-        workspace[owner] = max(workspace[owner], plan.workspaces[j] if plan.workspaces else 0)
+    for owner, n in zip(plan.owners, plan.workspaces):
+        workspace[owner] = max(workspace[owner], n)
     for owner, n in zip(plan.owners, state_numels or ()):
         state[owner] += n
     busy = min(slots, max(1, len(plan.buckets)))
@@ -382,9 +368,8 @@ def within_budget(plan: OwnerPlan,
                   slots: int,
                   result_itemsize: int = 4,
                   state_numels: Optional[Sequence[int]] = None) -> bool:
-    """Whether every rank's exchange buffers and owner allocations fit the elements it holds (its
-    momentum partition): Muon then needs at the peak of its step no more than Adam's second moment.
-    ``need <= budget`` rank by rank (``rank_numels``: the terms)."""
+    """Whether ``need <= budget`` on every rank (``rank_numels``): Muon's step then needs at its peak no more than
+    the rank's momentum partition, as Adam's second moment."""
     need, budget = rank_numels(plan, pieces, slots, result_itemsize, state_numels)
     return all(n <= b for n, b in zip(need, budget))
 
@@ -414,14 +399,8 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
         ValueError: see ``plan_owners``.
     """
 
-    def plan(bucket_numel):
-        return plan_owners(specs,
-                           world_size,
-                           bucket_numel,
-                           ns_steps,
-                           initial_load,
-                           holders,
-                           ns_itemsize=result_itemsize)
+    def plan(numel):
+        return plan_owners(specs, world_size, numel, ns_steps, initial_load, holders, ns_itemsize=result_itemsize)
 
     def needs(candidate):
         return rank_numels(candidate, pieces, slots, result_itemsize, state_numels)
@@ -432,11 +411,6 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
         if total > max_bucket_numel:
             break
         candidates.append(total)
-    whole = plan(max_bucket_numel) if max_bucket_numel > total else None
-    if whole is not None:
-        need, budget = needs(whole)
-        if all(n <= b for n, b in zip(need, budget)):
-            return whole
     best = plan(1)  # every matrix alone: the least the pipeline can allocate
     alone, budget = needs(best)
     limit = [max(b, a) for b, a in zip(budget, alone)]
@@ -444,6 +418,7 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
     def fits(candidate):
         return all(n <= m for n, m in zip(needs(candidate)[0], limit))
 
+    whole = plan(max_bucket_numel) if max_bucket_numel > total else None
     if whole is not None and fits(whole):
         return whole
     lo, hi = 0, len(candidates) - 1
@@ -490,12 +465,10 @@ STRICT = "momentum_partition"
 or the least any plan needs where that is larger (``plan_for_depth``); buckets bounded by ``reduce_bucket_size``."""
 
 BUCKET_FACTORS = (math.inf, 8.0, 4.0, 2.0, 1.0, 0.5, 0.25, 0.0)
-"""The bucket sizes ``plan_within_cap`` tries, as ``make_cost_buckets`` factors (all in one bucket .. every matrix
-alone)."""
+"""The ``make_cost_buckets`` factors ``plan_within_cap`` tries: all in one bucket .. every matrix alone."""
 
 EFFICIENCY_GOAL = 0.9
-"""``plan_within_cap`` takes the deepest pipeline, then the most buckets, among the plans whose NS critical path is
-within ``1 / EFFICIENCY_GOAL`` of the ideal (or 5 % of the best plan that fits, where none is that close)."""
+"""The least ``ideal_path / critical_path`` of the plans ``plan_within_cap`` chooses among (where one reaches it)."""
 
 MIN_SEND_NUMEL = 16 * 2**20
 """fp32 elements (64 MiB) a rank should send per bucket on average: smaller buckets pay more in per-collective
@@ -547,13 +520,12 @@ def plan_within_cap(specs: Sequence[MatrixSpec],
                     state_numels: Optional[Sequence[int]] = None) -> Tuple[OwnerPlan, int]:
     """``(plan, depth)`` in which every owner computes at once, within ``cap_numel`` fp32 elements per rank.
 
-    Buckets are cut by NS cost (``make_cost_buckets`` at each of ``BUCKET_FACTORS``: from about one NS problem per
-    owner up, and down to every matrix alone), owners balanced per bucket (``plan_owners``); a plan fits where every
-    rank's ``rank_numels`` need at its depth's slots is at most ``cap_numel``. Among the fitting plans at depths
-    ``depth`` down to 1: those whose ``critical_path`` is within ``1 / EFFICIENCY_GOAL`` of ``ideal_path`` (or 5 %
-    of the best fitting one, where none is), at the deepest depth that has one (exchange overlaps NS), with the
-    most buckets (the least memory, the most overlap) whose ranks send ``MIN_SEND_NUMEL`` per bucket on average,
-    else the fewest. ``reduce_bucket_size`` plays no part.
+    Buckets are cut by NS cost (``make_cost_buckets`` at each of ``BUCKET_FACTORS``), owners balanced per bucket
+    (``plan_owners``); a plan fits where every rank's ``rank_numels`` need at its depth's slots is at most
+    ``cap_numel``. Among the fitting plans at depths ``depth`` down to 1: those whose ``critical_path`` is within
+    ``1 / EFFICIENCY_GOAL`` of ``ideal_path`` (or 5 % of the best fitting one, where none is), at the deepest depth
+    that has one (exchange overlaps NS), with the most buckets (the least memory, the most overlap) whose ranks send
+    ``MIN_SEND_NUMEL`` per bucket on average, else the fewest. ``reduce_bucket_size`` plays no part.
 
     Raises:
         CapBelowFloor: no plan fits (``needed_numel``: every matrix alone at depth 1, the least any plan needs).
@@ -586,10 +558,8 @@ def plan_within_cap(specs: Sequence[MatrixSpec],
     sent = sum(spec.numel for spec in specs) / world_size  # per rank over the step, whatever the buckets
     large = [c for c in chosen if sent >= MIN_SEND_NUMEL * len(c[0].buckets)]
     if large:
-        plan, _ = max(large, key=lambda c: (len(c[0].buckets), -c[1]))
-    else:
-        plan, _ = min(chosen, key=lambda c: (len(c[0].buckets), c[1]))
-    return plan, depth
+        return max(large, key=lambda c: (len(c[0].buckets), -c[1]))[0], depth
+    return min(chosen, key=lambda c: (len(c[0].buckets), c[1]))[0], depth
 
 
 def floor_numel(specs: Sequence[MatrixSpec],
@@ -685,8 +655,7 @@ def zero3_sub_groups(specs: Sequence, world_size: int, sub_group_size: int) -> L
 def zero12_partition(specs: Sequence, world_size: int) -> List[list]:
     """ZeRO-1/2's flat buffer of the Muon group cut in W equal partitions: per matrix the elements of it each rank
     holds; ``holders`` the ranks with any (one partition of the whole group)."""
-    total = sum(s.numel for s in specs)
-    size = math.ceil(total / world_size)
+    size = math.ceil(sum(s.numel for s in specs) / world_size)
     pieces, holders, start = [], [], 0
     for spec in specs:
         end = start + spec.numel
@@ -720,17 +689,9 @@ def plan_partitions(specs: Sequence,
         # one holder orthogonalizes in place (pieces on the NS device: no optimizer offload)
         chosen = [dataclasses.replace(specs[j], travels=sum(map(bool, p)) > 1) for j, p in zip(indices, pieces)]
         state = [variant.state_numel(s) for s in chosen] if variant is not None else None
-        plan, d = plan_partition(chosen,
-                                 pieces,
-                                 world_size,
-                                 max_step_memory,
-                                 reduce_bucket_size,
-                                 depth,
-                                 initial_load=load,
-                                 holders=holders,
-                                 result_itemsize=ns_itemsize,
-                                 state_numels=state)
-        floor = floor_numel(chosen, pieces, world_size, NS_STEPS_DEFAULT, holders, ns_itemsize, state, load)
+        plan_args = dict(initial_load=load, holders=holders, result_itemsize=ns_itemsize, state_numels=state)
+        plan, d = plan_partition(chosen, pieces, world_size, max_step_memory, reduce_bucket_size, depth, **plan_args)
+        floor = floor_numel(chosen, pieces, world_size, **plan_args)
         load = [a + b for a, b in zip(load, plan.load())]
         out.append((indices, plan, d, pieces, ns_itemsize, state, holders, floor))
     return out

@@ -174,10 +174,9 @@ class OwnerState:
             j for j, offset, n, cols, first, count, start in self._pieces(pieces, slices, rank) if count and
             not torch.equal(loaded.narrow(0, start, count), expand_rows(full.narrow(0, offset, n), cols, first, count))
         ]
-        flag = self._all_reduce(torch.tensor([max(uneven, default=-1)], device=self.flat.device), "MAX", group,
-                                world_size)
-        if flag.item() >= 0:
-            j = int(flag.item())
+        worst = torch.tensor([max(uneven, default=-1)], device=self.flat.device)
+        j = int(self._all_reduce(worst, "MAX", group, world_size).item())
+        if j >= 0:
             raise ValueError(f"matrix {j} (shape {tuple(self.specs[j].shape)}) is not {self.variant.name}'s per-row "
                              f"state ({self.variant.state_rows(self.specs[j])[1]} equal values per row).")
         for j, offset, n, *_ in self._pieces(pieces, slices, rank):
