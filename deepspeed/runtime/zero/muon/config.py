@@ -134,11 +134,8 @@ class MuonSettings(DeepSpeedConfigModel):
 
 
 class MuonConfig(MuonSettings):
-    """``optimizer.params`` of ``"optimizer": {"type": "Muon"}``: ``MuonSettings`` plus the keys of the whole optimizer.
-
-    ``per_head_muon`` is accepted where the installed DeepSpeed has per-head Muon (``has_per_head_muon``),
-    ``qk_clip_threshold`` where it has QK-clip (``has_qk_clip``); a variant's keys where it is registered.
-    """
+    """``optimizer.params`` of ``"optimizer": {"type": "Muon"}``: ``MuonSettings`` plus the keys of the whole optimizer
+    (``config_keys``: the ones this DeepSpeed accepts)."""
     muon_lr: Optional[NonNegative] = _key(None, MUON_MATRICES,
                                           "the Muon matrices' learning rate, over lr (a number >= 0)")
     adam_lr: Optional[NonNegative] = _key(None, ADAM, "the auxiliary Adam's learning rate, over lr (a number >= 0)")
@@ -202,8 +199,8 @@ def muon_group_keys() -> tuple:
 
 def config_keys() -> Mapping[str, str]:
     """Every key of ``optimizer.params`` and the half it reaches: ``MuonConfig``'s fields (``per_head_muon`` where
-    this DeepSpeed has per-head Muon, ``qk_clip_threshold`` where it has QK-clip) and every registered variant's keys
-    (Muon matrices)."""
+    this DeepSpeed has per-head Muon, ``has_per_head_muon``, ``qk_clip_threshold`` where it has QK-clip,
+    ``has_qk_clip``) and every registered variant's keys (Muon matrices)."""
     available = {PER_HEAD_KEY: has_per_head_muon(), QK_CLIP_KEY: has_qk_clip()}
     keys = {k: v for k, v in _reaches(MuonConfig).items() if available.get(k, True)}
     keys.update({k: MUON_MATRICES for k in _variant_keys() if k not in keys})
@@ -294,12 +291,10 @@ def check_muon_keys(optimizer_parameters: Mapping[str, Any], model_parameters) -
             dicts is checked).
 
     Raises:
-        ValueError: one message listing each unknown key: ``optimizer.params.<key>`` with the
-            accepted config keys, ``model_parameters[<i>].<key>`` with the accepted group keys, and
-            for ``per_head_muon`` on a DeepSpeed without per-head Muon, that this base lacks it;
-            then each value its field refuses, as ``<where>.<key>: <value> is invalid; <what the key
-            accepts>`` (an ``ns_method`` with the accepted methods), with the closest accepted name
-            where one is close.
+        ValueError: one message listing each unknown key (``optimizer.params.<key>`` or
+            ``model_parameters[<i>].<key>``, with the keys accepted there; ``per_head_muon`` where this base
+            lacks per-head Muon), then each refused value as ``<where>.<key>: <value> is invalid; <what the key
+            accepts>`` (an ``ns_method`` with the accepted methods), with the closest accepted name where one is close.
     """
     accepted, accepted_in_groups = config_keys(), group_keys()
     problems, values = [], []
@@ -350,9 +345,8 @@ def check_muon_groups(optimizer_parameters: Mapping[str, Any], model_parameters,
                       engine) -> None:
     """Check the variant settings on the groups the engine built, and fill each variant's defaults in.
 
-    Called by the engine right after ``_muon_param_groups``. A Muon group that uses a variant gets
-    each of the variant's settings (its own, the config's, or the default), so checkpoints record
-    them; other groups are left as they are.
+    Called by the engine right after ``_muon_param_groups``. A Muon group that uses a variant gets each of the
+    variant's settings (its own, the config's, or the default), so checkpoints record them.
 
     Args:
         optimizer_parameters, model_parameters: as for ``check_muon_keys``.
@@ -360,10 +354,9 @@ def check_muon_groups(optimizer_parameters: Mapping[str, Any], model_parameters,
         engine: the ``DeepSpeedEngine`` (its ZeRO stage, data types and offload).
 
     Raises:
-        ValueError: naming each key: an unknown ``variant``, a variant's setting it refuses
-            (``key_problems``), a variant's settings where no Muon group uses that variant, and
-            a variant or a weight AutoTP split (``support.spread_problem``) where no owner rank runs the update
-            (``support.where_no_owner_runs``: ZeRO stage 0 and ZeRO-1's ``BF16_Optimizer``).
+        ValueError: naming each key: an unknown ``variant``, a variant's setting it refuses (``key_problems``), a
+            variant's settings where no Muon group uses that variant, and a variant or a weight AutoTP split
+            (``support.spread_problem``) where no owner rank runs the update (``support.where_no_owner_runs``).
     """
     problems = [
         p for where, settings, _ in _settings_blocks(optimizer_parameters, model_parameters)
