@@ -5,11 +5,8 @@
 """Errors every rank agrees on: a step that can fail on some ranks and not others (each rank reads its
 own checkpoint file, checks its own partition) ends on every rank with the same ``RankAgreedError``,
 instead of the failed ranks raising while the others wait in the next collective until the process
-group's timeout.
-
-``agreed_errors`` wraps such a step: every rank of ``group`` runs it, then all agree on one failure flag
-(one all-reduce of one int32 element); only where some rank failed, they all-gather the failed ranks'
-messages and every rank raises the same error naming each failed rank and what failed there.
+group's timeout. The agreement costs one all-reduce of one int32 element; only where some rank failed do
+the ranks all-gather the failed ranks' messages.
 """
 
 import contextlib

@@ -4,34 +4,23 @@
 # DeepSpeed Team
 """Muon's configuration: one typed model of its keys, their values and defaults, checked at ``deepspeed.initialize``.
 
-``MuonConfig`` describes ``"optimizer": {"type": "Muon", "params": {...}}`` and ``MuonGroupConfig``
-a parameter group passed as ``model_parameters``; both are DeepSpeed config models
-(``DeepSpeedConfigModel``) sharing the fields of ``MuonSettings``, so each key's type, default,
-accepted values and description sit in one place, and the names of the keys live here
-(``PIPELINE_DEPTH_KEY`` and the others: the modules that read a setting import its name from here),
-but ``variant``'s, which the variant registry it names owns (``owner_state.VARIANT_KEY``).
+``MuonConfig`` describes ``"optimizer": {"type": "Muon", "params": {...}}`` and ``MuonGroupConfig`` a parameter
+group passed as ``model_parameters``; both are ``DeepSpeedConfigModel``s sharing ``MuonSettings``'s fields, so each
+key's type, default, accepted values and description sit in one place. The modules that read a setting import its
+name from here (``PIPELINE_DEPTH_KEY`` and the others), except ``variant``'s (``owner_state.VARIANT_KEY``).
 
 Why the keys are checked at all: the engine builds Muon's parameter groups itself
-(``DeepSpeedEngine._muon_param_groups``): it reads these keys and drops every other one, so a
-misspelled key (``muon_momentum``, ``lr_muon``) or one meant for another optimizer (``amsgrad``,
-``ns_steps``) trained silently with the defaults. ``check_muon_keys`` refuses such a key with a
-``ValueError`` naming it, the accepted keys and the closest one (``did_you_mean``), and refuses
-each value its field does not accept, naming the key, the value and what the key accepts (a
-string where a number belongs, a ``pipeline_depth`` of 0, an ``ns_method`` that is not one of
-upstream's Newton-Schulz methods, ``original_muon.NS_METHODS``).
+(``DeepSpeedEngine._muon_param_groups``), reading these keys and dropping every other one, so a misspelled key
+(``muon_momentum``, ``lr_muon``) or one meant for another optimizer (``amsgrad``, ``ns_steps``) trained silently
+with the defaults. ``check_muon_keys`` refuses such keys and the values their fields refuse; ``check_muon_groups``
+runs each variant's own checks (``key_problems``) on the groups the engine built, fills the variant's
+``defaults`` in, and refuses what cannot run where no owner rank runs the update (``support``).
 
-A variant (``variant``, ``owner_state``) declares its own keys (``defaults``) and checks them
-(``key_problems``); ``check_muon_groups`` runs those checks on the groups the engine built,
-fills each variant's defaults in, and refuses what cannot run where no owner rank runs the
-update (``support``).
+Precedence of the learning rates: a Muon group's rate is the parameter group's own ``lr``, else ``muon_lr``, else
+``lr``, else 0.02; an Adam group's the group's own ``lr``, else ``adam_lr``, else ``lr``, else 3e-4.
 
-Precedence of the learning rates: a Muon group's rate is the parameter group's own ``lr``, else
-``muon_lr``, else ``lr``, else 0.02; an Adam group's the group's own ``lr``, else ``adam_lr``,
-else ``lr``, else 3e-4.
-
-This module imports no engine-side Muon module (only ``owner_plan``'s plain constants, ``momentum``,
-the variant registry ``owner_state`` and ``support``, none of which imports it), so every Muon module
-may import it.
+This module imports no engine-side Muon module (only ``owner_plan``'s plain constants, ``momentum``, the variant
+registry ``owner_state`` and ``support``, none of which imports it), so every Muon module may import it.
 """
 
 import difflib
@@ -61,9 +50,8 @@ AUTOTP_SIZE_KEY = "tensor_parallel.autotp_size"
 """DeepSpeed's AutoTP key (not a Muon key), named in the errors of Muon's tensor-parallel update."""
 
 DEFAULT_PIPELINE_DEPTH = 2
-"""``pipeline_depth``'s default: one bucket exchanged while the next is orthogonalized."""
+"""One bucket exchanged while the next is orthogonalized."""
 DEFAULT_VARIANT = MUON
-"""``variant``'s default: plain Muon, no owner state."""
 DEFAULT_MOMENTUM = 0.95
 DEFAULT_NS_METHOD = "gram"
 """Upstream ``Muon``'s defaults (``original_muon.Muon.__init__``)."""
@@ -93,140 +81,94 @@ def _ns_method(value):
     return value
 
 
-def _is_step_memory(value) -> bool:
-    """A ``max_step_memory``: ``STRICT``, a positive whole number of bytes (JSON's ``8e9`` included), or null (the
-    default)."""
-    if value is None or value == STRICT:
-        return True
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    return value > 0 and float(value).is_integer()
-
-
 def _step_memory(value):
-    if not _is_step_memory(value):
+    """A ``max_step_memory``: ``STRICT``, a positive whole number of bytes (JSON's ``8e9`` included), or null."""
+    if value is None or value == STRICT:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or not float(value).is_integer():
         raise ValueError("not a step memory")
     return value
+
+
+def _key(default, reaches: str, description: str):
+    """A field whose ``json_schema_extra["reaches"]`` names what the key reaches (``MUON_MATRICES``, ``ADAM``, ...)."""
+    return Field(default, description=description, json_schema_extra={"reaches": reaches})
 
 
 class MuonSettings(DeepSpeedConfigModel):
     """The keys shared by ``optimizer.params`` and a Muon parameter group (a group's value wins over the config's).
 
-    ``json_schema_extra["reaches"]``: the half of the optimizer each key reaches (``MUON_MATRICES``,
-    ``ADAM``, ``BOTH``). The descriptions end every value error (``check_muon_keys``).
+    The descriptions end every value error (``check_muon_keys``).
     """
-    lr: Optional[NonNegative] = Field(
-        None,
-        description="the learning rate of both halves where muon_lr / adam_lr (or a group's own lr) do not set it "
-        "(a number >= 0; unset: 0.02 for Muon, 3e-4 for Adam)",
-        json_schema_extra={"reaches": BOTH})
-    weight_decay: NonNegative = Field(0,
-                                      description="decoupled weight decay of both halves (a number >= 0, default 0)",
-                                      json_schema_extra={"reaches": BOTH})
-    momentum: Fraction = Field(DEFAULT_MOMENTUM,
-                               description=f"Muon's momentum (a number in [0, 1), default {DEFAULT_MOMENTUM})",
-                               json_schema_extra={"reaches": MUON_MATRICES})
-    ns_method: Annotated[StrictStr, AfterValidator(_ns_method)] = Field(
-        DEFAULT_NS_METHOD,
-        description=f"Muon's Newton-Schulz method (default {DEFAULT_NS_METHOD!r})",
-        json_schema_extra={"reaches": MUON_MATRICES})
-    betas: Optional[Tuple[Fraction, Fraction]] = Field(
-        None,
-        description="the auxiliary Adam's (beta1, beta2) (two numbers in [0, 1); unset: the Adam's own default)",
-        json_schema_extra={"reaches": ADAM})
-    eps: Optional[NonNegative] = Field(
-        None,
-        description="the auxiliary Adam's epsilon (a number >= 0; unset: the Adam's own default)",
-        json_schema_extra={"reaches": ADAM})
-    pipeline_depth: Annotated[int, Strict(), Field(ge=1)] = Field(
-        DEFAULT_PIPELINE_DEPTH,
-        description="buckets of the boundary update in flight ahead of the one being orthogonalized (an integer >= 1, "
-        f"default {DEFAULT_PIPELINE_DEPTH}; 1 runs them one after the other, more overlaps more and needs more buffer)",
-        json_schema_extra={"reaches": MUON_MATRICES})
-    batch_ns: Optional[StrictBool] = Field(
-        None,
-        description="same-shape Newton-Schulz problems of a bucket in one call (true), one call per matrix (false), "
-        "or where it pays (null, the default)",
-        json_schema_extra={"reaches": MUON_MATRICES})
-    max_step_memory: Annotated[Any, AfterValidator(_step_memory)] = Field(
-        None,
-        description="bytes Muon's step may add on a rank's accelerator: exchange buffers, owner matrices, "
+    lr: Optional[NonNegative] = _key(
+        None, BOTH, "the learning rate of both halves where muon_lr / adam_lr (or a group's own lr) do not set it "
+        "(a number >= 0; unset: 0.02 for Muon, 3e-4 for Adam)")
+    weight_decay: NonNegative = _key(0, BOTH, "decoupled weight decay of both halves (a number >= 0, default 0)")
+    momentum: Fraction = _key(DEFAULT_MOMENTUM, MUON_MATRICES,
+                              f"Muon's momentum (a number in [0, 1), default {DEFAULT_MOMENTUM})")
+    ns_method: Annotated[StrictStr, AfterValidator(_ns_method)] = _key(
+        DEFAULT_NS_METHOD, MUON_MATRICES, f"Muon's Newton-Schulz method (default {DEFAULT_NS_METHOD!r})")
+    betas: Optional[Tuple[Fraction, Fraction]] = _key(
+        None, ADAM, "the auxiliary Adam's (beta1, beta2) (two numbers in [0, 1); unset: the Adam's own default)")
+    eps: Optional[NonNegative] = _key(None, ADAM,
+                                      "the auxiliary Adam's epsilon (a number >= 0; unset: the Adam's own default)")
+    pipeline_depth: Annotated[int, Strict(), Field(ge=1)] = _key(
+        DEFAULT_PIPELINE_DEPTH, MUON_MATRICES,
+        "buckets of the boundary update in flight ahead of the one being orthogonalized (an integer >= 1, default "
+        f"{DEFAULT_PIPELINE_DEPTH}; 1 runs them one after the other, more overlaps more and needs more buffer)")
+    batch_ns: Optional[StrictBool] = _key(
+        None, MUON_MATRICES, "same-shape Newton-Schulz problems of a bucket in one call (true), one call per matrix "
+        "(false), or where it pays (null, the default)")
+    max_step_memory: Annotated[Any, AfterValidator(_step_memory)] = _key(
+        None, MUON_MATRICES, "bytes Muon's step may add on a rank's accelerator: exchange buffers, owner matrices, "
         "Newton-Schulz working set, a variant's owner state (a positive integer; null or unset: "
         f"{DEFAULT_MAX_STEP_MEMORY} = {DEFAULT_MAX_STEP_MEMORY / 2**30:g} GiB), or \"{STRICT}\" to stay within each "
-        "rank's momentum partition where any plan can",
-        json_schema_extra={"reaches": MUON_MATRICES})
-    split_fused_muon: Optional[StrictBool] = Field(
-        None,
-        description="orthogonalize each part of a fused projection DeepSpeed recognizes (gate_up_proj, qkv_proj, "
-        "c_attn) on its own (true or null, the default) or the fused tensor whole (false)",
-        json_schema_extra={"reaches": MUON_MATRICES})
-    variant: StrictStr = Field(DEFAULT_VARIANT,
-                               description=f"the Muon variant (default {DEFAULT_VARIANT!r}, or a registered variant's "
-                               "name; a variant's own keys beside it)",
-                               json_schema_extra={"reaches": MUON_MATRICES})
+        "rank's momentum partition where any plan can")
+    split_fused_muon: Optional[StrictBool] = _key(
+        None, MUON_MATRICES, "orthogonalize each part of a fused projection DeepSpeed recognizes (gate_up_proj, "
+        "qkv_proj, c_attn) on its own (true or null, the default) or the fused tensor whole (false)")
+    variant: StrictStr = _key(
+        DEFAULT_VARIANT, MUON_MATRICES,
+        f"the Muon variant (default {DEFAULT_VARIANT!r}, or a registered variant's name; a variant's own keys "
+        "beside it)")
 
 
 class MuonConfig(MuonSettings):
-    """``optimizer.params`` of ``"optimizer": {"type": "Muon"}``: ``MuonSettings`` plus the keys of the whole optimizer.
-
-    ``per_head_muon`` is accepted where the installed DeepSpeed has per-head Muon (``has_per_head_muon``),
-    ``qk_clip_threshold`` where it has QK-clip (``has_qk_clip``); a variant's keys where it is registered.
-    """
-    muon_lr: Optional[NonNegative] = Field(None,
-                                           description="the Muon matrices' learning rate, over lr (a number >= 0)",
-                                           json_schema_extra={"reaches": MUON_MATRICES})
-    adam_lr: Optional[NonNegative] = Field(None,
-                                           description="the auxiliary Adam's learning rate, over lr (a number >= 0)",
-                                           json_schema_extra={"reaches": ADAM})
-    adam_w_mode: StrictBool = Field(True,
-                                    description="decoupled (AdamW, true, the default) or L2 (false) weight decay of "
-                                    "the auxiliary Adam",
-                                    json_schema_extra={"reaches": ADAM})
-    torch_adam: Optional[StrictBool] = Field(None,
-                                             description="torch's AdamW for the auxiliary Adam (true or false)",
-                                             json_schema_extra={"reaches": IMPLEMENTATION})
-    foreach: Optional[StrictBool] = Field(None,
-                                          description="torch's foreach implementation with torch_adam (true or false)",
-                                          json_schema_extra={"reaches": IMPLEMENTATION})
-    fp32_optimizer_states: Optional[StrictBool] = Field(
-        None,
-        description="the auxiliary Adam's states in fp32 (true or false)",
-        json_schema_extra={"reaches": IMPLEMENTATION})
-    per_head_muon: Optional[StrictBool] = Field(
-        None,
-        description="attention projections orthogonalized per head (true or false)",
-        json_schema_extra={"reaches": MUON_MATRICES})
-    qk_clip_threshold: Optional[Annotated[Number, Field(gt=0)]] = Field(
-        None,
-        description="the largest attention logit QK-clip lets a head keep, a finite number > 0 (Kimi K2 used 100), "
-        "or null (the default) for no clipping",
-        json_schema_extra={"reaches": "the attention layers (QK-clip after each step)"})
+    """``optimizer.params`` of ``"optimizer": {"type": "Muon"}``: ``MuonSettings`` plus the keys of the whole optimizer
+    (``config_keys``: the ones this DeepSpeed accepts)."""
+    muon_lr: Optional[NonNegative] = _key(None, MUON_MATRICES,
+                                          "the Muon matrices' learning rate, over lr (a number >= 0)")
+    adam_lr: Optional[NonNegative] = _key(None, ADAM, "the auxiliary Adam's learning rate, over lr (a number >= 0)")
+    adam_w_mode: StrictBool = _key(
+        True, ADAM, "decoupled (AdamW, true, the default) or L2 (false) weight decay of the auxiliary Adam")
+    torch_adam: Optional[StrictBool] = _key(None, IMPLEMENTATION,
+                                            "torch's AdamW for the auxiliary Adam (true or false)")
+    foreach: Optional[StrictBool] = _key(None, IMPLEMENTATION,
+                                         "torch's foreach implementation with torch_adam (true or false)")
+    fp32_optimizer_states: Optional[StrictBool] = _key(None, IMPLEMENTATION,
+                                                       "the auxiliary Adam's states in fp32 (true or false)")
+    per_head_muon: Optional[StrictBool] = _key(None, MUON_MATRICES,
+                                               "attention projections orthogonalized per head (true or false)")
+    qk_clip_threshold: Optional[Annotated[Number, Field(gt=0)]] = _key(
+        None, "the attention layers (QK-clip after each step)",
+        "the largest attention logit QK-clip lets a head keep, a finite number > 0 (Kimi K2 used 100), "
+        "or null (the default) for no clipping")
 
 
 class MuonGroupConfig(MuonSettings):
     """A parameter group passed as ``model_parameters`` with the Muon optimizer: ``MuonSettings`` (which the engine
     copies into the group's Muon or Adam half), the group's tensors and name, and ``moe``, which DeepSpeed's MoE
     helpers (``create_moe_param_groups``) put in every group they build."""
-    params: Any = Field(None, description="the group's tensors", json_schema_extra={"reaches": "the group's tensors"})
-    name: Optional[StrictStr] = Field(
-        None,
-        description="the group's name (its halves are named <name>-muon-params, <name>-adam-params)",
-        json_schema_extra={
-            "reaches": "the group's name (its halves are named <name>-muon-params, <name>-adam-params)"
-        })
-    moe: Any = Field(None,
-                     description="set by DeepSpeed's MoE helpers",
-                     json_schema_extra={
-                         "reaches": "set by DeepSpeed's MoE helpers; the MoE split reads the tensors' own attributes"
-                     })
+    params: Any = _key(None, "the group's tensors", "the group's tensors")
+    name: Optional[StrictStr] = _key(None,
+                                     "the group's name (its halves are named <name>-muon-params, <name>-adam-params)",
+                                     "the group's name (its halves are named <name>-muon-params, <name>-adam-params)")
+    moe: Any = _key(None, "set by DeepSpeed's MoE helpers; the MoE split reads the tensors' own attributes",
+                    "set by DeepSpeed's MoE helpers")
 
 
 UPDATE_KEYS = (PIPELINE_DEPTH_KEY, BATCH_NS_KEY, MAX_STEP_MEMORY_KEY, SPLIT_KEY)
 """The distributed update's settings, per Muon group (read once, when the ZeRO optimizer is built)."""
-_ENGINE_MUON_KEYS = ("lr", "momentum", "weight_decay", "ns_method")
-"""The keys the engine copies into every Muon half itself (``DeepSpeedEngine._MUON_HALF_KEYS``)."""
-_OPTIONAL_KEYS = (PER_HEAD_KEY, QK_CLIP_KEY)
-"""``MuonConfig`` fields accepted only where this DeepSpeed has the feature (``config_keys``)."""
 
 
 def _reaches(model: Type[MuonSettings]) -> dict:
@@ -245,12 +187,8 @@ def has_qk_clip() -> bool:
     return importlib.util.find_spec("deepspeed.runtime.zero.muon.qk_clip") is not None
 
 
-def _registered() -> dict:
-    return registered()
-
-
 def _variant_keys() -> List[str]:
-    return sorted({k for v in _registered().values() for k in v.defaults})
+    return sorted({k for v in registered().values() for k in v.defaults})
 
 
 def muon_group_keys() -> tuple:
@@ -261,8 +199,8 @@ def muon_group_keys() -> tuple:
 
 def config_keys() -> Mapping[str, str]:
     """Every key of ``optimizer.params`` and the half it reaches: ``MuonConfig``'s fields (``per_head_muon`` where
-    this DeepSpeed has per-head Muon, ``qk_clip_threshold`` where it has QK-clip) and every registered variant's keys
-    (Muon matrices)."""
+    this DeepSpeed has per-head Muon, ``has_per_head_muon``, ``qk_clip_threshold`` where it has QK-clip,
+    ``has_qk_clip``) and every registered variant's keys (Muon matrices)."""
     available = {PER_HEAD_KEY: has_per_head_muon(), QK_CLIP_KEY: has_qk_clip()}
     keys = {k: v for k, v in _reaches(MuonConfig).items() if available.get(k, True)}
     keys.update({k: MUON_MATRICES for k in _variant_keys() if k not in keys})
@@ -353,12 +291,10 @@ def check_muon_keys(optimizer_parameters: Mapping[str, Any], model_parameters) -
             dicts is checked).
 
     Raises:
-        ValueError: one message listing each unknown key: ``optimizer.params.<key>`` with the
-            accepted config keys, ``model_parameters[<i>].<key>`` with the accepted group keys, and
-            for ``per_head_muon`` on a DeepSpeed without per-head Muon, that this base lacks it;
-            then each value its field refuses, as ``<where>.<key>: <value> is invalid; <what the key
-            accepts>`` (an ``ns_method`` with the accepted methods), with the closest accepted name
-            where one is close.
+        ValueError: one message listing each unknown key (``optimizer.params.<key>`` or
+            ``model_parameters[<i>].<key>``, with the keys accepted there; ``per_head_muon`` where this base
+            lacks per-head Muon), then each refused value as ``<where>.<key>: <value> is invalid; <what the key
+            accepts>`` (an ``ns_method`` with the accepted methods), with the closest accepted name where one is close.
     """
     accepted, accepted_in_groups = config_keys(), group_keys()
     problems, values = [], []
@@ -400,7 +336,7 @@ def _variant_problems(settings: Mapping[str, Any], where: str) -> List[str]:
     if variant not in variants():
         problems.append(f"{where}.{VARIANT_KEY}: {variant!r} is not a Muon variant; accepted: "
                         f"{', '.join(repr(v) for v in variants())}.{did_you_mean(variant, variants())}")
-    for cls in _registered().values():
+    for cls in registered().values():
         problems += cls.key_problems(settings, where)
     return problems
 
@@ -409,9 +345,8 @@ def check_muon_groups(optimizer_parameters: Mapping[str, Any], model_parameters,
                       engine) -> None:
     """Check the variant settings on the groups the engine built, and fill each variant's defaults in.
 
-    Called by the engine right after ``_muon_param_groups``. A Muon group that uses a variant gets
-    each of the variant's settings (its own, the config's, or the default), so checkpoints record
-    them; other groups are left as they are.
+    Called by the engine right after ``_muon_param_groups``. A Muon group that uses a variant gets each of the
+    variant's settings (its own, the config's, or the default), so checkpoints record them.
 
     Args:
         optimizer_parameters, model_parameters: as for ``check_muon_keys``.
@@ -419,10 +354,9 @@ def check_muon_groups(optimizer_parameters: Mapping[str, Any], model_parameters,
         engine: the ``DeepSpeedEngine`` (its ZeRO stage, data types and offload).
 
     Raises:
-        ValueError: naming each key: an unknown ``variant``, a variant's setting it refuses
-            (``key_problems``), a variant's settings where no Muon group uses that variant, and
-            a variant or a weight AutoTP split (``support.spread_problem``) where no owner rank runs the update
-            (``support.where_no_owner_runs``: ZeRO stage 0 and ZeRO-1's ``BF16_Optimizer``).
+        ValueError: naming each key: an unknown ``variant``, a variant's setting it refuses (``key_problems``), a
+            variant's settings where no Muon group uses that variant, and a variant or a weight AutoTP split
+            (``support.spread_problem``) where no owner rank runs the update (``support.where_no_owner_runs``).
     """
     problems = [
         p for where, settings, _ in _settings_blocks(optimizer_parameters, model_parameters)
@@ -431,7 +365,7 @@ def check_muon_groups(optimizer_parameters: Mapping[str, Any], model_parameters,
     muon_groups = [g for g in param_groups if is_muon_group(g)]
     if not problems and muon_groups:
         used = {g.get(VARIANT_KEY, DEFAULT_VARIANT) for g in muon_groups}
-        for name, cls in sorted(_registered().items()):
+        for name, cls in sorted(registered().items()):
             unused = sorted({k for g in muon_groups for k in cls.defaults if k in g})
             if unused and name not in used:
                 problems.append(f"{', '.join(unused)} (optimizer.params or a parameter group): {name}'s settings, "
@@ -442,7 +376,7 @@ def check_muon_groups(optimizer_parameters: Mapping[str, Any], model_parameters,
         problems.append(spread)
     if not problems:
         for group in muon_groups:
-            cls = _registered().get(group.get(VARIANT_KEY, DEFAULT_VARIANT))
+            cls = registered().get(group.get(VARIANT_KEY, DEFAULT_VARIANT))
             if cls is None:
                 continue
             where = where_no_owner_runs(engine)

@@ -6,9 +6,7 @@
 
 Upstream ``original_muon.muon_orthogonalize`` (Keller Jordan et al., 2024, "Muon: An optimizer for hidden layers in
 neural networks", https://kellerjordan.github.io/posts/muon/) runs Newton-Schulz on the problems
-``original_muon.muon_ns_problem`` describes (per head, per expert, conv filters flattened). ``matrix_spec`` describes a
-Muon parameter for the owner plan; ``orthogonalize_each`` runs an owner's matrices of one bucket, same-shape problems
-batched.
+``original_muon.muon_ns_problem`` describes (per head, per expert, conv filters flattened).
 """
 
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
@@ -74,11 +72,11 @@ def matrix_spec(param,
     Raises:
         ValueError: see ``newton_schulz_problem``.
     """
-    shape, experts, heads = tuple(shape), bool(getattr(param, "is_expert_group", False)), num_heads
+    shape, experts = tuple(shape), bool(getattr(param, "is_expert_group", False))
     if split is not None:
         parts = part_problems(shape, split)
         return MatrixSpec(shape, ns_method, experts, None, parts[0], split, parts)
-    return MatrixSpec(shape, ns_method, experts, heads, newton_schulz_problem(shape, experts, heads))
+    return MatrixSpec(shape, ns_method, experts, num_heads, newton_schulz_problem(shape, experts, num_heads))
 
 
 CPU_BATCH_MAX_ELEMENTS = 96 * 96
@@ -103,33 +101,30 @@ def orthogonalize_each(load: Callable[[int], torch.Tensor],
     """Orthogonalize an owner's matrices of one bucket (``load(k)``: matrix ``k``'s NS input, not
     modified), yielding ``(indices, results)`` per call, each result in ``dtype`` and its shape.
 
-    With ``batch`` (None: where ``batches`` says it pays on ``device``), same-``(rows, cols)``
-    problems run as one call on their stack: upstream's kernels normalize and iterate each problem
-    of a batch on its own, so no math changes. A lone matrix runs upstream's ``muon_orthogonalize``
-    as ``muon_update`` does; a 4-D conv filter always runs alone (upstream scales it by its kernel's
-    shape). Inputs load when their call runs, so a caller holds one call's tensors at a time, and
-    ``max_call_numel`` bounds a batched call's working set (``ns_workspace_numel`` summed).
+    With ``batch`` (None: where ``batches`` says it pays on ``device``), same-``(rows, cols)`` problems run as one
+    call on their stack: upstream's kernels normalize and iterate each problem of a batch on its own, so no math
+    changes. A lone matrix runs upstream's ``muon_orthogonalize`` as ``muon_update`` does; a 4-D conv filter always
+    runs alone (upstream scales it by its kernel's shape), and a fused parameter too (``orthogonalize_parts``). Inputs
+    load when their call runs, so a caller holds one call's tensors at a time, and ``max_call_numel`` bounds a
+    batched call's working set (``ns_workspace_numel`` summed).
     """
     groups = {}
     for k, spec in enumerate(specs):
         _, rows, cols = spec.ns_problem
         grouped = batches(rows, cols, device) if batch is None else batch
-        # A 4-D conv filter alone: upstream scales it by its kernel's (kh, kw), not by its problem's; a fused
-        # parameter alone, its parts batched by shape.
         alone = (len(spec.shape) == 4 and not spec.is_expert_group) or spec.split is not None
         groups.setdefault((rows, cols) if grouped and not alone else k, []).append(k)
     for members in _bounded_calls(groups.values(), specs, max_call_numel):
-        if len(members) == 1 and specs[members[0]].split is not None:
-            spec = specs[members[0]]
+        spec = specs[members[0]]
+        if len(members) == 1 and spec.split is not None:
             yield members, [orthogonalize_parts(load(members[0]), spec.split, ns_steps, ns_method, dtype)]
         elif len(members) == 1:
-            spec = specs[members[0]]
             yield members, [
                 original_muon.muon_orthogonalize(load(members[0]), ns_steps, ns_method, spec.is_expert_group,
                                                  spec.num_heads, dtype).reshape(spec.shape)
             ]
         else:
-            _, rows, cols = specs[members[0]].ns_problem
+            _, rows, cols = spec.ns_problem
             stack = torch.cat([load(k).reshape(-1, rows, cols) for k in members])
             results = original_muon.muon_orthogonalize(stack, ns_steps, ns_method, True, None,
                                                        dtype).split([specs[k].ns_problem[0] for k in members])
