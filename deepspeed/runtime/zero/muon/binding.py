@@ -4,24 +4,14 @@
 # DeepSpeed Team
 """The Muon update of every ZeRO stage, run once per optimizer step at the accumulation boundary.
 
-Each stage describes its rank's share of every ZeRO-3 sub-group or ZeRO-1/2 parameter group once
-(``MuonPartition``: the parameters, each rank's piece of each, where this rank's lies in the flat
-fp32 partition); ``MuonUpdate`` serves every stage from that description alone:
-
-- ``update(key, grad_partition)`` in ``step()``, right after the gradient partition was divided by
-  the loss scale and the clip coefficient (as ``clip_grad_norm_`` before Muon in PyTorch): each
-  rank advances its fp32 momentum partition on its pieces, each matrix held by more than one rank
-  goes to one owner among its holders by all-to-all, the owner runs Newton-Schulz once on the whole
-  matrix, and the pieces of the update come back in place of the gradient (``pipeline``). Under
-  ZeRO-3 every rank holds a piece of every matrix; under ZeRO-1/2 most matrices lie whole in one
-  partition and never travel. The momentum never travels; nothing runs on micro-steps.
-- ``after_inner_step(key)`` right after the inner optimizer stepped the partition: what the engine
-  registered runs there on the same description (``add_after_inner_step``; MuonClip's QK-clip scales
-  its pieces of the query and key weights).
-- ``save_owner_state()`` / ``load_saved_state()`` from the stage's ``state_dict()`` /
-  ``load_state_dict()``: the momentum is optimizer state of the flat partition, in its layout (as
-  Adam's ``exp_avg``), so every checkpoint path carries it; a variant's owner state
-  (``owner_state``) goes there in its checkpoint form at save and is taken back at load.
+Each stage describes its rank's share of every ZeRO-3 sub-group or ZeRO-1/2 parameter group once (``MuonPartition``);
+``MuonUpdate`` serves every stage from that description alone. In ``step()``, right after the gradient partition was
+divided by the loss scale and the clip coefficient (as ``clip_grad_norm_`` before Muon in PyTorch), each rank advances
+its fp32 momentum partition on its pieces, each matrix held by more than one rank goes to one owner among its holders
+by all-to-all, the owner runs Newton-Schulz once on the whole matrix, and the pieces of the update come back in place
+of the gradient (``pipeline``). Under ZeRO-3 every rank holds a piece of every matrix; under ZeRO-1/2 most matrices lie
+whole in one partition and never travel. The momentum never travels; nothing runs on micro-steps. The momentum is
+optimizer state of the flat partition, in its layout (as Adam's ``exp_avg``), so every checkpoint path carries it.
 
 ``MuonWithAuxAdam`` then applies weight decay and ``-lr * update``; the update is not rescaled.
 """
@@ -55,27 +45,26 @@ LOW_EFFICIENCY = 0.5
 
 @dataclass(frozen=True, eq=False)
 class MuonPartition:
-    """The parameters of one ZeRO-3 sub-group or ZeRO-1/2 parameter group as this rank holds them,
-    built once by the stage (``_muon_partitions`` in ``stage3.py``, ``stage_1_and_2.py``).
+    """The parameters of one ZeRO-3 sub-group or ZeRO-1/2 parameter group as this rank holds them, built once by the
+    stage (``_muon_partitions`` in ``stage3.py``, ``stage_1_and_2.py``).
 
     Attributes:
-        key, label: the stage's index (passed to ``update`` and ``after_inner_step``) and its name in
-            messages.
-        group_index: its group in the optimizer's ``param_groups`` (read at each step: a loaded
-            checkpoint replaces the groups).
-        muon: whether the group is a Muon group (its parameters are matrices Muon orthogonalizes); the
-            others are described for what runs after the inner step.
+        key, label: the stage's index (passed to ``update`` and ``after_inner_step``) and its name in messages.
+        group_index: its group in the optimizer's ``param_groups`` (read at each step: a loaded checkpoint replaces
+            the groups).
+        muon: whether the group is a Muon group (its parameters are matrices Muon orthogonalizes); the others are
+            described for what runs after the inner step.
         params, shapes: the parameters in partition order and their full shapes.
-        pieces: per matrix, the elements every rank of ``process_group`` holds of it; in rank order
-            the matrix flattened (ZeRO-3 zero-pads past its end).
+        pieces: per matrix, the elements every rank of ``process_group`` holds of it; in rank order the matrix
+            flattened (ZeRO-3 zero-pads past its end).
         slices: per matrix, ``(offset, numel)`` of this rank's piece in the flat partition.
-        flat, numel: the fp32 partition (its optimizer state holds the momentum; its device is where
-            the pieces live) and its elements.
+        flat, numel: the fp32 partition (its optimizer state holds the momentum; its device is where the pieces
+            live) and its elements.
         bucket_numel: most elements of whole matrices exchanged at once (``reduce_bucket_size``).
-        allocate_momentum: puts a zero fp32 momentum into ``flat``'s state the stage's way (ZeRO-3's
-            knows optimizer swapping); None: a zero tensor.
-        agree_finite: hold the update back (momentum unchanged, a zero update) where some rank's
-            gradient is not finite (ZeRO-1/2 may step on one; ZeRO-3 skips such a step itself).
+        allocate_momentum: puts a zero fp32 momentum into ``flat``'s state the stage's way (ZeRO-3's knows optimizer
+            swapping); None: a zero tensor.
+        agree_finite: hold the update back (momentum unchanged, a zero update) where some rank's gradient is not
+            finite (ZeRO-1/2 may step on one; ZeRO-3 skips such a step itself).
     """
     key: int
     label: str
@@ -152,8 +141,16 @@ class MuonUpdate:
                                                                       sharded.shapes, loads, sharded)
             except CapBelowFloor as e:
                 refused.append((4 * e.needed_numel, part.label, 4 * e.cap_numel))
-        if refused:
-            self._refuse_cap(refused)
+        if refused:  # every rank plans the same: each refuses with the most any partition needs
+            needed, label, cap = max(refused)
+            raise ValueError(
+                f"{MAX_STEP_MEMORY_KEY} (optimizer.params or the Muon parameter group): {cap} bytes is below what "
+                f"Muon's step needs on a rank for {label}: at least {needed} bytes ({needed / 2**30:.2f} GiB), the "
+                "largest matrix whole on its owner rank with its Newton-Schulz working set and one bucket's exchange "
+                "buffers (every matrix alone, pipeline depth 1)"
+                f"{f', the most of {len(refused)} partitions' if len(refused) > 1 else ''}. Set {MAX_STEP_MEMORY_KEY} "
+                f"to at least {needed}, or to \"momentum_partition\" (within each rank's momentum partition where "
+                "possible, else that least need).")
         self._check_plans_agree()
         warm = {id(p.exchange.group): p.exchange for _, p in self._every_pipeline() if p.exchange.world_size > 1}
         for exchange in warm.values():  # every rank of a group meets its pipelines in the same order
@@ -164,21 +161,6 @@ class MuonUpdate:
                                                  device_buffers=False)
         self.figures = self._plan_figures()
         self._log_plan()
-
-    @staticmethod
-    def _refuse_cap(refused):
-        """Refuse ``max_step_memory`` on every rank (each plans the same) with the most any partition needs.
-
-        Raises:
-            ValueError: always."""
-        needed, label, cap = max(refused)
-        raise ValueError(
-            f"{MAX_STEP_MEMORY_KEY} (optimizer.params or the Muon parameter group): {cap} bytes is below what Muon's "
-            f"step needs on a rank for {label}: at least {needed} bytes ({needed / 2**30:.2f} GiB), the largest matrix "
-            "whole on its owner rank with its Newton-Schulz working set and one bucket's exchange buffers (every matrix "
-            f"alone, pipeline depth 1){f', the most of {len(refused)} partitions' if len(refused) > 1 else ''}. Set "
-            f"{MAX_STEP_MEMORY_KEY} to at least {needed}, or to \"momentum_partition\" (within each rank's momentum "
-            "partition where possible, else that least need).")
 
     def _plan_figures(self):
         """``owner_plan.plan_figures`` of the pipelines of each process group, merged: buckets summed, the least
@@ -349,8 +331,8 @@ class MuonUpdate:
         return ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
 
     def add_after_inner_step(self, hook: Callable[[MuonPartition], None]) -> None:
-        """Run ``hook(partition)`` right after the inner optimizer stepped each described partition (every
-        group, Muon or not), on every rank in the stage's order, in the order hooks were added."""
+        """Run ``hook(partition)`` right after the inner optimizer stepped each described partition (every group, Muon
+        or not), on every rank in the stage's order, in the order hooks were added (MuonClip's QK-clip)."""
         self._after_inner_step.append(hook)
 
     def after_inner_step(self, key: int) -> None:

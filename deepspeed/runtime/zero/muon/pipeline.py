@@ -12,9 +12,8 @@ Newton-Schulz (depth 1: serial); every rank issues the same collectives in the s
 buffer slots busy. Beyond the exchange buffers an owner holds one call's tensors: results overwrite, as each call
 returns, the pieces it has read (half-precision results wait for the bucket's calls). After torchtitan's
 DistributedMuon (prepare/compute/finalize over a reserved layout) and microsoft/dion (one batch's exchange overlapping
-another's compute). A matrix that stays home (one holder, its piece on the NS device, no tensor-parallel layout)
-skips the exchange: its holder owns it and orthogonalizes it where it lies. Terms: docs/design.md, "Where a matrix
-lives".
+another's compute). A matrix that stays home (``stays_home``) skips the exchange. Terms: docs/design.md, "Where a
+matrix lives".
 """
 
 import dataclasses
@@ -41,10 +40,10 @@ class MuonPipeline:
     """The Muon update of one partition on one rank.
 
     Args:
-        plan, specs: the owner plan and each matrix's ``MatrixSpec``. pieces, slices: as
-            ``binding.MuonPartition``'s. exchange: the group's ``OwnerExchange``.
-        device: where Newton-Schulz runs and the buffers are; piece_device: where the pieces are.
-        depth: at least 1. batch_ns: for ``orthogonalize_each``. variant: a Muon variant, or None.
+        plan, specs: the owner plan and each matrix's ``MatrixSpec``. pieces, slices: as ``binding.MuonPartition``'s.
+        exchange: the group's ``OwnerExchange``. device: where Newton-Schulz runs and the buffers are; piece_device:
+            where the pieces are. depth: at least 1. batch_ns: for ``orthogonalize_each``. variant: a Muon variant, or
+            None.
         placements, assemblies: per matrix, None, or its tensor-parallel layout: where each holder's piece lies in
             the shards' storage, and the ``tensor_parallel.ShardAssembly`` that makes the whole matrix of it.
 
@@ -145,9 +144,8 @@ class MuonPipeline:
         (fp32 elements of the largest bucket that travels; none where nothing does)."""
         if not self.layouts:
             return (0, 0, 0, self.piece_device)
-        return (min(slots_for_depth(self.depth),
-                    max(1, len(self.layouts))), max((layout.send_numel for layout in self.layouts), default=0),
-                max((layout.recv_numel for layout in self.layouts), default=0), self.piece_device)
+        return (min(slots_for_depth(self.depth), len(self.layouts)), max(layout.send_numel for layout in self.layouts),
+                max(layout.recv_numel for layout in self.layouts), self.piece_device)
 
     def run(self,
             grad_flat: torch.Tensor,
@@ -190,16 +188,14 @@ class MuonPipeline:
         """The matrices that stay home with this rank: the NS input and each call's results are written over
         the gradient in place."""
         for layout in self.in_place:
-            starts = []
-            for k in layout.owned:
-                start, numel = self.slices[layout.matrices[k]]
+            slices = [self.slices[layout.matrices[k]] for k in layout.owned]
+            specs = [self.specs[layout.matrices[k]] for k in layout.owned]
+            for start, numel in slices:
                 piece = grad_flat.narrow(0, start, numel)
                 momentum_step(piece, momentum_flat.narrow(0, start, numel), settings, out=piece)
-                starts.append(start)
-            specs = [self.specs[layout.matrices[k]] for k in layout.owned]
 
             def matrix(p):
-                return grad_flat.narrow(0, starts[p], specs[p].numel).view(specs[p].shape)
+                return grad_flat.narrow(0, slices[p][0], specs[p].numel).view(specs[p].shape)
 
             self._orthogonalize(layout,
                                 matrix,
@@ -248,7 +244,8 @@ class MuonPipeline:
     def _compute(self, b: int, slot: int, handle, settings: MuonSettings, update_dtype: torch.dtype,
                  buffers: ExchangeBuffers):
         layout = self.layouts[b]
-        _wait(handle)
+        if handle is not None:
+            handle.wait()
         recv = buffers.incoming(slot, layout.recv_numel, EXCHANGE_DTYPE)
         back = buffers.incoming(slot, layout.recv_numel, update_dtype)
         shapes = [self.specs[layout.matrices[k]].shape for k in layout.owned]
@@ -277,10 +274,10 @@ class MuonPipeline:
         layout = self.layouts[b]
         update = buffers.outgoing(slot, layout.send_numel, update_dtype)
         host = buffers.staging(slot, layout.send_numel, self.piece_device, update_dtype)
-        if host is None:
-            _wait(handle)
-        else:  # pieces on the host (optimizer offload): the bucket in one copy, not one per piece
+        if host is not None:  # pieces on the host (optimizer offload): the bucket in one copy, not one per piece
             update = buffers.to_host(update, host, handle)
+        elif handle is not None:
+            handle.wait()
         for k, offset, numel in layout.send_pieces:
             start, _ = self.slices[layout.matrices[k]]
             grad_flat.narrow(0, start, numel).copy_(update.narrow(0, offset, numel))
@@ -292,8 +289,3 @@ def stays_home(pieces: Sequence[int], piece_device, device, assembly=None) -> bo
     (``piece_device`` is), no tensor-parallel ``assembly``; its holder then owns it and orthogonalizes it where it
     lies, and it takes no exchange buffer."""
     return sum(map(bool, pieces)) == 1 and torch.device(piece_device) == torch.device(device) and assembly is None
-
-
-def _wait(handle) -> None:
-    if handle is not None:
-        handle.wait()
