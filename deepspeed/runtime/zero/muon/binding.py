@@ -31,12 +31,13 @@ from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.config import BATCH_NS_KEY, MAX_STEP_MEMORY_KEY, PIPELINE_DEPTH_KEY, SPLIT_KEY
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings, is_muon_optimizer
 from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec, split_of
-from deepspeed.runtime.zero.muon.owner_exchange import ExchangeBuffers, ExchangeStats
-from deepspeed.runtime.zero.muon.owner_plan import DEFAULT_MAX_STEP_MEMORY, STRICT, CapBelowFloor, plan_figures
+from deepspeed.runtime.zero.muon.owner_exchange import ExchangeBuffers, ExchangeStats, OwnerExchange
+from deepspeed.runtime.zero.muon.owner_plan import (DEFAULT_MAX_STEP_MEMORY, STRICT, CapBelowFloor, plan_figures,
+                                                    plan_partition)
 from deepspeed.runtime.zero.muon.owner_state import (MUON, VARIANT_KEY, check_same_kind, load_checkpoint_form,
                                                      variant_of)
 from deepspeed.runtime.zero.muon.param_record import tensor_parallel_layout
-from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline
+from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline, stays_home
 from deepspeed.utils import logger
 
 LOW_EFFICIENCY = 0.5
@@ -83,8 +84,8 @@ class MuonPartition:
 
     def held_pieces(self) -> List[Tuple[torch.nn.Parameter, int, int, int]]:
         """``(param, start, offset, numel)`` of every parameter this rank holds elements of: elements
-        ``[start, start + numel)`` of the flattened parameter lie at ``offset`` of ``flat``; ZeRO-3's
-        zero padding past a parameter's end left out."""
+        ``[start, start + numel)`` of the flattened parameter lie at ``offset`` of ``flat``; ZeRO-3's zero padding past
+        its end left out."""
         rank = dist.get_rank(group=self.process_group)
         held = []
         for param, shape, piece, (offset, numel) in zip(self.params, self.shapes, self.pieces, self.slices):
@@ -104,15 +105,15 @@ class MuonUpdate:
     Attributes:
         stats: ``ExchangeStats``, cumulative on this rank.
         pipelines: per partition key its ``MuonPipeline`` (owner plan, layouts, owner state).
-        buffers: the ``ExchangeBuffers`` of the pipeline being run, None between runs: the device memory
-            goes back to the allocator for the next forward and backward (pinned host staging, for optimizer
-            offload, is kept: host memory, and slow to pin).
+        buffers: the ``ExchangeBuffers`` of the pipeline being run, None between runs: the device memory goes back to
+            the allocator for the next forward and backward (pinned host staging, for optimizer offload, is kept: host
+            memory, and slow to pin).
         figures: the plans' ``owner_plan.PlanFigures`` (every rank's).
 
     Raises:
-        ValueError: at initialization, on every rank: a Muon parameter that is not a matrix,
-            ``muon_num_heads`` that does not fit it, an unknown ``variant``, a ``max_step_memory`` below what
-            every matrix alone needs (the message gives that figure).
+        ValueError: at initialization, on every rank: a Muon parameter that is not a matrix, ``muon_num_heads`` that
+            does not fit it, an unknown ``variant``, a ``max_step_memory`` below what every matrix alone needs (the
+            message gives that figure).
         RuntimeError: at initialization, where the ranks of a group built different owner plans, or its warm-up
             all-to-all (``OwnerExchange.warm_up``, one per process group of more than one rank) came back wrong.
     """
@@ -182,8 +183,8 @@ class MuonUpdate:
 
     @classmethod
     def create(cls, optimizer, partitions: Callable[[], Sequence[MuonPartition]]) -> Optional["MuonUpdate"]:
-        """The update for a stage wrapping ``optimizer``, or None when it is not ``MuonWithAuxAdam``
-        (``partitions`` is called only then)."""
+        """The update for a stage wrapping ``optimizer``, or None when it is not ``MuonWithAuxAdam`` (``partitions`` is
+        called only then)."""
         return cls(optimizer, partitions()) if is_muon_optimizer(optimizer) else None
 
     def _group(self, part: MuonPartition) -> dict:
@@ -221,7 +222,11 @@ class MuonUpdate:
                         loads,
                         sharded=None) -> MuonPipeline:
         """The pipeline of the partition's matrices ``indices`` of (whole) ``shapes`` held as ``pieces`` over the
-        partition's group, or as ``sharded`` (a tensor-parallel layout's ``spread``) says."""
+        partition's group, or as ``sharded`` (a tensor-parallel layout's ``spread``) says, planned by
+        ``owner_plan.plan_partition`` under the group's ``max_step_memory``, the variant's owner state counted.
+
+        Raises:
+            owner_plan.CapBelowFloor: no plan fits ``max_step_memory``."""
         group = self._group(part)
         ns_method = MuonSettings.of(group).ns_method
         heads = sharded.num_heads if sharded is not None else [
@@ -241,30 +246,35 @@ class MuonUpdate:
                                  f"columns or unequal parts. Set \"{SPLIT_KEY}\": false (recognized fused "
                                  "projections), remove your muon_split, or use a plain Muon group.")
         process_group = part.process_group if sharded is None else sharded.process_group
-        world_size = dist.get_world_size(group=process_group)
+        rank, world_size = dist.get_rank(group=process_group), dist.get_world_size(group=process_group)
         max_step_memory = group.get(MAX_STEP_MEMORY_KEY)
         max_step_memory = DEFAULT_MAX_STEP_MEMORY if max_step_memory is None else (
             max_step_memory if max_step_memory == STRICT else int(max_step_memory))
         # every rank meets its partitions in the same order: keyed by the group, the same ones pool
         load = loads.setdefault(id(process_group), [0.0] * world_size)
         held = [[r for r, n in enumerate(p) if n] for p in pieces]
-        holders = None if all(len(h) == world_size for h in held) else held
-        pipeline = MuonPipeline.for_process_group(specs,
-                                                  pieces, [part.slices[j] for j in indices],
-                                                  process_group,
-                                                  self.stats,
-                                                  self.device,
-                                                  part.flat.device,
-                                                  part.bucket_numel,
-                                                  group.get(PIPELINE_DEPTH_KEY, DEFAULT_DEPTH),
-                                                  group.get(BATCH_NS_KEY),
-                                                  variant=variant_of(group),
-                                                  placements=sharded and sharded.placements,
-                                                  assemblies=sharded and sharded.assemblies,
-                                                  max_step_memory=max_step_memory,
-                                                  initial_load=load,
-                                                  holders=holders,
-                                                  result_itemsize=original_muon.ns_compute_dtype(ns_method).itemsize)
+        placements, assemblies = (None, None) if sharded is None else (sharded.placements, sharded.assemblies)
+        specs = [
+            dataclasses.replace(s, travels=not stays_home(p, part.flat.device, self.device, a))
+            for s, p, a in zip(specs, pieces, assemblies or [None] * len(specs))
+        ]
+        variant = variant_of(group)
+        state_numels = None if variant is None else [variant.state_numel(s) for s in specs]
+        result_itemsize = original_muon.ns_compute_dtype(ns_method).itemsize
+        plan, depth = plan_partition(specs,
+                                     pieces,
+                                     world_size,
+                                     max_step_memory,
+                                     part.bucket_numel,
+                                     group.get(PIPELINE_DEPTH_KEY, DEFAULT_DEPTH),
+                                     initial_load=load,
+                                     holders=None if all(len(h) == world_size for h in held) else held,
+                                     result_itemsize=result_itemsize,
+                                     state_numels=state_numels)
+        exchange = OwnerExchange(process_group, rank, world_size, dist.all_to_all_single, self.stats)
+        pipeline = MuonPipeline(plan, specs, pieces, [part.slices[j] for j in indices], exchange, self.device,
+                                part.flat.device, depth, group.get(BATCH_NS_KEY), variant, placements, assemblies)
+        pipeline.result_itemsize, pipeline.state_numels = result_itemsize, state_numels
         for r, cost in enumerate(pipeline.plan.load()):
             load[r] += cost
         return pipeline
@@ -277,9 +287,9 @@ class MuonUpdate:
             if pipeline.exchange.world_size == 1:
                 continue
             part = self.partitions[key]
-            description = repr([(s.shape, layout.pieces, s.ns_problem) for layout in pipeline.layouts
-                                for s in (pipeline.specs[j]
-                                          for j in layout.matrices)] + pipeline.plan.signature() + [pipeline.depth])
+            specs = pipeline.specs
+            description = repr([(specs[j].shape, layout.pieces, specs[j].ns_problem) for layout in pipeline.layouts
+                                for j in layout.matrices] + pipeline.plan.signature() + [pipeline.depth])
             digest = hashlib.sha256(description.encode()).digest()
             # 56-bit chunks: non-negative and their negations fit in int64.
             mine = [len(pipeline.specs)] + [int.from_bytes(digest[k:k + 7], "little") for k in range(0, 28, 7)]
@@ -379,11 +389,10 @@ class MuonUpdate:
 
     @torch.no_grad()
     def update(self, key: int, grad_partition: torch.Tensor) -> None:
-        """Replace this rank's pieces of partition ``key``'s gradient (``grad_partition``: 1-D fp32,
-        divided by the loss scale and the clip coefficient) with its pieces of the Muon update, in
-        place; once per step on every rank of the group. Nothing for a key without Muon matrices;
-        where ``agree_finite`` and some rank's gradient is not finite, the momentum stays and the
-        pieces become zero (the matrices take no step but their weight decay);
+        """Replace this rank's pieces of partition ``key``'s gradient (``grad_partition``: 1-D fp32, divided by the
+        loss scale and the clip coefficient) with its pieces of the Muon update, in place; once per step on every rank
+        of the group. Nothing for a key without Muon matrices; where ``agree_finite`` and some rank's gradient is not
+        finite, the momentum stays and the pieces become zero (the matrices take no step but their weight decay);
         ``RuntimeError`` where the group's ``variant`` is not the one the state was built for."""
         pipelines = [p for k, p in self._every_pipeline() if k == key]
         if not pipelines:
@@ -420,9 +429,9 @@ class MuonUpdate:
 
     @torch.no_grad()
     def save_owner_state(self) -> None:
-        """Put each variant's owner state in its checkpoint form (``OwnerState.to_partition``) into the
-        optimizer state under the variant's ``state_key`` for the stage's ``state_dict()`` (dropped at
-        the next ``update``); collective over each variant partition's group, nothing for plain Muon."""
+        """Put each variant's owner state in its checkpoint form (``OwnerState.to_partition``) into the optimizer state
+        under the variant's ``state_key`` for the stage's ``state_dict()`` (dropped at the next ``update``); collective
+        over each variant partition's group, nothing for plain Muon."""
         for key, pipeline in self.pipelines.items():
             if pipeline.owner_state is None:
                 continue
@@ -432,12 +441,12 @@ class MuonUpdate:
 
     @torch.no_grad()
     def load_saved_state(self) -> None:
-        """Take over the Muon state the stage has just loaded (regular or universal checkpoint); on every
-        rank, collective over each variant partition's group.
+        """Take over the Muon state the stage has just loaded (regular or universal checkpoint); on every rank,
+        collective over each variant partition's group.
 
         Raises:
-            RankAgreedError (a RuntimeError), on every rank: some rank's momentum of another size; a group
-                whose ``variant`` the checkpoint changed; a variant's state missing, foreign or misfit
+            RankAgreedError (a RuntimeError), on every rank: some rank's momentum of another size; a group whose
+                ``variant`` the checkpoint changed; a variant's state missing, foreign or misfit
                 (``owner_state.load_checkpoint_form``).
             ValueError: a variant's state not in its checkpoint form.
         """

@@ -4,12 +4,12 @@
 # DeepSpeed Team
 """The two all-to-alls of one bucket: Newton-Schulz-input pieces to their owner, results back.
 
-Layout: order the bucket's matrices ``j`` by ``(owner(j), position)``. Every rank's send buffer holds its piece of each
-matrix in that order, so its split for rank ``d`` is its pieces of the matrices ``d`` owns; the owner receives one split
-per source rank and rebuilds matrix ``j`` as the concatenation of its pieces in rank order, cut to its numel (ZeRO-3
-pads). The results go back in the same layout, so every rank receives exactly its send layout and unpacks in reverse.
-Under ZeRO-3 with a balanced plan a rank receives ``2 P (W - 1) / W^2`` elements on average for ``P`` Muon elements, the
-owner-centric lower bound.
+Layout: order the bucket's matrices ``j`` by ``(owner(j), position)``. Every rank's send buffer holds its piece of
+each matrix in that order, so its split for rank ``d`` is its pieces of the matrices ``d`` owns; the owner receives one
+split per source rank and rebuilds matrix ``j`` as the concatenation of its pieces in rank order, cut to its numel
+(ZeRO-3 pads). The results go back in the same layout, so every rank receives exactly its send layout and unpacks in
+reverse. Under ZeRO-3 with a balanced plan a rank receives ``2 P (W - 1) / W^2`` elements on average for ``P`` Muon
+elements, the owner-centric lower bound.
 """
 
 from dataclasses import dataclass, field
@@ -22,9 +22,9 @@ from deepspeed.accelerator import get_accelerator
 
 @dataclass
 class ExchangeStats:
-    """One rank's cumulative counters: ``optimizer_steps`` the update ran, ``ns_calls`` (matrices
-    orthogonalized as owner), the elements and bytes sent and received in the all-to-alls (own
-    pieces excluded), ``exchanges`` (all-to-alls issued; none with one rank)."""
+    """One rank's cumulative counters: ``optimizer_steps`` the update ran, ``ns_calls`` (matrices orthogonalized as
+    owner), the elements and bytes sent and received in the all-to-alls (own pieces excluded), ``exchanges``
+    (all-to-alls issued; none with one rank)."""
     optimizer_steps: int = 0
     ns_calls: int = 0
     elements_sent: int = 0
@@ -50,8 +50,7 @@ class BucketLayout:
         send_splits / recv_splits: elements sent to / received from each rank, forward.
         owned: bucket positions of the matrices this rank owns, in send order.
         send_pieces: ``(k, offset, numel)`` of each piece this rank holds, in the send buffer.
-        owned_spans: per owned matrix, ``(start, numel)`` of its nonzero pieces in the receive
-            buffer, in rank order.
+        owned_spans: per owned matrix, ``(start, numel)`` of its nonzero pieces in the receive buffer, in rank order.
 
     Raises:
         ValueError: entries of different lengths, or pieces that cannot hold their matrix.
@@ -112,9 +111,9 @@ class BucketLayout:
         return self.placements[self.owned[position]] if self.placements else None
 
     def owned_matrix(self, recv: torch.Tensor, position: int, shape: Tuple[int, ...]) -> torch.Tensor:
-        """Owned matrix ``position`` (index in ``owned``) of ``shape``, rebuilt from the receive buffer
-        ``recv`` (1-D, ``recv_numel``): a view where its pieces lie back to back, else a copy; with
-        ``placements``, its storage (1-D, a copy) instead."""
+        """Owned matrix ``position`` (index in ``owned``) of ``shape``, rebuilt from the receive buffer ``recv`` (1-D,
+        ``recv_numel``): a view where its pieces lie back to back, else a copy; with ``placements``, its storage (1-D,
+        a copy) instead."""
         spans = self.owned_spans[position]
         placed = self._tensor_parallel_spans(position)
         if placed:
@@ -129,9 +128,9 @@ class BucketLayout:
         return flat[:self.numels[self.owned[position]]].view(shape)
 
     def write_result(self, position: int, result: torch.Tensor, out: torch.Tensor) -> None:
-        """Write owned matrix ``position``'s ``result`` (its numel, any shape; cast on copy) into the
-        back send buffer ``out`` (1-D, ``recv_numel``) in the layout ``owned_matrix`` reads (with ``placements``:
-        ``result`` is the storage), padding zero."""
+        """Write owned matrix ``position``'s ``result`` (its numel, any shape; cast on copy) into the back send buffer
+        ``out`` (1-D, ``recv_numel``) in the layout ``owned_matrix`` reads (with ``placements``: ``result`` is the
+        storage), padding zero."""
         flat, start, numel = result.reshape(-1), 0, self.numels[self.owned[position]]
         placed = self._tensor_parallel_spans(position) or [None] * len(self.owned_spans[position])
         for (a, n), where in zip(self.owned_spans[position], placed):
@@ -221,9 +220,9 @@ class ExchangeBuffers:
 
     Each of ``slots`` holds one bucket in flight: an outgoing buffer (this rank's pieces) and an incoming one (the
     owner's matrices) of ``outgoing_numel`` / ``incoming_numel`` fp32 elements on ``device``, raw bytes viewed as each
-    step's dtype. Pieces on ``staging_device`` (optimizer offload) cross through a pinned host buffer per slot, once per
-    bucket each way: the momentum step writes into it and one non-blocking copy sends it; the update comes back in one
-    non-blocking copy on a copy stream, which waits for the exchange alone, and an event. ``host``: an
+    step's dtype. Pieces on ``staging_device`` (optimizer offload) cross through a pinned host buffer per slot, once
+    per bucket each way: the momentum step writes into it and one non-blocking copy sends it; the update comes back in
+    one non-blocking copy on a copy stream, which waits for the exchange alone, and an event. ``host``: an
     ``ExchangeBuffers`` whose pinned staging (and copy stream) to use instead of pinning new memory; it must cover
     these slots and sizes. ``device_buffers=False``: only the staging (kept by ``MuonUpdate`` across steps).
     """
@@ -264,9 +263,9 @@ class ExchangeBuffers:
                  device,
                  host: Optional["ExchangeBuffers"] = None,
                  device_buffers: bool = True) -> "ExchangeBuffers":
-        """One set on ``device`` covering every pipeline's ``(slots, outgoing_numel, incoming_numel,
-        piece_device)`` (``MuonPipeline.buffer_demand``), with host staging where pieces live off it (``host``'s, if
-        given). ``device_buffers``: as for the constructor."""
+        """One set on ``device`` covering every pipeline's ``(slots, outgoing_numel, incoming_numel, piece_device)``
+        (``MuonPipeline.buffer_demand``), with host staging where pieces live off it (``host``'s, if given).
+        ``device_buffers``: as for the constructor."""
         slots, outgoing, incoming = (max((d[i] for d in demands), default=0) for i in range(3))
         staging = next((d[3] for d in demands if torch.device(d[3]) != torch.device(device)), None)
         return cls(slots, outgoing, incoming, device, staging, host, device_buffers)
