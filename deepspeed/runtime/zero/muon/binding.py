@@ -4,24 +4,14 @@
 # DeepSpeed Team
 """The Muon update of every ZeRO stage, run once per optimizer step at the accumulation boundary.
 
-Each stage describes its rank's share of every ZeRO-3 sub-group or ZeRO-1/2 parameter group once
-(``MuonPartition``: the parameters, each rank's piece of each, where this rank's lies in the flat
-fp32 partition); ``MuonUpdate`` serves every stage from that description alone:
-
-- ``update(key, grad_partition)`` in ``step()``, right after the gradient partition was divided by
-  the loss scale and the clip coefficient (as ``clip_grad_norm_`` before Muon in PyTorch): each
-  rank advances its fp32 momentum partition on its pieces, each matrix held by more than one rank
-  goes to one owner among its holders by all-to-all, the owner runs Newton-Schulz once on the whole
-  matrix, and the pieces of the update come back in place of the gradient (``pipeline``). Under
-  ZeRO-3 every rank holds a piece of every matrix; under ZeRO-1/2 most matrices lie whole in one
-  partition and never travel. The momentum never travels; nothing runs on micro-steps.
-- ``after_inner_step(key)`` right after the inner optimizer stepped the partition: what the engine
-  registered runs there on the same description (``add_after_inner_step``; MuonClip's QK-clip scales
-  its pieces of the query and key weights).
-- ``save_owner_state()`` / ``load_saved_state()`` from the stage's ``state_dict()`` /
-  ``load_state_dict()``: the momentum is optimizer state of the flat partition, in its layout (as
-  Adam's ``exp_avg``), so every checkpoint path carries it; a variant's owner state
-  (``owner_state``) goes there in its checkpoint form at save and is taken back at load.
+Each stage describes its rank's share of every ZeRO-3 sub-group or ZeRO-1/2 parameter group once (``MuonPartition``);
+``MuonUpdate`` serves every stage from that description alone. In ``step()``, right after the gradient partition was
+divided by the loss scale and the clip coefficient (as ``clip_grad_norm_`` before Muon in PyTorch), each rank advances
+its fp32 momentum partition on its pieces, each matrix held by more than one rank goes to one owner among its holders
+by all-to-all, the owner runs Newton-Schulz once on the whole matrix, and the pieces of the update come back in place
+of the gradient (``pipeline``). Under ZeRO-3 every rank holds a piece of every matrix; under ZeRO-1/2 most matrices lie
+whole in one partition and never travel. The momentum never travels; nothing runs on micro-steps. The momentum is
+optimizer state of the flat partition, in its layout (as Adam's ``exp_avg``), so every checkpoint path carries it.
 
 ``MuonWithAuxAdam`` then applies weight decay and ``-lr * update``; the update is not rescaled.
 """
@@ -41,12 +31,13 @@ from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.config import BATCH_NS_KEY, MAX_STEP_MEMORY_KEY, PIPELINE_DEPTH_KEY, SPLIT_KEY
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings, is_muon_optimizer
 from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec, split_of
-from deepspeed.runtime.zero.muon.owner_exchange import ExchangeBuffers, ExchangeStats
-from deepspeed.runtime.zero.muon.owner_plan import DEFAULT_MAX_STEP_MEMORY, STRICT, CapBelowFloor, plan_figures
+from deepspeed.runtime.zero.muon.owner_exchange import ExchangeBuffers, ExchangeStats, OwnerExchange
+from deepspeed.runtime.zero.muon.owner_plan import (DEFAULT_MAX_STEP_MEMORY, STRICT, CapBelowFloor, plan_figures,
+                                                    plan_partition)
 from deepspeed.runtime.zero.muon.owner_state import (MUON, VARIANT_KEY, check_same_kind, load_checkpoint_form,
                                                      variant_of)
 from deepspeed.runtime.zero.muon.param_record import tensor_parallel_layout
-from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline
+from deepspeed.runtime.zero.muon.pipeline import DEFAULT_DEPTH, MuonPipeline, stays_home
 from deepspeed.utils import logger
 
 LOW_EFFICIENCY = 0.5
@@ -55,27 +46,26 @@ LOW_EFFICIENCY = 0.5
 
 @dataclass(frozen=True, eq=False)
 class MuonPartition:
-    """The parameters of one ZeRO-3 sub-group or ZeRO-1/2 parameter group as this rank holds them,
-    built once by the stage (``_muon_partitions`` in ``stage3.py``, ``stage_1_and_2.py``).
+    """The parameters of one ZeRO-3 sub-group or ZeRO-1/2 parameter group as this rank holds them, built once by the
+    stage (``_muon_partitions`` in ``stage3.py``, ``stage_1_and_2.py``).
 
     Attributes:
-        key, label: the stage's index (passed to ``update`` and ``after_inner_step``) and its name in
-            messages.
-        group_index: its group in the optimizer's ``param_groups`` (read at each step: a loaded
-            checkpoint replaces the groups).
-        muon: whether the group is a Muon group (its parameters are matrices Muon orthogonalizes); the
-            others are described for what runs after the inner step.
+        key, label: the stage's index (passed to ``update`` and ``after_inner_step``) and its name in messages.
+        group_index: its group in the optimizer's ``param_groups`` (read at each step: a loaded checkpoint replaces
+            the groups).
+        muon: whether the group is a Muon group (its parameters are matrices Muon orthogonalizes); the others are
+            described for what runs after the inner step.
         params, shapes: the parameters in partition order and their full shapes.
-        pieces: per matrix, the elements every rank of ``process_group`` holds of it; in rank order
-            the matrix flattened (ZeRO-3 zero-pads past its end).
+        pieces: per matrix, the elements every rank of ``process_group`` holds of it; in rank order the matrix
+            flattened (ZeRO-3 zero-pads past its end).
         slices: per matrix, ``(offset, numel)`` of this rank's piece in the flat partition.
-        flat, numel: the fp32 partition (its optimizer state holds the momentum; its device is where
-            the pieces live) and its elements.
+        flat, numel: the fp32 partition (its optimizer state holds the momentum; its device is where the pieces
+            live) and its elements.
         bucket_numel: most elements of whole matrices exchanged at once (``reduce_bucket_size``).
-        allocate_momentum: puts a zero fp32 momentum into ``flat``'s state the stage's way (ZeRO-3's
-            knows optimizer swapping); None: a zero tensor.
-        agree_finite: hold the update back (momentum unchanged, a zero update) where some rank's
-            gradient is not finite (ZeRO-1/2 may step on one; ZeRO-3 skips such a step itself).
+        allocate_momentum: puts a zero fp32 momentum into ``flat``'s state the stage's way (ZeRO-3's knows optimizer
+            swapping); None: a zero tensor.
+        agree_finite: hold the update back (momentum unchanged, a zero update) where some rank's gradient is not
+            finite (ZeRO-1/2 may step on one; ZeRO-3 skips such a step itself).
     """
     key: int
     label: str
@@ -94,8 +84,8 @@ class MuonPartition:
 
     def held_pieces(self) -> List[Tuple[torch.nn.Parameter, int, int, int]]:
         """``(param, start, offset, numel)`` of every parameter this rank holds elements of: elements
-        ``[start, start + numel)`` of the flattened parameter lie at ``offset`` of ``flat``; ZeRO-3's
-        zero padding past a parameter's end left out."""
+        ``[start, start + numel)`` of the flattened parameter lie at ``offset`` of ``flat``; ZeRO-3's zero padding past
+        its end left out."""
         rank = dist.get_rank(group=self.process_group)
         held = []
         for param, shape, piece, (offset, numel) in zip(self.params, self.shapes, self.pieces, self.slices):
@@ -115,15 +105,15 @@ class MuonUpdate:
     Attributes:
         stats: ``ExchangeStats``, cumulative on this rank.
         pipelines: per partition key its ``MuonPipeline`` (owner plan, layouts, owner state).
-        buffers: the ``ExchangeBuffers`` of the pipeline being run, None between runs: the device memory
-            goes back to the allocator for the next forward and backward (pinned host staging, for optimizer
-            offload, is kept: host memory, and slow to pin).
+        buffers: the ``ExchangeBuffers`` of the pipeline being run, None between runs: the device memory goes back to
+            the allocator for the next forward and backward (pinned host staging, for optimizer offload, is kept: host
+            memory, and slow to pin).
         figures: the plans' ``owner_plan.PlanFigures`` (every rank's).
 
     Raises:
-        ValueError: at initialization, on every rank: a Muon parameter that is not a matrix,
-            ``muon_num_heads`` that does not fit it, an unknown ``variant``, a ``max_step_memory`` below what
-            every matrix alone needs (the message gives that figure).
+        ValueError: at initialization, on every rank: a Muon parameter that is not a matrix, ``muon_num_heads`` that
+            does not fit it, an unknown ``variant``, a ``max_step_memory`` below what every matrix alone needs (the
+            message gives that figure).
         RuntimeError: at initialization, where the ranks of a group built different owner plans, or its warm-up
             all-to-all (``OwnerExchange.warm_up``, one per process group of more than one rank) came back wrong.
     """
@@ -152,8 +142,16 @@ class MuonUpdate:
                                                                       sharded.shapes, loads, sharded)
             except CapBelowFloor as e:
                 refused.append((4 * e.needed_numel, part.label, 4 * e.cap_numel))
-        if refused:
-            self._refuse_cap(refused)
+        if refused:  # every rank plans the same: each refuses with the most any partition needs
+            needed, label, cap = max(refused)
+            raise ValueError(
+                f"{MAX_STEP_MEMORY_KEY} (optimizer.params or the Muon parameter group): {cap} bytes is below what "
+                f"Muon's step needs on a rank for {label}: at least {needed} bytes ({needed / 2**30:.2f} GiB), the "
+                "largest matrix whole on its owner rank with its Newton-Schulz working set and one bucket's exchange "
+                "buffers (every matrix alone, pipeline depth 1)"
+                f"{f', the most of {len(refused)} partitions' if len(refused) > 1 else ''}. Set {MAX_STEP_MEMORY_KEY} "
+                f"to at least {needed}, or to \"momentum_partition\" (within each rank's momentum partition where "
+                "possible, else that least need).")
         self._check_plans_agree()
         warm = {id(p.exchange.group): p.exchange for _, p in self._every_pipeline() if p.exchange.world_size > 1}
         for exchange in warm.values():  # every rank of a group meets its pipelines in the same order
@@ -164,21 +162,6 @@ class MuonUpdate:
                                                  device_buffers=False)
         self.figures = self._plan_figures()
         self._log_plan()
-
-    @staticmethod
-    def _refuse_cap(refused):
-        """Refuse ``max_step_memory`` on every rank (each plans the same) with the most any partition needs.
-
-        Raises:
-            ValueError: always."""
-        needed, label, cap = max(refused)
-        raise ValueError(
-            f"{MAX_STEP_MEMORY_KEY} (optimizer.params or the Muon parameter group): {cap} bytes is below what Muon's "
-            f"step needs on a rank for {label}: at least {needed} bytes ({needed / 2**30:.2f} GiB), the largest matrix "
-            "whole on its owner rank with its Newton-Schulz working set and one bucket's exchange buffers (every matrix "
-            f"alone, pipeline depth 1){f', the most of {len(refused)} partitions' if len(refused) > 1 else ''}. Set "
-            f"{MAX_STEP_MEMORY_KEY} to at least {needed}, or to \"momentum_partition\" (within each rank's momentum "
-            "partition where possible, else that least need).")
 
     def _plan_figures(self):
         """``owner_plan.plan_figures`` of the pipelines of each process group, merged: buckets summed, the least
@@ -200,8 +183,8 @@ class MuonUpdate:
 
     @classmethod
     def create(cls, optimizer, partitions: Callable[[], Sequence[MuonPartition]]) -> Optional["MuonUpdate"]:
-        """The update for a stage wrapping ``optimizer``, or None when it is not ``MuonWithAuxAdam``
-        (``partitions`` is called only then)."""
+        """The update for a stage wrapping ``optimizer``, or None when it is not ``MuonWithAuxAdam`` (``partitions`` is
+        called only then)."""
         return cls(optimizer, partitions()) if is_muon_optimizer(optimizer) else None
 
     def _group(self, part: MuonPartition) -> dict:
@@ -239,7 +222,11 @@ class MuonUpdate:
                         loads,
                         sharded=None) -> MuonPipeline:
         """The pipeline of the partition's matrices ``indices`` of (whole) ``shapes`` held as ``pieces`` over the
-        partition's group, or as ``sharded`` (a tensor-parallel layout's ``spread``) says."""
+        partition's group, or as ``sharded`` (a tensor-parallel layout's ``spread``) says, planned by
+        ``owner_plan.plan_partition`` under the group's ``max_step_memory``, the variant's owner state counted.
+
+        Raises:
+            owner_plan.CapBelowFloor: no plan fits ``max_step_memory``."""
         group = self._group(part)
         ns_method = MuonSettings.of(group).ns_method
         heads = sharded.num_heads if sharded is not None else [
@@ -259,30 +246,35 @@ class MuonUpdate:
                                  f"columns or unequal parts. Set \"{SPLIT_KEY}\": false (recognized fused "
                                  "projections), remove your muon_split, or use a plain Muon group.")
         process_group = part.process_group if sharded is None else sharded.process_group
-        world_size = dist.get_world_size(group=process_group)
+        rank, world_size = dist.get_rank(group=process_group), dist.get_world_size(group=process_group)
         max_step_memory = group.get(MAX_STEP_MEMORY_KEY)
         max_step_memory = DEFAULT_MAX_STEP_MEMORY if max_step_memory is None else (
             max_step_memory if max_step_memory == STRICT else int(max_step_memory))
         # every rank meets its partitions in the same order: keyed by the group, the same ones pool
         load = loads.setdefault(id(process_group), [0.0] * world_size)
         held = [[r for r, n in enumerate(p) if n] for p in pieces]
-        holders = None if all(len(h) == world_size for h in held) else held
-        pipeline = MuonPipeline.for_process_group(specs,
-                                                  pieces, [part.slices[j] for j in indices],
-                                                  process_group,
-                                                  self.stats,
-                                                  self.device,
-                                                  part.flat.device,
-                                                  part.bucket_numel,
-                                                  group.get(PIPELINE_DEPTH_KEY, DEFAULT_DEPTH),
-                                                  group.get(BATCH_NS_KEY),
-                                                  variant=variant_of(group),
-                                                  placements=sharded and sharded.placements,
-                                                  assemblies=sharded and sharded.assemblies,
-                                                  max_step_memory=max_step_memory,
-                                                  initial_load=load,
-                                                  holders=holders,
-                                                  result_itemsize=original_muon.ns_compute_dtype(ns_method).itemsize)
+        placements, assemblies = (None, None) if sharded is None else (sharded.placements, sharded.assemblies)
+        specs = [
+            dataclasses.replace(s, travels=not stays_home(p, part.flat.device, self.device, a))
+            for s, p, a in zip(specs, pieces, assemblies or [None] * len(specs))
+        ]
+        variant = variant_of(group)
+        state_numels = None if variant is None else [variant.state_numel(s) for s in specs]
+        result_itemsize = original_muon.ns_compute_dtype(ns_method).itemsize
+        plan, depth = plan_partition(specs,
+                                     pieces,
+                                     world_size,
+                                     max_step_memory,
+                                     part.bucket_numel,
+                                     group.get(PIPELINE_DEPTH_KEY, DEFAULT_DEPTH),
+                                     initial_load=load,
+                                     holders=None if all(len(h) == world_size for h in held) else held,
+                                     result_itemsize=result_itemsize,
+                                     state_numels=state_numels)
+        exchange = OwnerExchange(process_group, rank, world_size, dist.all_to_all_single, self.stats)
+        pipeline = MuonPipeline(plan, specs, pieces, [part.slices[j] for j in indices], exchange, self.device,
+                                part.flat.device, depth, group.get(BATCH_NS_KEY), variant, placements, assemblies)
+        pipeline.result_itemsize, pipeline.state_numels = result_itemsize, state_numels
         for r, cost in enumerate(pipeline.plan.load()):
             load[r] += cost
         return pipeline
@@ -295,9 +287,9 @@ class MuonUpdate:
             if pipeline.exchange.world_size == 1:
                 continue
             part = self.partitions[key]
-            description = repr([(s.shape, layout.pieces, s.ns_problem) for layout in pipeline.layouts
-                                for s in (pipeline.specs[j]
-                                          for j in layout.matrices)] + pipeline.plan.signature() + [pipeline.depth])
+            specs = pipeline.specs
+            description = repr([(specs[j].shape, layout.pieces, specs[j].ns_problem) for layout in pipeline.layouts
+                                for j in layout.matrices] + pipeline.plan.signature() + [pipeline.depth])
             digest = hashlib.sha256(description.encode()).digest()
             # 56-bit chunks: non-negative and their negations fit in int64.
             mine = [len(pipeline.specs)] + [int.from_bytes(digest[k:k + 7], "little") for k in range(0, 28, 7)]
@@ -349,8 +341,8 @@ class MuonUpdate:
         return ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
 
     def add_after_inner_step(self, hook: Callable[[MuonPartition], None]) -> None:
-        """Run ``hook(partition)`` right after the inner optimizer stepped each described partition (every
-        group, Muon or not), on every rank in the stage's order, in the order hooks were added."""
+        """Run ``hook(partition)`` right after the inner optimizer stepped each described partition (every group, Muon
+        or not), on every rank in the stage's order, in the order hooks were added (MuonClip's QK-clip)."""
         self._after_inner_step.append(hook)
 
     def after_inner_step(self, key: int) -> None:
@@ -397,11 +389,10 @@ class MuonUpdate:
 
     @torch.no_grad()
     def update(self, key: int, grad_partition: torch.Tensor) -> None:
-        """Replace this rank's pieces of partition ``key``'s gradient (``grad_partition``: 1-D fp32,
-        divided by the loss scale and the clip coefficient) with its pieces of the Muon update, in
-        place; once per step on every rank of the group. Nothing for a key without Muon matrices;
-        where ``agree_finite`` and some rank's gradient is not finite, the momentum stays and the
-        pieces become zero (the matrices take no step but their weight decay);
+        """Replace this rank's pieces of partition ``key``'s gradient (``grad_partition``: 1-D fp32, divided by the
+        loss scale and the clip coefficient) with its pieces of the Muon update, in place; once per step on every rank
+        of the group. Nothing for a key without Muon matrices; where ``agree_finite`` and some rank's gradient is not
+        finite, the momentum stays and the pieces become zero (the matrices take no step but their weight decay);
         ``RuntimeError`` where the group's ``variant`` is not the one the state was built for."""
         pipelines = [p for k, p in self._every_pipeline() if k == key]
         if not pipelines:
@@ -438,9 +429,9 @@ class MuonUpdate:
 
     @torch.no_grad()
     def save_owner_state(self) -> None:
-        """Put each variant's owner state in its checkpoint form (``OwnerState.to_partition``) into the
-        optimizer state under the variant's ``state_key`` for the stage's ``state_dict()`` (dropped at
-        the next ``update``); collective over each variant partition's group, nothing for plain Muon."""
+        """Put each variant's owner state in its checkpoint form (``OwnerState.to_partition``) into the optimizer state
+        under the variant's ``state_key`` for the stage's ``state_dict()`` (dropped at the next ``update``); collective
+        over each variant partition's group, nothing for plain Muon."""
         for key, pipeline in self.pipelines.items():
             if pipeline.owner_state is None:
                 continue
@@ -450,12 +441,12 @@ class MuonUpdate:
 
     @torch.no_grad()
     def load_saved_state(self) -> None:
-        """Take over the Muon state the stage has just loaded (regular or universal checkpoint); on every
-        rank, collective over each variant partition's group.
+        """Take over the Muon state the stage has just loaded (regular or universal checkpoint); on every rank,
+        collective over each variant partition's group.
 
         Raises:
-            RankAgreedError (a RuntimeError), on every rank: some rank's momentum of another size; a group
-                whose ``variant`` the checkpoint changed; a variant's state missing, foreign or misfit
+            RankAgreedError (a RuntimeError), on every rank: some rank's momentum of another size; a group whose
+                ``variant`` the checkpoint changed; a variant's state missing, foreign or misfit
                 (``owner_state.load_checkpoint_form``).
             ValueError: a variant's state not in its checkpoint form.
         """

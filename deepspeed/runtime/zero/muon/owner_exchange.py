@@ -2,11 +2,11 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The two all-to-alls of one bucket: Newton-Schulz-input pieces to their owner, results back. ``BucketLayout``: one
-rank's bookkeeping of a bucket; ``OwnerExchange``: the collectives, counted; ``ExchangeBuffers``: the buffers, allocated
-for one step. Layout: order the bucket's matrices ``j`` by ``(owner(j), position)``. Every rank's send buffer holds its piece
-of each matrix in that order, so its split for rank ``d`` is its pieces of the matrices ``d`` owns; the owner receives
-one split per source rank and rebuilds matrix ``j`` as the concatenation of its pieces in rank order, cut to its numel
+"""The two all-to-alls of one bucket: Newton-Schulz-input pieces to their owner, results back.
+
+Layout: order the bucket's matrices ``j`` by ``(owner(j), position)``. Every rank's send buffer holds its piece of
+each matrix in that order, so its split for rank ``d`` is its pieces of the matrices ``d`` owns; the owner receives one
+split per source rank and rebuilds matrix ``j`` as the concatenation of its pieces in rank order, cut to its numel
 (ZeRO-3 pads). The results go back in the same layout, so every rank receives exactly its send layout and unpacks in
 reverse. Under ZeRO-3 with a balanced plan a rank receives ``2 P (W - 1) / W^2`` elements on average for ``P`` Muon
 elements, the owner-centric lower bound.
@@ -22,9 +22,9 @@ from deepspeed.accelerator import get_accelerator
 
 @dataclass
 class ExchangeStats:
-    """One rank's cumulative counters: ``optimizer_steps`` the update ran, ``ns_calls`` (matrices
-    orthogonalized as owner), the elements and bytes sent and received in the all-to-alls (own
-    pieces excluded), ``exchanges`` (all-to-alls issued; none with one rank)."""
+    """One rank's cumulative counters: ``optimizer_steps`` the update ran, ``ns_calls`` (matrices orthogonalized as
+    owner), the elements and bytes sent and received in the all-to-alls (own pieces excluded), ``exchanges``
+    (all-to-alls issued; none with one rank)."""
     optimizer_steps: int = 0
     ns_calls: int = 0
     elements_sent: int = 0
@@ -50,8 +50,7 @@ class BucketLayout:
         send_splits / recv_splits: elements sent to / received from each rank, forward.
         owned: bucket positions of the matrices this rank owns, in send order.
         send_pieces: ``(k, offset, numel)`` of each piece this rank holds, in the send buffer.
-        owned_spans: per owned matrix, ``(start, numel)`` of its nonzero pieces in the receive
-            buffer, in rank order.
+        owned_spans: per owned matrix, ``(start, numel)`` of its nonzero pieces in the receive buffer, in rank order.
 
     Raises:
         ValueError: entries of different lengths, or pieces that cannot hold their matrix.
@@ -77,29 +76,25 @@ class BucketLayout:
                 raise ValueError(f"pieces {tuple(pieces)} cannot hold a matrix of {numel} elements")
         world_size = len(self.pieces[0]) if self.pieces else 1
         order = tuple(sorted(range(len(self.owners)), key=lambda k: (self.owners[k], k)))
-        send_splits, recv_splits = [0] * world_size, [0] * world_size
+        owned = tuple(k for k in order if self.owners[k] == self.rank)
+        send_splits, send_pieces, offset = [0] * world_size, [], 0
         for k in order:
-            send_splits[self.owners[k]] += self.pieces[k][self.rank]
-            if self.owners[k] == self.rank:
-                for s in range(world_size):
-                    recv_splits[s] += self.pieces[k][s]
+            n = self.pieces[k][self.rank]
+            send_splits[self.owners[k]] += n
+            if n:
+                send_pieces.append((k, offset, n))
+            offset += n
+        recv_splits = tuple(sum(self.pieces[k][s] for k in owned) for s in range(world_size))
+        starts, spans = [sum(recv_splits[:s]) for s in range(world_size)], []  # where each source's next piece lies
+        for k in owned:
+            spans.append(tuple((starts[s], n) for s, n in enumerate(self.pieces[k]) if n))
+            starts = [a + n for a, n in zip(starts, self.pieces[k])]
         set_ = object.__setattr__
         set_(self, "send_order", order)
         set_(self, "send_splits", tuple(send_splits))
-        set_(self, "owned", tuple(k for k in order if self.owners[k] == self.rank))
-        set_(self, "recv_splits", tuple(recv_splits))
-        pieces, offset = [], 0
-        for k in order:
-            n = self.pieces[k][self.rank]
-            if n:
-                pieces.append((k, offset, n))
-            offset += n
-        set_(self, "send_pieces", tuple(pieces))
-        split_starts = [sum(recv_splits[:s]) for s in range(world_size)]
-        filled, spans = [0] * world_size, []
-        for k in self.owned:
-            spans.append(tuple((split_starts[s] + filled[s], n) for s, n in enumerate(self.pieces[k]) if n))
-            filled = [f + n for f, n in zip(filled, self.pieces[k])]
+        set_(self, "owned", owned)
+        set_(self, "recv_splits", recv_splits)
+        set_(self, "send_pieces", tuple(send_pieces))
         set_(self, "owned_spans", tuple(spans))
 
     @property
@@ -116,9 +111,9 @@ class BucketLayout:
         return self.placements[self.owned[position]] if self.placements else None
 
     def owned_matrix(self, recv: torch.Tensor, position: int, shape: Tuple[int, ...]) -> torch.Tensor:
-        """Owned matrix ``position`` (index in ``owned``) of ``shape``, rebuilt from the receive buffer
-        ``recv`` (1-D, ``recv_numel``): a view where its pieces lie back to back, else a copy; with
-        ``placements``, its storage (1-D, a copy) instead."""
+        """Owned matrix ``position`` (index in ``owned``) of ``shape``, rebuilt from the receive buffer ``recv`` (1-D,
+        ``recv_numel``): a view where its pieces lie back to back, else a copy; with ``placements``, its storage (1-D,
+        a copy) instead."""
         spans = self.owned_spans[position]
         placed = self._tensor_parallel_spans(position)
         if placed:
@@ -133,9 +128,9 @@ class BucketLayout:
         return flat[:self.numels[self.owned[position]]].view(shape)
 
     def write_result(self, position: int, result: torch.Tensor, out: torch.Tensor) -> None:
-        """Write owned matrix ``position``'s ``result`` (its numel, any shape; cast on copy) into the
-        back send buffer ``out`` (1-D, ``recv_numel``) in the layout ``owned_matrix`` reads (with ``placements``:
-        ``result`` is the storage), padding zero."""
+        """Write owned matrix ``position``'s ``result`` (its numel, any shape; cast on copy) into the back send buffer
+        ``out`` (1-D, ``recv_numel``) in the layout ``owned_matrix`` reads (with ``placements``: ``result`` is the
+        storage), padding zero."""
         flat, start, numel = result.reshape(-1), 0, self.numels[self.owned[position]]
         placed = self._tensor_parallel_spans(position) or [None] * len(self.owned_spans[position])
         for (a, n), where in zip(self.owned_spans[position], placed):
@@ -186,13 +181,12 @@ class OwnerExchange:
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
                    input_splits: Sequence[int], async_op: bool):
         """One all-to-all; returns an ``InFlight`` to wait on, or ``None`` when it is complete (one rank: a copy)."""
-        itemsize = input.element_size()
         sent = sum(input_splits) - input_splits[self.rank]
         received = sum(output_splits) - output_splits[self.rank]
         self.stats.elements_sent += sent
         self.stats.elements_received += received
-        self.stats.bytes_sent += sent * itemsize
-        self.stats.bytes_received += received * itemsize
+        self.stats.bytes_sent += sent * input.element_size()
+        self.stats.bytes_received += received * input.element_size()
         if self.world_size == 1:
             output.copy_(input)
             return None
@@ -208,8 +202,7 @@ class OwnerExchange:
 
 class InFlight:
     """An asynchronous all-to-all's work handle and its tensors, held until ``wait``: a backend may read the input
-    and write the output until then. Defensive: NCCL's work keeps its tensors too, and the pipeline's are views of
-    buffers held for the whole step; a caller that drops its views still cannot free them early."""
+    and write the output until then, whatever the caller drops (NCCL's work keeps its tensors too)."""
 
     def __init__(self, handle, tensors: Tuple[torch.Tensor, ...]):
         self.handle, self.tensors = handle, tensors
@@ -225,11 +218,10 @@ class ExchangeBuffers:
     """The exchange buffers of one partition's Muon pipelines for one step (an out-of-memory error comes at the
     step's start, not mid-exchange), shared: the pipelines run one after the other.
 
-    Each of ``slots`` holds one bucket in flight: an outgoing buffer (this rank's pieces) and an
-    incoming one (the owner's matrices), raw bytes viewed as each step's dtype, sized to
-    ``outgoing_numel`` / ``incoming_numel`` fp32 elements, on ``device``. Pieces on ``staging_device``
-    (optimizer offload) cross to the device through a pinned host buffer per slot, once per bucket each
-    way: the momentum step writes into it and one non-blocking copy sends it; the update comes back in
+    Each of ``slots`` holds one bucket in flight: an outgoing buffer (this rank's pieces) and an incoming one (the
+    owner's matrices) of ``outgoing_numel`` / ``incoming_numel`` fp32 elements on ``device``, raw bytes viewed as each
+    step's dtype. Pieces on ``staging_device`` (optimizer offload) cross through a pinned host buffer per slot, once
+    per bucket each way: the momentum step writes into it and one non-blocking copy sends it; the update comes back in
     one non-blocking copy on a copy stream, which waits for the exchange alone, and an event. ``host``: an
     ``ExchangeBuffers`` whose pinned staging (and copy stream) to use instead of pinning new memory; it must cover
     these slots and sizes. ``device_buffers=False``: only the staging (kept by ``MuonUpdate`` across steps).
@@ -271,12 +263,10 @@ class ExchangeBuffers:
                  device,
                  host: Optional["ExchangeBuffers"] = None,
                  device_buffers: bool = True) -> "ExchangeBuffers":
-        """One set on ``device`` covering every pipeline's ``(slots, outgoing_numel, incoming_numel,
-        piece_device)`` (``MuonPipeline.buffer_demand``), with host staging where pieces live off it (``host``'s, if
-        given). ``device_buffers``: as for the constructor."""
-        slots = max((d[0] for d in demands), default=0)
-        outgoing = max((d[1] for d in demands), default=0)
-        incoming = max((d[2] for d in demands), default=0)
+        """One set on ``device`` covering every pipeline's ``(slots, outgoing_numel, incoming_numel, piece_device)``
+        (``MuonPipeline.buffer_demand``), with host staging where pieces live off it (``host``'s, if given).
+        ``device_buffers``: as for the constructor."""
+        slots, outgoing, incoming = (max((d[i] for d in demands), default=0) for i in range(3))
         staging = next((d[3] for d in demands if torch.device(d[3]) != torch.device(device)), None)
         return cls(slots, outgoing, incoming, device, staging, host, device_buffers)
 

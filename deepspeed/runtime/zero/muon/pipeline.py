@@ -12,12 +12,10 @@ Newton-Schulz (depth 1: serial); every rank issues the same collectives in the s
 buffer slots busy. Beyond the exchange buffers an owner holds one call's tensors: results overwrite, as each call
 returns, the pieces it has read (half-precision results wait for the bucket's calls). After torchtitan's
 DistributedMuon (prepare/compute/finalize over a reserved layout) and microsoft/dion (one batch's exchange overlapping
-another's compute). A matrix that stays home (one holder, its piece on the NS device, no tensor-parallel layout)
-skips the exchange: its holder owns it and orthogonalizes it where it lies. Terms: docs/design.md, "Where a matrix
-lives".
+another's compute). A matrix that stays home (``stays_home``) skips the exchange. Terms: docs/design.md, "Where a
+matrix lives".
 """
 
-import dataclasses
 from collections import deque
 from typing import Sequence, Tuple
 
@@ -25,9 +23,8 @@ import torch
 
 from deepspeed.runtime.zero.muon.momentum import MuonSettings, momentum_step
 from deepspeed.runtime.zero.muon.newton_schulz import orthogonalize_each
-from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeBuffers, ExchangeStats, OwnerExchange
-from deepspeed.runtime.zero.muon.owner_plan import (DEFAULT_MAX_STEP_MEMORY, MatrixSpec, OwnerPlan, plan_partition,
-                                                    slots_for_depth)
+from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeBuffers, OwnerExchange
+from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, OwnerPlan, slots_for_depth
 from deepspeed.runtime.zero.muon.owner_state import OwnerState
 
 DEFAULT_DEPTH = 2
@@ -41,10 +38,10 @@ class MuonPipeline:
     """The Muon update of one partition on one rank.
 
     Args:
-        plan, specs: the owner plan and each matrix's ``MatrixSpec``. pieces, slices: as
-            ``binding.MuonPartition``'s. exchange: the group's ``OwnerExchange``.
-        device: where Newton-Schulz runs and the buffers are; piece_device: where the pieces are.
-        depth: at least 1. batch_ns: for ``orthogonalize_each``. variant: a Muon variant, or None.
+        plan, specs: the owner plan and each matrix's ``MatrixSpec``. pieces, slices: as ``binding.MuonPartition``'s.
+        exchange: the group's ``OwnerExchange``. device: where Newton-Schulz runs and the buffers are; piece_device:
+            where the pieces are. depth: at least 1. batch_ns: for ``orthogonalize_each``. variant: a Muon variant, or
+            None.
         placements, assemblies: per matrix, None, or its tensor-parallel layout: where each holder's piece lies in
             the shards' storage, and the ``tensor_parallel.ShardAssembly`` that makes the whole matrix of it.
 
@@ -94,60 +91,19 @@ class MuonPipeline:
         self.in_place = [lay for lay in (layout(b, True) for b in plan.buckets) if lay]
         self.owner_state = None
         self._variant = None
-        self.result_itemsize, self.state_numels = 4, None  # the plan's terms (owner_plan.rank_numels)
+        self.result_itemsize, self.state_numels = 4, None  # the plan's terms (owner_plan.rank_numels), as planned
         if variant is not None:
             owned = [j for j, owner in enumerate(plan.owners) if owner == exchange.rank]
             self.owner_state = OwnerState(variant, self.specs, owned, device=device)
 
-    @classmethod
-    def for_process_group(cls,
-                          specs: Sequence[MatrixSpec],
-                          pieces: Sequence[Sequence[int]],
-                          slices: Sequence[Tuple[int, int]],
-                          group,
-                          stats: ExchangeStats,
-                          device,
-                          piece_device,
-                          max_bucket_numel: int,
-                          depth: int,
-                          batch_ns=None,
-                          variant=None,
-                          placements=None,
-                          assemblies=None,
-                          max_step_memory=DEFAULT_MAX_STEP_MEMORY,
-                          **plan_args) -> "MuonPipeline":
-        """The pipeline of one partition on this rank of ``group``, planned by ``owner_plan.plan_partition``
-        under ``max_step_memory`` (bytes, or ``owner_plan.STRICT`` with buckets of at most ``max_bucket_numel``
-        elements), the variant's owner state counted; ``plan_args``: ``initial_load``, ``holders``,
-        ``result_itemsize``; its all-to-alls counted into ``stats``. Other arguments as for the constructor.
-
-        Raises:
-            owner_plan.CapBelowFloor: no plan fits ``max_step_memory``."""
-        from deepspeed import comm as dist
-        rank, world_size = dist.get_rank(group=group), dist.get_world_size(group=group)
-        specs = [
-            dataclasses.replace(s, travels=not stays_home(p, piece_device, device, a))
-            for s, p, a in zip(specs, pieces, assemblies or [None] * len(specs))
-        ]
-        if variant is not None:
-            plan_args["state_numels"] = [variant.state_numel(spec) for spec in specs]
-        plan, depth = plan_partition(specs, pieces, world_size, max_step_memory, max_bucket_numel, depth, **plan_args)
-        exchange = OwnerExchange(group, rank, world_size, dist.all_to_all_single, stats)
-        pipeline = cls(plan, specs, pieces, slices, exchange, device, piece_device, depth, batch_ns, variant,
-                       placements, assemblies)
-        pipeline.result_itemsize = plan_args.get("result_itemsize", 4)
-        pipeline.state_numels = plan_args.get("state_numels")
-        return pipeline
-
     @property
     def buffer_demand(self) -> Tuple[int, int, int, torch.device]:
-        """``(slots, outgoing_numel, incoming_numel, piece_device)`` for ``ExchangeBuffers.covering``
-        (fp32 elements of the largest bucket that travels; none where nothing does)."""
+        """``(slots, outgoing_numel, incoming_numel, piece_device)`` for ``ExchangeBuffers.covering`` (fp32 elements
+        of the largest bucket that travels; none where nothing does)."""
         if not self.layouts:
             return (0, 0, 0, self.piece_device)
-        return (min(slots_for_depth(self.depth),
-                    max(1, len(self.layouts))), max((layout.send_numel for layout in self.layouts), default=0),
-                max((layout.recv_numel for layout in self.layouts), default=0), self.piece_device)
+        return (min(slots_for_depth(self.depth), len(self.layouts)), max(layout.send_numel for layout in self.layouts),
+                max(layout.recv_numel for layout in self.layouts), self.piece_device)
 
     def run(self,
             grad_flat: torch.Tensor,
@@ -156,11 +112,11 @@ class MuonPipeline:
             update_dtype: torch.dtype,
             buffers: ExchangeBuffers,
             variant=None) -> None:
-        """Replace this rank's pieces of ``grad_flat`` (the flat fp32 gradient partition, unscaled and
-        clipped) with its pieces of the Muon update, advancing ``momentum_flat`` (same layout) in
-        place; once per step on every rank of the group. ``update_dtype``: the back exchange's (the
-        kernel's compute dtype); ``buffers``: at least ``buffer_demand``; ``variant``: the group's
-        settings of the kind built with (None: plain Muon; else ``RuntimeError``)."""
+        """Replace this rank's pieces of ``grad_flat`` (the flat fp32 gradient partition, unscaled and clipped) with
+        its pieces of the Muon update, advancing ``momentum_flat`` (same layout) in place; once per step on every rank
+        of the group. ``update_dtype``: the back exchange's (the kernel's compute dtype); ``buffers``: at least
+        ``buffer_demand``; ``variant``: the group's settings of the kind built with (None: plain Muon; else
+        ``RuntimeError``)."""
         if (variant is None) != (self.owner_state is None):
             raise RuntimeError(f"MuonPipeline built {'with' if self.owner_state is not None else 'without'} "
                                f"owner state, run with variant {variant!r}.")
@@ -190,24 +146,19 @@ class MuonPipeline:
         """The matrices that stay home with this rank: the NS input and each call's results are written over
         the gradient in place."""
         for layout in self.in_place:
-            starts = []
-            for k in layout.owned:
-                start, numel = self.slices[layout.matrices[k]]
+            slices = [self.slices[layout.matrices[k]] for k in layout.owned]
+            specs = [self.specs[layout.matrices[k]] for k in layout.owned]
+            for start, numel in slices:
                 piece = grad_flat.narrow(0, start, numel)
                 momentum_step(piece, momentum_flat.narrow(0, start, numel), settings, out=piece)
-                starts.append(start)
-            specs = [self.specs[layout.matrices[k]] for k in layout.owned]
 
             def matrix(p):
-                return grad_flat.narrow(0, starts[p], specs[p].numel).view(specs[p].shape)
+                return grad_flat.narrow(0, slices[p][0], specs[p].numel).view(specs[p].shape)
 
-            self._orthogonalize(layout,
-                                matrix,
-                                lambda p, result: matrix(p).copy_(result),
-                                settings,
-                                update_dtype,
-                                grad_flat.device,
-                                in_place=True)
+            def write(p, result):
+                matrix(p).copy_(result)
+
+            self._orthogonalize(layout, matrix, write, settings, update_dtype, grad_flat.device, in_place=True)
 
     def _orthogonalize(self, layout: BucketLayout, load, write, settings: MuonSettings, update_dtype: torch.dtype,
                        device, in_place: bool) -> None:
@@ -248,7 +199,8 @@ class MuonPipeline:
     def _compute(self, b: int, slot: int, handle, settings: MuonSettings, update_dtype: torch.dtype,
                  buffers: ExchangeBuffers):
         layout = self.layouts[b]
-        _wait(handle)
+        if handle is not None:
+            handle.wait()
         recv = buffers.incoming(slot, layout.recv_numel, EXCHANGE_DTYPE)
         back = buffers.incoming(slot, layout.recv_numel, update_dtype)
         shapes = [self.specs[layout.matrices[k]].shape for k in layout.owned]
@@ -261,13 +213,8 @@ class MuonPipeline:
         def write(p, result):
             layout.write_result(p, result if assemblies[p] is None else assemblies[p].to_storage(result), back)
 
-        self._orthogonalize(layout,
-                            load,
-                            write,
-                            settings,
-                            update_dtype,
-                            recv.device,
-                            in_place=update_dtype.itemsize == EXCHANGE_DTYPE.itemsize)
+        in_place = update_dtype.itemsize == EXCHANGE_DTYPE.itemsize
+        self._orthogonalize(layout, load, write, settings, update_dtype, recv.device, in_place=in_place)
         returned = buffers.outgoing(slot, layout.send_numel, update_dtype)
         handle = self.exchange.all_to_all(returned, back, layout.send_splits, layout.recv_splits, async_op=True)
         return b, slot, handle
@@ -277,10 +224,10 @@ class MuonPipeline:
         layout = self.layouts[b]
         update = buffers.outgoing(slot, layout.send_numel, update_dtype)
         host = buffers.staging(slot, layout.send_numel, self.piece_device, update_dtype)
-        if host is None:
-            _wait(handle)
-        else:  # pieces on the host (optimizer offload): the bucket in one copy, not one per piece
+        if host is not None:  # pieces on the host (optimizer offload): the bucket in one copy, not one per piece
             update = buffers.to_host(update, host, handle)
+        elif handle is not None:
+            handle.wait()
         for k, offset, numel in layout.send_pieces:
             start, _ = self.slices[layout.matrices[k]]
             grad_flat.narrow(0, start, numel).copy_(update.narrow(0, offset, numel))
@@ -292,8 +239,3 @@ def stays_home(pieces: Sequence[int], piece_device, device, assembly=None) -> bo
     (``piece_device`` is), no tensor-parallel ``assembly``; its holder then owns it and orthogonalizes it where it
     lies, and it takes no exchange buffer."""
     return sum(map(bool, pieces)) == 1 and torch.device(piece_device) == torch.device(device) and assembly is None
-
-
-def _wait(handle) -> None:
-    if handle is not None:
-        handle.wait()
