@@ -2,11 +2,11 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Errors every rank agrees on: a step that can fail on some ranks and not others (each rank reads its
-own checkpoint file, checks its own partition) ends on every rank with the same ``RankAgreedError``,
-instead of the failed ranks raising while the others wait in the next collective until the process
-group's timeout. The agreement costs one all-reduce of one int32 element; only where some rank failed do
-the ranks all-gather the failed ranks' messages.
+"""Errors every rank agrees on: a step that can fail on some ranks and not others (each rank reads its own checkpoint
+file, checks its own partition) ends on every rank with the same ``RankAgreedError``, instead of the failed ranks
+raising while the others wait in the next collective until the process group's timeout (``agreed_errors`` wraps such
+a step). The agreement costs one all-reduce of one int32 element; only where some rank failed do the ranks
+all-gather the failed ranks' messages.
 """
 
 import contextlib

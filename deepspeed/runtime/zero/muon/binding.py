@@ -10,8 +10,10 @@ divided by the loss scale and the clip coefficient (as ``clip_grad_norm_`` befor
 its fp32 momentum partition on its pieces, each matrix held by more than one rank goes to one owner among its holders
 by all-to-all, the owner runs Newton-Schulz once on the whole matrix, and the pieces of the update come back in place
 of the gradient (``pipeline``). Under ZeRO-3 every rank holds a piece of every matrix; under ZeRO-1/2 most matrices lie
-whole in one partition and never travel. The momentum never travels; nothing runs on micro-steps. The momentum is
-optimizer state of the flat partition, in its layout (as Adam's ``exp_avg``), so every checkpoint path carries it.
+whole in one partition and never travel. The momentum never travels; nothing runs on micro-steps. The stage calls
+``update`` in ``step()``, ``after_inner_step`` right after the inner optimizer step, and ``save_owner_state`` /
+``load_saved_state`` from its ``state_dict()`` / ``load_state_dict()``. The momentum is optimizer state of the flat
+partition, in its layout (as Adam's ``exp_avg``), so every checkpoint path carries it.
 
 ``MuonWithAuxAdam`` then applies weight decay and ``-lr * update``; the update is not rescaled.
 """
@@ -272,9 +274,10 @@ class MuonUpdate:
                                      result_itemsize=result_itemsize,
                                      state_numels=state_numels)
         exchange = OwnerExchange(process_group, rank, world_size, dist.all_to_all_single, self.stats)
-        pipeline = MuonPipeline(plan, specs, pieces, [part.slices[j] for j in indices], exchange, self.device,
-                                part.flat.device, depth, group.get(BATCH_NS_KEY), variant, placements, assemblies)
-        pipeline.result_itemsize, pipeline.state_numels = result_itemsize, state_numels
+        pipeline = MuonPipeline(plan, specs, pieces,
+                                [part.slices[j] for j in indices], exchange, self.device, part.flat.device, depth,
+                                group.get(BATCH_NS_KEY), variant, placements, assemblies, result_itemsize,
+                                state_numels)
         for r, cost in enumerate(pipeline.plan.load()):
             load[r] += cost
         return pipeline

@@ -52,6 +52,7 @@ AUTOTP_SIZE_KEY = "tensor_parallel.autotp_size"
 DEFAULT_PIPELINE_DEPTH = 2
 """One bucket exchanged while the next is orthogonalized."""
 DEFAULT_VARIANT = MUON
+"""Plain Muon, no owner state."""
 DEFAULT_MOMENTUM = 0.95
 DEFAULT_NS_METHOD = "gram"
 """Upstream ``Muon``'s defaults (``original_muon.Muon.__init__``)."""
@@ -199,8 +200,8 @@ def muon_group_keys() -> tuple:
 
 def config_keys() -> Mapping[str, str]:
     """Every key of ``optimizer.params`` and the half it reaches: ``MuonConfig``'s fields (``per_head_muon`` where
-    this DeepSpeed has per-head Muon, ``has_per_head_muon``, ``qk_clip_threshold`` where it has QK-clip,
-    ``has_qk_clip``) and every registered variant's keys (Muon matrices)."""
+    this DeepSpeed has per-head Muon (``has_per_head_muon``), ``qk_clip_threshold`` where it has QK-clip
+    (``has_qk_clip``)) and every registered variant's keys (Muon matrices)."""
     available = {PER_HEAD_KEY: has_per_head_muon(), QK_CLIP_KEY: has_qk_clip()}
     keys = {k: v for k, v in _reaches(MuonConfig).items() if available.get(k, True)}
     keys.update({k: MUON_MATRICES for k in _variant_keys() if k not in keys})

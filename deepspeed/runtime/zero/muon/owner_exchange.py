@@ -202,7 +202,7 @@ class OwnerExchange:
 
 class InFlight:
     """An asynchronous all-to-all's work handle and its tensors, held until ``wait``: a backend may read the input
-    and write the output until then, whatever the caller drops (NCCL's work keeps its tensors too)."""
+    and write the output until then, whatever the caller drops. Defensive: NCCL's work keeps its tensors too."""
 
     def __init__(self, handle, tensors: Tuple[torch.Tensor, ...]):
         self.handle, self.tensors = handle, tensors

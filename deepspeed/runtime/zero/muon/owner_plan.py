@@ -129,7 +129,7 @@ class OwnerPlan:
         world_size: ranks of the partition's process group.
         owners: owner rank per matrix.
         buckets: each a tuple of matrix indices; every matrix in exactly one.
-        costs, workspaces: per matrix, ``newton_schulz_cost`` and ``ns_workspace_numel``.
+        costs, workspaces: per matrix, ``newton_schulz_cost`` and ``MatrixSpec.ns_workspace`` at the plan's NS itemsize.
         travels: per matrix ``MatrixSpec.travels`` (empty: every matrix travels).
     """
     world_size: int
@@ -468,7 +468,8 @@ BUCKET_FACTORS = (math.inf, 8.0, 4.0, 2.0, 1.0, 0.5, 0.25, 0.0)
 """The ``make_cost_buckets`` factors ``plan_within_cap`` tries: all in one bucket .. every matrix alone."""
 
 EFFICIENCY_GOAL = 0.9
-"""The least ``ideal_path / critical_path`` of the plans ``plan_within_cap`` chooses among (where one reaches it)."""
+"""``plan_within_cap`` chooses among the fitting plans whose ``critical_path`` is at most ``max(ideal_path /
+EFFICIENCY_GOAL, 1.05 * the best fitting plan's)``: near the ideal where a plan gets there, else near the best."""
 
 MIN_SEND_NUMEL = 16 * 2**20
 """fp32 elements (64 MiB) a rank should send per bucket on average: smaller buckets pay more in per-collective
@@ -522,9 +523,9 @@ def plan_within_cap(specs: Sequence[MatrixSpec],
 
     Buckets are cut by NS cost (``make_cost_buckets`` at each of ``BUCKET_FACTORS``), owners balanced per bucket
     (``plan_owners``); a plan fits where every rank's ``rank_numels`` need at its depth's slots is at most
-    ``cap_numel``. Among the fitting plans at depths ``depth`` down to 1: those whose ``critical_path`` is within
-    ``1 / EFFICIENCY_GOAL`` of ``ideal_path`` (or 5 % of the best fitting one, where none is), at the deepest depth
-    that has one (exchange overlaps NS), with the most buckets (the least memory, the most overlap) whose ranks send
+    ``cap_numel``. Among the fitting plans at depths ``depth`` down to 1: those whose ``critical_path`` is at most
+    ``max(ideal_path / EFFICIENCY_GOAL, 1.05 * the best fitting one's)``, at the deepest depth that has one (exchange
+    overlaps NS), with the most buckets (the least memory, the most overlap) whose ranks send
     ``MIN_SEND_NUMEL`` per bucket on average, else the fewest. ``reduce_bucket_size`` plays no part.
 
     Raises:

@@ -4,8 +4,9 @@
 # DeepSpeed Team
 """What DeepSpeed's Muon records about one parameter: one ``MuonRecord`` per parameter, read and written here only.
 
-A user steers Muon per parameter with the public attributes of the user guide (``use_muon``, ``muon_num_heads``,
-``muon_split``). What DeepSpeed decides itself travels in one private record, ``param.ds_muon`` (``RECORD_ATTR``),
+A user steers Muon per parameter with three public attributes, set before ``deepspeed.initialize`` (the user guide
+documents them): ``use_muon`` (Muon or the auxiliary Adam), ``muon_num_heads`` (per-head Muon, upstream's) and
+``muon_split`` (the matrices a fused projection holds). What DeepSpeed decides itself travels in one private record, ``param.ds_muon`` (``RECORD_ATTR``),
 so that its writers (``param_selection``, ``tensor_parallel``) and readers (``newton_schulz``, ``binding``,
 ``support``) share one definition instead of attributes of their own:
 

@@ -17,7 +17,7 @@ matrix lives".
 """
 
 from collections import deque
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -44,6 +44,9 @@ class MuonPipeline:
             None.
         placements, assemblies: per matrix, None, or its tensor-parallel layout: where each holder's piece lies in
             the shards' storage, and the ``tensor_parallel.ShardAssembly`` that makes the whole matrix of it.
+        result_itemsize, state_numels: the terms ``plan`` was made with (``owner_plan.rank_numels``), kept for the
+            plan's figures: bytes per element of the Newton-Schulz result, and per matrix the variant's owner-state
+            elements (None: plain Muon).
 
     Attributes:
         layouts: per bucket with a matrix that travels, the ``BucketLayout`` of those matrices.
@@ -67,7 +70,9 @@ class MuonPipeline:
                  batch_ns=None,
                  variant=None,
                  placements=None,
-                 assemblies=None):
+                 assemblies=None,
+                 result_itemsize: int = 4,
+                 state_numels: Optional[Sequence[int]] = None):
         if depth < 1:
             raise ValueError(f"the Muon pipeline depth must be at least 1, got {depth}")
         self.plan = plan
@@ -91,7 +96,7 @@ class MuonPipeline:
         self.in_place = [lay for lay in (layout(b, True) for b in plan.buckets) if lay]
         self.owner_state = None
         self._variant = None
-        self.result_itemsize, self.state_numels = 4, None  # the plan's terms (owner_plan.rank_numels), as planned
+        self.result_itemsize, self.state_numels = result_itemsize, state_numels
         if variant is not None:
             owned = [j for j, owner in enumerate(plan.owners) if owner == exchange.rank]
             self.owner_state = OwnerState(variant, self.specs, owned, device=device)
