@@ -11,8 +11,9 @@ On the patched build, for example::
     0003-zero3-unscale-by-backward-loss-scale, 0004-muon-update-split)
 
 (one line), exit status 0. ``python -m deepspeed.runtime.zero.muon plan --config config.json --world-size W``
-prints the owner plan Muon's step would run for a Hugging Face model (``plan_report``). The facts come from ``_build_info.py``, which the build backend
-(``build_backend/zero3muon_build.py``) writes into this package: the versions, the patch names, and
+prints the owner plan Muon's step would run for a Hugging Face model (``plan_report``). The facts come from
+``_build_info.py``, which the build backend (``build_backend/zero3muon_build.py``) writes into this package: the
+versions, the patch names, and
 ``PATCHED_FILES``, the sha256 of every file of the package the patches change as it was built. The
 report hashes the installed files and compares, so it needs nothing but the installed package (no
 repository, no patch files). Anything else (a stock DeepSpeed, a missing or changed patched file, a

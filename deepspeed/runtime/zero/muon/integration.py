@@ -4,8 +4,9 @@
 # DeepSpeed Team
 """Muon's one entry point in DeepSpeed: every Muon feature ``deepspeed.initialize`` and the engine need.
 
-Upstream files call this module only (``param_selection`` and ``binding`` are reached through it or
-through the stages' own description of their partitions):
+The engine and ``deepspeed/__init__.py`` call this module only; the ZeRO stages reach ``binding`` (their
+``MuonUpdate``, built from their own description of their partitions) and ``support`` (the configurations the update
+cannot serve), and the checkpoint code lives under ``deepspeed/checkpoint/``:
 
 - ``prepare_model`` (``deepspeed.set_optimizer_flags``, before the engine is built): the keys and
   values of ``optimizer.params`` and of the parameter groups checked (``config``) before upstream's
@@ -110,8 +111,9 @@ class MuonIntegration:
 
         Raises:
             ValueError: naming the config key: a variant's setting Muon cannot use (``config.check_muon_groups``;
-                the keys and values were checked by ``prepare_model``), ZenFlow at ZeRO-1/2, a client Muon that cannot run on flat partitions
-                (``param_selection``), a scheduler rate that would overwrite Muon's or Adam's rates
+                the keys and values were checked by ``prepare_model``), ZenFlow at ZeRO-1/2, a client Muon that
+                cannot run on flat partitions (``param_selection``), a scheduler rate that would overwrite Muon's or
+                Adam's rates
                 (``lr_groups``), a ``qk_clip_threshold`` that cannot run here or attention it cannot clip.
         """
         named = client_optimizer is None and engine.optimizer_name() == MUON_OPTIMIZER

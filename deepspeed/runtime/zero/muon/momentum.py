@@ -26,7 +26,8 @@ def is_muon_group(param_group) -> bool:
 
 
 def is_muon_optimizer(optimizer) -> bool:
-    """Whether ``optimizer`` is DeepSpeed's ``MuonWithAuxAdam`` (imported here: importing Muon compiles its kernels)."""
+    """Whether ``optimizer`` is DeepSpeed's ``MuonWithAuxAdam`` (imported here: importing Muon compiles its
+    kernels)."""
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
     return isinstance(optimizer, MuonWithAuxAdam)
 

@@ -129,7 +129,8 @@ class OwnerPlan:
         world_size: ranks of the partition's process group.
         owners: owner rank per matrix.
         buckets: each a tuple of matrix indices; every matrix in exactly one.
-        costs, workspaces: per matrix, ``newton_schulz_cost`` and ``MatrixSpec.ns_workspace`` at the plan's NS itemsize.
+        costs, workspaces: per matrix, ``newton_schulz_cost`` and ``MatrixSpec.ns_workspace`` at the plan's NS
+            itemsize.
         travels: per matrix ``MatrixSpec.travels`` (empty: every matrix travels).
     """
     world_size: int

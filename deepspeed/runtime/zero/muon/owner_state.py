@@ -13,9 +13,10 @@ per ``cols`` consecutive elements of the flattened parameter) and ``apply(update
 ``MatrixSpec``'s NS result, its 1-D fp32 ``state`` advanced in place; returns the update in the result's shape and
 dtype). A variant's module registers it when imported; plain Muon (``"muon"``) has none, and nothing of this runs.
 
-Checkpoint form: per parameter, not per owner, so any owner plan takes it back: a tensor shaped like the flat partition,
-whose every element holds its row's state (NorMuon's V_t broadcast over the row), under ``state_key`` in the optimizer
-state, which every checkpoint path carries like the momentum (``OwnerState.to_partition`` / ``from_partition``).
+Checkpoint form: per parameter, not per owner, so any owner plan takes it back: a tensor shaped like the flat
+partition, whose every element holds its row's state (NorMuon's V_t broadcast over the row), under ``state_key`` in the
+optimizer state, which every checkpoint path carries like the momentum (``OwnerState.to_partition`` /
+``from_partition``).
 """
 
 from typing import Dict, Iterable, Sequence, Tuple

@@ -6,9 +6,9 @@
 
 A user steers Muon per parameter with three public attributes, set before ``deepspeed.initialize`` (the user guide
 documents them): ``use_muon`` (Muon or the auxiliary Adam), ``muon_num_heads`` (per-head Muon, upstream's) and
-``muon_split`` (the matrices a fused projection holds). What DeepSpeed decides itself travels in one private record, ``param.ds_muon`` (``RECORD_ATTR``),
-so that its writers (``param_selection``, ``tensor_parallel``) and readers (``newton_schulz``, ``binding``,
-``support``) share one definition instead of attributes of their own:
+``muon_split`` (the matrices a fused projection holds). What DeepSpeed decides itself travels in one private record,
+``param.ds_muon`` (``RECORD_ATTR``), so that its writers (``param_selection``, ``tensor_parallel``) and readers
+(``newton_schulz``, ``binding``, ``support``) share one definition instead of attributes of their own:
 
 - ``choice``: ``(use_muon, reason)`` as the parameter selection set ``use_muon`` (a ``use_muon`` that
   differs from it is the user's);

@@ -249,8 +249,9 @@ def whole_shape(param: torch.Tensor) -> Tuple[int, ...]:
 
 
 def tag_fused_projections(model: torch.nn.Module) -> Dict[str, Split]:
-    """Set ``muon_split`` (and ``MuonRecord.recognized_split``) on every Muon parameter of ``model`` that ``recognized_split``
-    knows (of its ``whole_shape``) and the user did not tag. Returns the tagged names and their splits."""
+    """Set ``muon_split`` (and ``MuonRecord.recognized_split``) on every Muon parameter of ``model`` that
+    ``recognized_split`` knows (of its ``whole_shape``) and the user did not tag. Returns the tagged names and their
+    splits."""
     tagged = {}
     for module_name, parent in model.named_modules():
         found = [((leaf, ), p) for leaf, p in parent.named_parameters(recurse=False)]

@@ -176,8 +176,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     itemsize = NS_ITEMSIZE[ns_dtype]
     variant = variant_of(params)
     try:
-        partitions = plan_partitions(specs, args.world_size, stage, sub_group, bucket, cap, params.get("pipeline_depth", 2),
-                                itemsize, variant)
+        partitions = plan_partitions(specs, args.world_size, stage, sub_group, bucket, cap,
+                                     params.get("pipeline_depth", 2), itemsize, variant)
     except CapBelowFloor:
         # every partition's least need (the strict rule plans them all), the most of them as at initialize
         strict = plan_partitions(specs, args.world_size, stage, sub_group, bucket, STRICT,

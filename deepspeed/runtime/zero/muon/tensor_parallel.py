@@ -249,8 +249,8 @@ def shard_matrices(requests: Dict[int, tuple]) -> Dict[int, ShardedMatrices]:
 
 
 class TensorParallelLayout:
-    """``param_record.MuonRecord.tensor_parallel`` of a weight AutoTP split: its name and map, or why Muon cannot train it whole
-    (raised if it is a Muon matrix). ``spread``: ``shard_matrices``."""
+    """``param_record.MuonRecord.tensor_parallel`` of a weight AutoTP split: its name and map, or why Muon cannot
+    train it whole (raised if it is a Muon matrix). ``spread``: ``shard_matrices``."""
     config_key = TP_KEY
     spread = staticmethod(shard_matrices)
 
@@ -260,8 +260,8 @@ class TensorParallelLayout:
 
 def mark_tensor_parallel_matrices(model) -> int:
     """After AutoTP sharded ``model`` (and, where the release has it, re-counted per-head Muon's heads per shard):
-    mark every weight it split with a ``TensorParallelLayout`` (``param_record.MuonRecord.tensor_parallel``), except projections split
-    into whole heads (``splits_whole_heads``: exact on each shard). Returns how many were marked."""
+    mark every weight it split with a ``TensorParallelLayout`` (``param_record.MuonRecord.tensor_parallel``), except
+    projections split into whole heads (``splits_whole_heads``: exact on each shard). Returns how many were marked."""
     marked = 0
     for name, param in model.named_parameters():
         try:
