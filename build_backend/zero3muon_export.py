@@ -136,7 +136,8 @@ GROUPS = numbered(
         # param_record.py: what DeepSpeed records per parameter, which the binding reads (AutoTP's layout)
         # rank_agreement: errors every rank agrees on, general (the checkpoints pull request's engine patch uses it)
         # 0016: stage3.py refuses the configurations the update cannot serve (support.refuse_unsupported_zero3)
-        _patches(4, 1, 16) + ("deepspeed/runtime/rank_agreement.py", ) +
+        # 0003: the gradients unscaled by their own loss scale, which the momentum accumulates
+        _patches(4, 1, 3, 16) + ("deepspeed/runtime/rank_agreement.py", ) +
         _in(MUON, "momentum.py", "newton_schulz.py", "owner_plan.py", "owner_exchange.py", "pipeline.py",
             "owner_state.py", "binding.py", "config.py", "support.py", "param_record.py") +
         # The core's tests, lean: the seam bit for bit, one ZeRO-3 run.
@@ -145,7 +146,7 @@ GROUPS = numbered(
         "zero3-configurations",
         "ZeRO-3 Muon in every configuration: gradients right across accumulation windows and loss scales, "
         "tested with offload, fp16/bf16, clipping, checkpoints; the owner plan within Muon's memory cap",
-        _patches(2, 3) +
+        _patches(2) +
         _in(ZERO_TESTS, "test_zero3_muon_*.py", "test_zero3_grad_partition_window.py",
             "test_zero3_backward_loss_scale.py", "zero3_muon_helpers.py", "test_muon_owner_plan.py",
             "test_muon_config_zero3.py") +

@@ -6,7 +6,8 @@
 samples per step (two Muon matrices, 9x13 and 5x9, that W = 2, 4 do not divide), Newton-Schulz runs
 once per matrix per step over the ranks, and a rank receives 2P(W-1)/W^2 Muon elements per step on
 average (P: the matrices' elements, each padded to W partitions), the owner-centric bound. At W=1
-one step is upstream ``muon_update`` applied by hand to the whole matrices.
+one step is upstream ``muon_update`` applied by hand to the whole matrices. Under fp16, a dynamic loss
+scale that grows on every step trains the weights of the static scale it starts from, bit for bit.
 """
 
 import contextlib
@@ -22,6 +23,9 @@ from unit.common import DistributedTest
 
 SHAPES = [(9, 13), (5, 9)]
 SAMPLES, LR, MOMENTUM = 16, 0.02, 0.95
+SCALE_POWER = 8
+GROWING = dict(enabled=True, loss_scale=0, initial_scale_power=SCALE_POWER, loss_scale_window=1, hysteresis=2)
+STATIC = dict(enabled=True, loss_scale=2.0**SCALE_POWER)
 TOLERANCE = 2e-6
 """The fp32 floor (``FLOOR``): gas 4 and 1 differ only in the order of fp32 sums, 1.1e-7 to 1.2e-7
 measured after 4 steps at W = 1, 2, 4, the hand-applied step 1.0e-8; stock 0.19.7 is off by 1e-1."""
@@ -37,9 +41,10 @@ def _batch(step):
     return torch.randn(SAMPLES, 13, generator=gen), torch.randn(SAMPLES, 5, generator=gen)
 
 
-def _train(gas, steps):
+def _train(gas, steps, fp16=None):
     """Full weights after ``steps`` steps at ``gas`` (micro-step m of rank r: samples (m W + r) mb ...),
-    and ``[ns_calls, elements_received, optimizer_steps]`` summed over the ranks."""
+    and ``[ns_calls, elements_received, optimizer_steps, loss_scale]`` (the loss scale at the end, 1 without
+    ``fp16``, the config's section) summed over the ranks."""
     world_size, rank = dist.get_world_size(), dist.get_rank()
     micro = SAMPLES // (world_size * gas)
     zero = dict(stage=3, stage3_param_persistence_threshold=0)  # every matrix partitioned, as a large model's
@@ -50,20 +55,26 @@ def _train(gas, steps):
                   gradient_clipping=0.0,
                   optimizer=muon,
                   zero_optimization=zero)
+    if fp16 is not None:
+        config["fp16"] = fp16
     model = _model()
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     for step in range(steps):
         x, y = (t.to(engine.device) for t in _batch(step))
         for m in range(gas):
             lo = (m * world_size + rank) * micro
-            engine.backward(torch.nn.functional.mse_loss(engine(x[lo:lo + micro]), y[lo:lo + micro]))
+            out = engine(x[lo:lo + micro].to(next(engine.module.parameters()).dtype)).float()
+            engine.backward(torch.nn.functional.mse_loss(out, y[lo:lo + micro]))
             engine.step()
     weights = []
     for param in engine.module.parameters():
         with deepspeed.zero.GatheredParameters([param]):
             weights.append(param.detach().float().cpu().clone())
     stats = engine.optimizer.muon_update.stats
-    counts = torch.tensor([stats.ns_calls, stats.elements_received, stats.optimizer_steps], device=engine.device)
+    loss_scale = float(getattr(engine.optimizer, "loss_scale", 1.0))
+    counts = torch.tensor([stats.ns_calls, stats.elements_received, stats.optimizer_steps, loss_scale],
+                          dtype=torch.float64,
+                          device=engine.device)
     dist.all_reduce(counts)
     engine.destroy()
     return weights, counts.tolist()
@@ -76,11 +87,12 @@ def _relative(a, b):
 
 
 @contextlib.contextmanager
-def _fp32_newton_schulz():
-    """Report no fp16: upstream's "gram" kernel computes in fp16 where the accelerator has it, whose
-    rounding would hide the fp32 floor."""
+def _fp16_supported(supported):
+    """Report fp16 as ``supported``. False: upstream's "gram" kernel computes in fp16 where the accelerator has
+    it, whose rounding would hide the fp32 floor. True: the engine refuses fp16 on the CPU accelerator, although
+    fp16 tensors work there."""
     accelerator = get_accelerator()
-    original, accelerator.is_fp16_supported = accelerator.is_fp16_supported, lambda: False
+    original, accelerator.is_fp16_supported = accelerator.is_fp16_supported, lambda: supported
     try:
         yield
     finally:
@@ -93,12 +105,12 @@ class TestZero3MuonBoundary(DistributedTest):
     @pytest.mark.parametrize("world_size", [1, 2, 4])
     def test_gas4_equals_gas1_with_one_newton_schulz_per_matrix_and_owner_traffic(self, world_size):
         steps = 4
-        with _fp32_newton_schulz():
+        with _fp16_supported(False):
             (gas1, counts1), (gas4, counts4) = _train(1, steps), _train(4, steps)
         assert _relative(gas1, gas4) <= TOLERANCE
         assert _relative(gas1, [p.detach() for p in _model().parameters()]) > 1e-3, "the weights must move"
         padded = sum(world_size * -(-rows * cols // world_size) for rows, cols in SHAPES)  # W ceil(n / W)
-        for ns_calls, received, optimizer_steps in (counts1, counts4):
+        for ns_calls, received, optimizer_steps, _ in (counts1, counts4):
             assert ns_calls == len(SHAPES) * steps and optimizer_steps == world_size * steps
             assert received / world_size / steps == 2 * padded * (world_size - 1) / world_size**2
 
@@ -106,9 +118,27 @@ class TestZero3MuonBoundary(DistributedTest):
     def test_one_step_is_upstreams_muon_update_on_the_whole_matrices(self):
         model = _model()
         torch.nn.functional.mse_loss(model(_batch(0)[0]), _batch(0)[1]).backward()
-        with _fp32_newton_schulz():
+        with _fp16_supported(False):
             expected = [
                 p.detach() - LR * original_muon.muon_update(p.grad.clone(), torch.zeros_like(p), beta=MOMENTUM)
                 for p in model.parameters()
             ]
             assert _relative(expected, _train(1, 1)[0]) <= TOLERANCE
+
+    @pytest.mark.world_size(2)
+    @pytest.mark.parametrize("gas", [1, 2])
+    def test_fp16_growing_loss_scale_equals_static(self, gas):
+        """The momentum takes each step's gradient unscaled by the scale of that step's backward: a power-of-two
+        scale multiplies every fp16 gradient exactly, so a scale grown on every step (from 2^8) and the static
+        2^8 give the same unscaled gradients and the same weights (tolerance 0). Unscaled by the grown scale
+        instead, the gradient of every step on which the scale grows would enter the momentum halved."""
+        steps = 4
+        with _fp16_supported(True):
+            growing, growing_counts = _train(gas, steps, GROWING)
+            static, static_counts = _train(gas, steps, STATIC)
+        world_size = dist.get_world_size()
+        assert growing_counts[3] / world_size >= 4 * 2.0**SCALE_POWER, "the scale must grow, or nothing is checked"
+        assert static_counts[3] / world_size == 2.0**SCALE_POWER
+        assert _relative(static, [p.detach() for p in _model().parameters()]) > 1e-3, "the weights must move"
+        for a, b in zip(growing, static):
+            assert torch.equal(a, b)
