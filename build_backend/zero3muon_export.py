@@ -144,7 +144,7 @@ GROUPS = numbered(
         _in(ZERO_TESTS, "test_muon_update_split.py", "test_zero3_muon_boundary.py")),
     Group(
         "zero3-configurations",
-        "ZeRO-3 Muon in every configuration: gradients right across accumulation windows and loss scales, "
+        "ZeRO-3 Muon in every configuration: gradients right across accumulation windows, "
         "tested with offload, fp16/bf16, clipping, checkpoints; the owner plan within Muon's memory cap",
         _patches(2) +
         _in(ZERO_TESTS, "test_zero3_muon_*.py", "test_zero3_grad_partition_window.py",

@@ -68,8 +68,6 @@ class MuonPartition:
             swapping); None: a zero tensor.
         agree_finite: hold the update back (momentum unchanged, a zero update) where some rank's gradient is not
             finite (ZeRO-1/2 may step on one; ZeRO-3 skips such a step itself).
-        state_swapped: the stage swaps ``flat``'s optimizer state to NVMe between steps (ZeRO-3's optimizer swapper
-            leaves its tensors empty then): the momentum's size is checked once swapped in, at ``update``.
     """
     key: int
     label: str
@@ -85,7 +83,6 @@ class MuonPartition:
     muon: bool = True
     allocate_momentum: Optional[Callable[[], None]] = None
     agree_finite: bool = False
-    state_swapped: bool = False
 
     def held_pieces(self) -> List[Tuple[torch.nn.Parameter, int, int, int]]:
         """``(param, start, offset, numel)`` of every parameter this rank holds elements of: elements
@@ -452,8 +449,7 @@ class MuonUpdate:
         collective over each variant partition's group.
 
         Raises:
-            RankAgreedError (a RuntimeError), on every rank: some rank's momentum of another size (where the state
-                stays in memory; swapped state at the first ``update``, on the ranks it misfits); a group whose
+            RankAgreedError (a RuntimeError), on every rank: some rank's momentum of another size; a group whose
                 ``variant`` the checkpoint changed; a variant's state missing, foreign or misfit
                 (``owner_state.load_checkpoint_form``).
             ValueError: a variant's state not in its checkpoint form.
@@ -463,6 +459,6 @@ class MuonUpdate:
             group, state = self._group(part), self._state(part)
             with agreed_errors(f"loading the Muon state of {part.label}", group=pipeline.exchange.group):
                 check_same_kind(owner and owner.variant, variant_of(group), part.label)
-                if state.get(MOMENTUM_KEY) is not None and not part.state_swapped:
+                if state.get(MOMENTUM_KEY) is not None:
                     self._check_momentum(part, state[MOMENTUM_KEY])
             load_checkpoint_form(owner, state, part, pipeline.exchange, group.get(VARIANT_KEY, MUON))

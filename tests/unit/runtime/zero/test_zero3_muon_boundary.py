@@ -131,7 +131,8 @@ class TestZero3MuonBoundary(DistributedTest):
         """The momentum takes each step's gradient unscaled by the scale of that step's backward: a power-of-two
         scale multiplies every fp16 gradient exactly, so a scale grown on every step (from 2^8) and the static
         2^8 give the same unscaled gradients and the same weights (tolerance 0). Unscaled by the grown scale
-        instead, the gradient of every step on which the scale grows would enter the momentum halved."""
+        instead, the gradient of every step on which the scale grows (the second on; the first does not grow it)
+        would enter the momentum halved while the first step's would not, changing the momentum's direction."""
         steps = 4
         with _fp16_supported(True):
             growing, growing_counts = _train(gas, steps, GROWING)

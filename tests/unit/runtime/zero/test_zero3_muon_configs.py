@@ -166,16 +166,11 @@ class TestZero3MuonConfigs(DistributedTest):
 
     @pytest.mark.parametrize("world_size", [2])
     def test_nvme_offload_equals_device_run(self, world_size, expected_default, tmp_path):
-        """NVMe offload, straight and resumed from a checkpoint halfway: the swapper leaves the loaded momentum empty
-        until its sub-group is swapped in, which must not read as a momentum of another size."""
         if not get_accelerator().create_op_builder("AsyncIOBuilder").is_compatible(verbose=False):
             pytest.skip("NVMe offload needs DeepSpeed's async I/O op, which cannot be built here (libaio missing)")
-        device, nvme = DEFAULT.train(), NVME.train(nvme_dir=tmp_path / "straight")
+        device, nvme = DEFAULT.train(), NVME.train(nvme_dir=tmp_path)
         check_against_reference("nvme", NVME, nvme, expected_default)
         assert relative_difference(device.weights, nvme.weights) <= FLOOR
-        resumed = NVME.with_(restart_after=STEPS // 2).train(checkpoint_dir=str(tmp_path / "checkpoint"),
-                                                             nvme_dir=tmp_path / "resumed")
-        assert relative_difference(device.weights, resumed.weights) <= FLOOR
 
     @pytest.mark.parametrize("world_size", sorted(BUCKET_RUNS))
     def test_buckets_equal_one_bucket(self, world_size, expected_default):
