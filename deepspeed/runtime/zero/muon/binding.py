@@ -202,7 +202,8 @@ class MuonUpdate:
         for key, part in self.partitions.items():
             layouts = {j: tensor_parallel_layout(p) for j, p in enumerate(part.params)}
             marked = {j: layout for j, layout in layouts.items() if layout is not None}
-            requests.update({key: (part, marked)} if marked else {})
+            if marked:
+                requests[key] = (part, marked)
         kinds = {type(layout): layout for _, marked in requests.values() for layout in marked.values()}
         if len(kinds) > 1:
             raise ValueError(f"Muon matrices spread over more ranks by {len(kinds)} kinds of layout; one at a time.")

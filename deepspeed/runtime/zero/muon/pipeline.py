@@ -86,14 +86,21 @@ class MuonPipeline:
         self.assemblies = list(assemblies or [None] * len(self.specs))
         home = [stays_home(p, self.piece_device, device, a) for p, a in zip(pieces, self.assemblies)]
 
-        def layout(bucket, at_home):  # BucketLayout(matrices, owners, numels, pieces, rank, placements)
+        def layout(bucket, at_home: bool) -> Optional[BucketLayout]:
+            """The bucket's matrices that travel (``at_home`` False) or that stay home with this rank, their owner
+            (True); None where there are none."""
             b = [j for j in bucket if home[j] == at_home and (not at_home or plan.owners[j] == exchange.rank)]
-            return b and BucketLayout(tuple(b), tuple(plan.owners[j] for j in b), tuple(specs[j].numel for j in b),
-                                      tuple(tuple(pieces[j]) for j in b), exchange.rank,
-                                      tuple(placements[j] for j in b) if placements else ())
+            if not b:
+                return None
+            return BucketLayout(matrices=tuple(b),
+                                owners=tuple(plan.owners[j] for j in b),
+                                numels=tuple(specs[j].numel for j in b),
+                                pieces=tuple(tuple(pieces[j]) for j in b),
+                                rank=exchange.rank,
+                                placements=tuple(placements[j] for j in b) if placements else ())
 
-        self.layouts = [lay for lay in (layout(b, False) for b in plan.buckets) if lay]
-        self.in_place = [lay for lay in (layout(b, True) for b in plan.buckets) if lay]
+        self.layouts = [lay for lay in (layout(b, False) for b in plan.buckets) if lay is not None]
+        self.in_place = [lay for lay in (layout(b, True) for b in plan.buckets) if lay is not None]
         self.owner_state = None
         self._variant = None
         self.result_itemsize, self.state_numels = result_itemsize, state_numels
