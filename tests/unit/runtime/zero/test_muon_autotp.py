@@ -13,6 +13,7 @@ global norm of the whole matrices, a checkpoint resumed bit-identically at the s
 refusals that name ``tensor_parallel.autotp_size``.
 """
 
+import functools
 import os
 
 import pytest
@@ -20,6 +21,8 @@ import torch
 
 import deepspeed
 from deepspeed import comm as dist
+from deepspeed.module_inject import layers as autotp_layers
+from deepspeed.utils import groups
 from unit.common import DistributedTest
 from muon_testing.causal_lm import (causal_lm_loss, expected_shard, micro_batches, tiny_llama,
                                     train_causal_lm_reference)
@@ -106,16 +109,46 @@ def _check_whole_matrix_muon(stage, gas, world_size, clip=0.0, splits=None, **mu
     engine.destroy()
 
 
+def _own_autotp_state(test):
+    """``test`` between resets of AutoTP's process-wide state (the groups ``_init_tp_mesh_device`` keeps once set, the
+    engine's ``mpu``, the AutoTP mode), as upstream's ``test_autotp_training`` resets it: the ranks serve the next test
+    of their world size (``reuse_dist_env``); every other global of ``groups`` and ``layers`` must be as before."""
+
+    def reset():
+        groups._DATA_PARALLEL_GROUP = groups._MODEL_PARALLEL_GROUP = groups._TENSOR_MODEL_PARALLEL_GROUP = None
+        groups.mpu = None
+        autotp_layers.set_autotp_mode(training=False)
+
+    def state():
+        items = [((m.__name__, k), v) for m in (groups, autotp_layers) for k, v in vars(m).items() if not callable(v)]
+        return {k: type(v)(v) if isinstance(v, (dict, list, set)) else v for k, v in items}
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        reset()
+        before = state()
+        try:
+            return test(*args, **kwargs)
+        finally:
+            reset()
+            left = sorted(k for k, v in state().items() if k not in before or before[k] is not v and before[k] != v)
+            assert not left, f"AutoTP state the test left: {left}"
+
+    return run
+
+
 class WholeMatrixMuon(DistributedTest):
     """Every stage and gas 1 and 4, and a clip, at ``world_size`` ranks of tensor parallelism 2."""
-    reuse_dist_env = False  # AutoTP's process groups are global state of the process
+    reuse_dist_env = True
     clip_stage = 1
 
     @pytest.mark.parametrize("gas", [1, 4])
     @pytest.mark.parametrize("stage", [1, 2, 3])
+    @_own_autotp_state
     def test_whole_matrix_muon(self, stage, gas):
         _check_whole_matrix_muon(stage, gas, self.world_size)
 
+    @_own_autotp_state
     def test_clipping_counts_each_element_once(self):
         _check_whole_matrix_muon(self.clip_stage, 1, self.world_size, clip=0.05)
 
@@ -125,6 +158,7 @@ class TestMuonAutoTPOneReplica(WholeMatrixMuon):
     world_size = 2
 
     @pytest.mark.parametrize("stage", [1, 3])
+    @_own_autotp_state
     def test_fused_parts_of_the_whole_matrix(self, stage):
         """A fused projection split by AutoTP: its parts are cut from the whole matrix on the owner (here the
         user's ``muon_split`` of each MLP up projection into 32 and 64 of its rows, and of each down projection,
@@ -134,12 +168,14 @@ class TestMuonAutoTPOneReplica(WholeMatrixMuon):
         _check_whole_matrix_muon(stage, 1, self.world_size, splits=splits)
 
     @pytest.mark.parametrize("stage", [1, 3])
+    @_own_autotp_state
     def test_per_head_muon(self, stage):
         """Heads the shards split whole stay on their rank; per-head Newton-Schulz of the whole matrix."""
         if not hasattr(deepspeed, "resolve_per_head_muon_after_sharding"):
             pytest.skip("this DeepSpeed has no per-head Muon")
         _check_whole_matrix_muon(stage, 1, self.world_size, per_head_muon=True)
 
+    @_own_autotp_state
     def test_per_shard_muon_is_far(self):
         """What stock trains (Newton-Schulz per shard), measured: the bar the floor is set against."""
         engine = _engine(_config(1, 1, self.world_size))
@@ -190,6 +226,7 @@ class TestMuonAutoTPTwoReplicas(WholeMatrixMuon):
     clip_stage = 3
 
     @pytest.mark.parametrize("stage", [1, 3])
+    @_own_autotp_state
     def test_checkpoint_resumes_bit_identical(self, stage, tmpdir):
         straight = _saved_then_trained_on(stage, self.world_size, str(tmpdir))
         again = _resumed(_config(stage, 1, self.world_size), str(tmpdir), "tp")
@@ -197,6 +234,7 @@ class TestMuonAutoTPTwoReplicas(WholeMatrixMuon):
             assert torch.equal(straight[name], again[name]), name
 
     @pytest.mark.parametrize("stage", [1, 3])
+    @_own_autotp_state
     def test_universal_checkpoint_resumes(self, stage, tmpdir):
         """``ds_to_universal`` of an AutoTP checkpoint, loaded at the same tensor-parallel size: every shard's
         weights and optimizer state, the Muon momentum included, come back."""
@@ -208,16 +246,19 @@ class TestMuonAutoTPTwoReplicas(WholeMatrixMuon):
             print(f"MEASURED autotp universal resume, stage {stage}: {difference:.3e}")
         assert difference <= FLOOR, difference
 
+    @_own_autotp_state
     def test_variant_refused(self):
         with pytest.raises(ValueError, match=r"tensor_parallel\.autotp_size: .*'normuon'"):
             _engine(_config(3, 1, self.world_size, variant="normuon"))
 
     @pytest.mark.parametrize("stage", [1, 3])
+    @_own_autotp_state
     def test_empty_shards_refused(self, stage):
         """autotp_size 4 over the test model's 2 key-value heads: AutoTP leaves two ranks empty k and v shards."""
         with pytest.raises(ValueError, match=r"tensor_parallel\.autotp_size: AutoTP gave .* empty shard"):
             _engine(_config(stage, 1, self.world_size, tp=4))
 
+    @_own_autotp_state
     def test_stage_0_refused(self):
         """ZeRO stage 0 runs upstream's Muon on each shard: refused rather than trained per shard, also for
         DeepSpeed's Muon passed as the client optimizer."""
