@@ -27,9 +27,9 @@ SHAPES = [(7, 5), (12, 12), (1, 3), (9, 16), (2, 3, 5), (16, 9), (30, 4), (5, 5)
 
 
 def settings():
-    """Muon's settings of these runs (``momentum.MuonSettings``): momentum 0.9, Nesterov, "gram", 5 steps."""
-    from deepspeed.runtime.zero.muon.momentum import MuonSettings
-    return MuonSettings(momentum=0.9, nesterov=True, ns_method="gram", ns_steps=5)
+    """Muon's settings of these runs (``momentum.StepSettings``): momentum 0.9, Nesterov, "gram", 5 steps."""
+    from deepspeed.runtime.zero.muon.momentum import StepSettings
+    return StepSettings(momentum=0.9, nesterov=True, ns_method="gram", ns_steps=5)
 
 
 class FakeAllToAll:

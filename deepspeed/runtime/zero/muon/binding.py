@@ -31,7 +31,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.rank_agreement import agreed_errors
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.config import BATCH_NS_KEY, MAX_STEP_MEMORY_KEY, PIPELINE_DEPTH_KEY, SPLIT_KEY
-from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, MuonSettings, is_muon_optimizer
+from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, StepSettings, is_muon_optimizer
 from deepspeed.runtime.zero.muon.newton_schulz import matrix_spec, split_of
 from deepspeed.runtime.zero.muon.owner_exchange import ExchangeBuffers, ExchangeStats, OwnerExchange
 from deepspeed.runtime.zero.muon.owner_plan import (DEFAULT_MAX_STEP_MEMORY, STRICT, CapBelowFloor, plan_figures,
@@ -231,7 +231,7 @@ class MuonUpdate:
         Raises:
             owner_plan.CapBelowFloor: no plan fits ``max_step_memory``."""
         group = self._group(part)
-        ns_method = MuonSettings.of(group).ns_method
+        ns_method = StepSettings.of(group).ns_method
         heads = sharded.num_heads if sharded is not None else [
             getattr(part.params[j], "muon_num_heads", None) for j in indices
         ]
@@ -339,7 +339,7 @@ class MuonUpdate:
     def _ns_dtypes(self) -> str:
         """The dtypes Newton-Schulz runs in for the partitions' groups (``original_muon.ns_compute_dtype``)."""
         dtypes = {
-            original_muon.ns_compute_dtype(MuonSettings.of(self._group(p)).ns_method)
+            original_muon.ns_compute_dtype(StepSettings.of(self._group(p)).ns_method)
             for p in self.partitions.values()
         }
         return ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
@@ -409,7 +409,7 @@ class MuonUpdate:
             return
         group = self._group(part)
         variant = variant_of(group)
-        settings = MuonSettings.of(group)
+        settings = StepSettings.of(group)
         momentum = self.momentum(key, grad_partition.device)
         for pipeline in pipelines:
             check_same_kind(pipeline.owner_state and pipeline.owner_state.variant, variant, part.label)

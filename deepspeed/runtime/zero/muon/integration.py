@@ -8,18 +8,16 @@ The engine and ``deepspeed/__init__.py`` call this module only; the ZeRO stages 
 ``MuonUpdate``, built from their own description of their partitions) and ``support`` (the configurations the update
 cannot serve), and the checkpoint code lives under ``deepspeed/checkpoint/``:
 
-- ``prepare_model`` (``deepspeed.set_optimizer_flags``, before the engine is built): the keys and
-  values of ``optimizer.params`` and of the parameter groups checked (``config``) before upstream's
-  optimizer reads them, and each parameter's ``use_muon`` chosen (``param_selection``);
-- ``MuonIntegration.create`` (``engine._configure_optimizer``, with the basic optimizer, before the
-  wrapper checks and ZeRO replace its groups by flat partitions): Muon's own group keys copied into
-  each Muon group and the variants' settings checked, the selection resolved and reported
-  (``param_selection``), ZenFlow refused at ZeRO-1/2, the weights AutoTP split marked
-  (``tensor_parallel``), the scheduler's per-group rates resolved (``lr_groups``), MuonClip's
+- ``prepare_model`` (``deepspeed.set_optimizer_flags``, before the engine is built): the keys and values of
+  ``optimizer.params`` and of the parameter groups checked (``config``) before upstream's optimizer reads them, and
+  each parameter's ``use_muon`` chosen (``param_selection``);
+- ``MuonIntegration.create`` (``engine._configure_optimizer``, with the basic optimizer, before the wrapper checks and
+  ZeRO replace its groups by flat partitions): Muon's own group keys copied into each Muon group and the variants'
+  settings checked, the selection resolved and reported (``param_selection``), ZenFlow refused at ZeRO-1/2, the weights
+  AutoTP split marked (``tensor_parallel``), the scheduler's per-group rates resolved (``lr_groups``), MuonClip's
   threshold, placement and attention layers checked;
-- ``bind`` (once the engine built its optimizer): what runs right after each inner optimizer step,
-  registered with the ZeRO stage's update (``binding.MuonUpdate.add_after_inner_step``): MuonClip's
-  QK-clip (``qk_clip``);
+- ``bind`` (once the engine built its optimizer): what runs right after each inner optimizer step, registered with the
+  ZeRO stage's update (``binding.MuonUpdate.add_after_inner_step``): MuonClip's QK-clip (``qk_clip``);
 - ``named_by_group`` (the progress log): each rate and momentum with its group's name.
 
 The ZeRO stages build their ``MuonUpdate`` themselves (it is their step). ``qk_clip`` and
@@ -110,10 +108,9 @@ class MuonIntegration:
             model_parameters: what ``deepspeed.initialize`` got (its group dicts carry per-group keys).
 
         Raises:
-            ValueError: naming the config key: a variant's setting Muon cannot use (``config.check_muon_groups``;
-                the keys and values were checked by ``prepare_model``), ZenFlow at ZeRO-1/2, a client Muon that
-                cannot run on flat partitions (``param_selection``), a scheduler rate that would overwrite Muon's or
-                Adam's rates
+            ValueError: naming the config key: a variant's setting Muon cannot use (``config.check_muon_groups``; the
+                keys and values were checked by ``prepare_model``), ZenFlow at ZeRO-1/2, a client Muon that cannot run
+                on flat partitions (``param_selection``), a scheduler rate that would overwrite Muon's or Adam's rates
                 (``lr_groups``), a ``qk_clip_threshold`` that cannot run here or attention it cannot clip.
         """
         named = client_optimizer is None and engine.optimizer_name() == MUON_OPTIMIZER

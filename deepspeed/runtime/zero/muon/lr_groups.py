@@ -4,15 +4,14 @@
 # DeepSpeed Team
 """Muon's learning rates under DeepSpeed's learning-rate schedulers, and in the progress log.
 
-DeepSpeed's Muon optimizer (``MuonWithAuxAdam``) trains two kinds of parameter groups: Muon
-matrices (``use_muon=True``, rate ``muon_lr``, default 0.02) and an auxiliary Adam for the rest
-(``use_muon=False``, rate ``adam_lr``, default 3e-4), two rates about two orders of magnitude
-apart, and one of each per incoming parameter group (more with MoE). DeepSpeed's schedulers
-(``deepspeed.runtime.lr_schedules``) take each rate key as one value per parameter group and
-broadcast a scalar to every group (``_format_param``). A scalar, or a library default where the
-key is left unset (``WarmupDecayLR``'s ``warmup_max_lr`` of 0.001, ``LRRangeTest``'s
-``lr_range_test_min_lr`` of 0.001), therefore replaced both rates by one: the Muon matrices
-trained 20x slower than configured and the Adam parameters faster, with nothing reported.
+DeepSpeed's Muon optimizer (``MuonWithAuxAdam``) trains two kinds of parameter groups: Muon matrices
+(``use_muon=True``, rate ``muon_lr``, default 0.02) and an auxiliary Adam for the rest (``use_muon=False``, rate
+``adam_lr``, default 3e-4), two rates about two orders of magnitude apart, and one of each per incoming parameter group
+(more with MoE). DeepSpeed's schedulers (``deepspeed.runtime.lr_schedules``) take each rate key as one value per
+parameter group and broadcast a scalar to every group (``_format_param``). A scalar, or a library default where the key
+is left unset (``WarmupDecayLR``'s ``warmup_max_lr`` of 0.001, ``LRRangeTest``'s ``lr_range_test_min_lr`` of 0.001),
+therefore replaced both rates by one: the Muon matrices trained 20x slower than configured and the Adam parameters
+faster, with nothing reported.
 
 ``scheduler_params_for_groups`` resolves a config scheduler's parameters before the engine builds
 the scheduler (``DeepSpeedEngine._scheduler_from_config``), for an optimizer whose groups carry
@@ -28,11 +27,10 @@ the scheduler (``DeepSpeedEngine._scheduler_from_config``), for an optimizer who
   the same configured rate; otherwise a ``ValueError`` names the key, the groups with the rates the
   scalar would overwrite and the list to write instead.
 
-Keys that are ratios of each group's own rate (``WarmupCosineLR``'s ``warmup_min_ratio`` and
-``cos_min_ratio``, ``LRRangeTest``'s ``lr_range_test_step_rate``) need nothing: every group keeps
-its own rate, scaled. A refusal rather than a rescaling of a scalar: no DeepSpeed scheduler has a
-convention for scaling one value to several groups, and a silent reinterpretation of a key that
-means an absolute rate everywhere else would be a new surprise. Schedulers from
+Keys that are ratios of each group's own rate (``WarmupCosineLR``'s ``warmup_min_ratio`` and ``cos_min_ratio``,
+``LRRangeTest``'s ``lr_range_test_step_rate``) need nothing: every group keeps its own rate, scaled. A refusal rather
+than a rescaling of a scalar: no DeepSpeed scheduler has a convention for scaling one value to several groups, and a
+silent reinterpretation of a key that means an absolute rate everywhere else would be a new surprise. Schedulers from
 ``torch.optim.lr_scheduler`` named in the config and client schedulers are not changed.
 
 ``rates_by_group`` gives the progress log (``DeepSpeedEngine._report_progress``, at
@@ -112,13 +110,13 @@ def scheduler_params_for_groups(scheduler_name: Optional[str], params: Optional[
     Args:
         scheduler_name: the config's ``scheduler.type``.
         params: the config's ``scheduler.params`` (not modified).
-        optimizer: what the engine hands the scheduler (the basic optimizer or its ZeRO / fp16
-            wrapper); its groups' ``lr`` are the configured rates (no scheduler has run yet).
+        optimizer: what the engine hands the scheduler (the basic optimizer or its ZeRO / fp16 wrapper); its groups'
+            ``lr`` are the configured rates (no scheduler has run yet).
 
     Returns:
-        For an optimizer with Muon groups and a scheduler of ``RATE_KEYS``: a new dict, ``params``
-        with each unset ``CONFIGURED`` rate key set to the list of the groups' configured rates.
-        Otherwise ``params`` itself, so that nothing changes for other optimizers and schedulers.
+        For an optimizer with Muon groups and a scheduler of ``RATE_KEYS``: a new dict, ``params`` with each unset
+        ``CONFIGURED`` rate key set to the list of the groups' configured rates. Otherwise ``params`` itself, so that
+        nothing changes for other optimizers and schedulers.
 
     Raises:
         ValueError: a scalar rate key that would overwrite differing configured rates, or a list

@@ -33,16 +33,17 @@ def is_muon_optimizer(optimizer) -> bool:
 
 
 @dataclass(frozen=True)
-class MuonSettings:
-    """A Muon group's ``momentum`` (beta, required), ``nesterov`` (True), ``ns_method`` ("gram") and
-    ``ns_steps`` (5), with upstream ``muon_update``'s defaults."""
+class StepSettings:
+    """What a Muon group's step reads from the group: ``momentum`` (beta, required), ``nesterov`` (True),
+    ``ns_method`` ("gram") and ``ns_steps`` (5), with upstream ``muon_update``'s defaults (the keys' checks:
+    ``config.MuonSettings``)."""
     momentum: float
     nesterov: bool
     ns_method: str
     ns_steps: int
 
     @classmethod
-    def of(cls, param_group: dict) -> "MuonSettings":
+    def of(cls, param_group: dict) -> "StepSettings":
         """Raises: KeyError: the group has no ``momentum``."""
         return cls(momentum=param_group["momentum"],
                    nesterov=param_group.get("nesterov", True),
@@ -50,7 +51,7 @@ class MuonSettings:
                    ns_steps=param_group.get("ns_steps", 5))
 
 
-def momentum_step(grad: torch.Tensor, momentum: torch.Tensor, settings: MuonSettings, out: torch.Tensor) -> None:
+def momentum_step(grad: torch.Tensor, momentum: torch.Tensor, settings: StepSettings, out: torch.Tensor) -> None:
     """Upstream ``muon_momentum_step_`` on a finite gradient, bit for bit: ``momentum.lerp_(grad, 1 -
     beta)`` in place, then the Nesterov blend ``grad.lerp(momentum, beta)`` (or the momentum) into
     ``out`` (``grad`` itself, or a send buffer of as many elements on ``grad``'s device). ``grad``

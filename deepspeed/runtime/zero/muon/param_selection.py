@@ -19,11 +19,10 @@ config names ``"optimizer": {"type": "Muon"}``), per parameter of the model, fir
    change, kept so that no model it sent to Adam moves to Muon): Adam.
 5. Otherwise: Muon.
 
-A user's flag and DeepSpeed's are told apart by a record: whenever this module sets
-``use_muon`` it also records ``(use_muon, reason)`` (``param_record.MuonRecord.choice``). A ``use_muon`` without a
-record, or differing from it, or recorded as the user's, is the user's; one equal to DeepSpeed's
-recorded choice (left by an earlier ``initialize`` of the same model) is decided again, so a
-second ``initialize`` is not mistaken for user intent.
+A user's flag and DeepSpeed's are told apart by a record: whenever this module sets ``use_muon`` it also records
+``(use_muon, reason)`` (``param_record.MuonRecord.choice``). A ``use_muon`` without a record, or differing from it, or
+recorded as the user's, is the user's; one equal to DeepSpeed's recorded choice (left by an earlier ``initialize`` of
+the same model) is decided again, so a second ``initialize`` is not mistaken for user intent.
 
 At ``deepspeed.initialize`` (``resolve_optimizer_selection``, called by the engine where it
 configures the optimizer, before ZeRO replaces the parameter groups by flat partitions):
@@ -75,10 +74,10 @@ class MuonSelection:
         muon: names of the trained parameters Muon orthogonalizes, in ``named_parameters`` order.
         adam: names of the trained parameters the auxiliary Adam optimizes.
         muon_numel / adam_numel: their elements (layer sizes, also under ``zero.Init``).
-        adam_matrices: the names in ``adam`` whose layer is a matrix (>= 2 dimensions): the
-            ones a reader may have expected on Muon (embeddings, tied heads, user choices).
-        frozen: names of the model's parameters that are not trained (``requires_grad`` False,
-            or in no parameter group of the optimizer).
+        adam_matrices: the names in ``adam`` whose layer is a matrix (>= 2 dimensions): the ones a reader may have
+            expected on Muon (embeddings, tied heads, user choices).
+        frozen: names of the model's parameters that are not trained (``requires_grad`` False, or in no parameter
+            group of the optimizer).
         reasons: name -> why it went where it did (``set by the user``, ``not a matrix``,
             ``embedding``, ``tied to an embedding``, ``name rule``, ``matrix``, ``param group``).
     """

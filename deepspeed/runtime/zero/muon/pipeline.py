@@ -21,7 +21,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from deepspeed.runtime.zero.muon.momentum import MuonSettings, momentum_step
+from deepspeed.runtime.zero.muon.momentum import StepSettings, momentum_step
 from deepspeed.runtime.zero.muon.newton_schulz import orthogonalize_each
 from deepspeed.runtime.zero.muon.owner_exchange import BucketLayout, ExchangeBuffers, OwnerExchange
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec, OwnerPlan, slots_for_depth
@@ -120,7 +120,7 @@ class MuonPipeline:
     def run(self,
             grad_flat: torch.Tensor,
             momentum_flat: torch.Tensor,
-            settings: MuonSettings,
+            settings: StepSettings,
             update_dtype: torch.dtype,
             buffers: ExchangeBuffers,
             variant=None) -> None:
@@ -154,7 +154,7 @@ class MuonPipeline:
         while returning:
             self._finalize(*returning.popleft(), grad_flat, update_dtype, buffers)
 
-    def _run_home(self, grad_flat, momentum_flat, settings: MuonSettings, update_dtype: torch.dtype) -> None:
+    def _run_home(self, grad_flat, momentum_flat, settings: StepSettings, update_dtype: torch.dtype) -> None:
         """The matrices that stay home with this rank: the NS input and each call's results are written over
         the gradient in place."""
         for layout in self.in_place:
@@ -172,7 +172,7 @@ class MuonPipeline:
 
             self._orthogonalize(layout, matrix, write, settings, update_dtype, grad_flat.device, in_place=True)
 
-    def _orthogonalize(self, layout: BucketLayout, load, write, settings: MuonSettings, update_dtype: torch.dtype,
+    def _orthogonalize(self, layout: BucketLayout, load, write, settings: StepSettings, update_dtype: torch.dtype,
                        device, in_place: bool) -> None:
         """NS and the variant's rule on each matrix this rank owns in a bucket, then ``write(position,
         result)``: as each call returns where ``in_place``, else after the bucket's calls."""
@@ -208,7 +208,7 @@ class MuonPipeline:
         handle = self.exchange.all_to_all(recv, send, layout.recv_splits, layout.send_splits, async_op=True)
         return b, slot, handle
 
-    def _compute(self, b: int, slot: int, handle, settings: MuonSettings, update_dtype: torch.dtype,
+    def _compute(self, b: int, slot: int, handle, settings: StepSettings, update_dtype: torch.dtype,
                  buffers: ExchangeBuffers):
         layout = self.layouts[b]
         if handle is not None:

@@ -13,7 +13,9 @@ global norm of the whole matrices, a checkpoint resumed bit-identically at the s
 refusals that name ``tensor_parallel.autotp_size``.
 """
 
+import copy
 import functools
+import inspect
 import os
 
 import pytest
@@ -110,30 +112,33 @@ def _check_whole_matrix_muon(stage, gas, world_size, clip=0.0, splits=None, **mu
 
 
 def _own_autotp_state(test):
-    """``test`` between resets of AutoTP's process-wide state (the groups ``_init_tp_mesh_device`` keeps once set, the
-    engine's ``mpu``, the AutoTP mode), as upstream's ``test_autotp_training`` resets it: the ranks serve the next test
-    of their world size (``reuse_dist_env``); every other global of ``groups`` and ``layers`` must be as before."""
-
-    def reset():
-        groups._DATA_PARALLEL_GROUP = groups._MODEL_PARALLEL_GROUP = groups._TENSOR_MODEL_PARALLEL_GROUP = None
-        groups.mpu = None
-        autotp_layers.set_autotp_mode(training=False)
+    """``test`` and then a reset of AutoTP's process-wide state: the groups ``_init_tp_mesh_device`` keeps once set
+    (destroyed), the engine's ``mpu``, the AutoTP mode. Upstream's AutoTP tests start fresh processes instead
+    (``reuse_dist_env`` False); these ranks serve the next test of their world size, another file's too, so every
+    other global of ``groups``, AutoTP's ``layers`` and ``TensorParallel_Layer`` must be back as it was."""
 
     def state():
-        items = [((m.__name__, k), v) for m in (groups, autotp_layers) for k, v in vars(m).items() if not callable(v)]
-        return {k: type(v)(v) if isinstance(v, (dict, list, set)) else v for k, v in items}
+        items = [((m.__name__, k), v) for m in (groups, autotp_layers, autotp_layers.TensorParallel_Layer)
+                 for k, v in vars(m).items() if not callable(v) and not k.startswith("__")]
+        return {k: copy.copy(v) if isinstance(v, (dict, list, set)) else v for k, v in items}
 
     @functools.wraps(test)
     def run(*args, **kwargs):
-        reset()
         before = state()
         try:
-            return test(*args, **kwargs)
+            result = test(*args, **kwargs)
         finally:
-            reset()
-            left = sorted(k for k, v in state().items() if k not in before or before[k] is not v and before[k] != v)
-            assert not left, f"AutoTP state the test left: {left}"
+            made = {groups._DATA_PARALLEL_GROUP, groups._TENSOR_MODEL_PARALLEL_GROUP} - {None, dist.get_world_group()}
+            for group in made:
+                dist.destroy_process_group(group)
+            groups._DATA_PARALLEL_GROUP = groups._MODEL_PARALLEL_GROUP = groups._TENSOR_MODEL_PARALLEL_GROUP = None
+            groups.mpu = None
+            autotp_layers.set_autotp_mode(training=False)
+        left = sorted(k for k, v in state().items() if k not in before or before[k] is not v and before[k] != v)
+        assert not left, f"AutoTP state the test left: {left}"
+        return result
 
+    run.__signature__ = inspect.signature(test)  # upstream's harness reads getfullargspec, which ignores wraps
     return run
 
 

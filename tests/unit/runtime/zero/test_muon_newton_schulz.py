@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from deepspeed.runtime.zero.muon import original_muon
-from deepspeed.runtime.zero.muon.momentum import MuonSettings, momentum_step
+from deepspeed.runtime.zero.muon.momentum import StepSettings, momentum_step
 from deepspeed.runtime.zero.muon.newton_schulz import batches, newton_schulz_problem, orthogonalize_each
 from deepspeed.runtime.zero.muon.owner_plan import MatrixSpec
 from muon_testing.counting import NSCounter
@@ -56,7 +56,7 @@ def _reassemble(partitions, shape):
 def _partitioned_update(grad, momentum, world_size, beta, nesterov=True, **kwargs):
     """The ZeRO-3 path for one matrix: per-rank momentum step into a send buffer, owner NS."""
     grads, momenta = _partitions(grad, world_size), _partitions(momentum, world_size)
-    settings = MuonSettings(momentum=beta, nesterov=nesterov, ns_method="gram", ns_steps=5)
+    settings = StepSettings(momentum=beta, nesterov=nesterov, ns_method="gram", ns_steps=5)
     to_owner = [torch.empty_like(g) for g in grads]
     for g, m, out in zip(grads, momenta, to_owner):
         before = g.clone()
@@ -106,7 +106,7 @@ def test_momentum_step_in_place_equals_upstream(nesterov):
     """``out=grad`` (the ZeRO-1/2 whole-matrix path) leaves in the gradient what upstream's
     in-place ``muon_momentum_step_`` leaves there, and the same momentum, bit for bit."""
     grad, momentum = _inputs((17, 33), seed=5)
-    settings = MuonSettings(momentum=0.95, nesterov=nesterov, ns_method="gram", ns_steps=5)
+    settings = StepSettings(momentum=0.95, nesterov=nesterov, ns_method="gram", ns_steps=5)
     g, m = grad.clone(), momentum.clone()
     momentum_step(g, m, settings, out=g)
     g1, m1 = grad.clone(), momentum.clone()
