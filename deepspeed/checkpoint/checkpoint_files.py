@@ -4,13 +4,11 @@
 # DeepSpeed Team
 """Which checkpoint files an engine reads at load, and errors every rank agrees on there.
 
-``DeepSpeedEngine`` calls three functions of this module: ``model_states_files_to_load`` where it lists
-the model-states files (a universal checkpoint another ZeRO stage wrote; a regular ZeRO-3 checkpoint of
-another world size, whose missing files are named with the way out, ``resize_error``),
-``load_zero_partitions`` where it reads the ZeRO optimizer-state files (the same ``resize_error`` for a
-regular checkpoint of another world size; each rank's file checked against the data-parallel rank and
-world size it records, under ``rank_agreement.agreed_errors`` so that every rank raises the same error),
-and ``zero_partition_record`` where it saves them (that record).
+``DeepSpeedEngine`` calls ``model_states_files_to_load`` where it lists the model-states files (a universal checkpoint
+another ZeRO stage wrote; a regular ZeRO-3 one of another world size, refused with the way out, ``resize_error``),
+``load_zero_partitions`` where it reads the ZeRO optimizer-state files (the same ``resize_error``; each rank's file
+checked against the data-parallel rank and world size it records, under ``rank_agreement.agreed_errors`` so every rank
+raises the same error), and ``zero_partition_record`` where it saves them (that record).
 """
 
 import glob
@@ -32,21 +30,15 @@ from deepspeed.runtime.zero.utils import ZeRORuntimeException
 def model_states_files(checkpoint_dir: str, mp_placeholder: str = "*", partitioned: bool = False) -> List[str]:
     """The model-states files an engine reads from a universal checkpoint another ZeRO stage wrote.
 
-    The conversion copies the saving run's model-states files: a ZeRO-3 run's
-    ``zero_pp_rank_<r>_mp_rank_<m>_model_states.pt``, a ZeRO-1/2 run's
-    ``mp_rank_<m>_model_states.pt``. An engine of the other kind finds none of its own and fails
-    with a bare ``AssertionError`` (``SDLoaderBase.check_ckpt_list``). Universal loading takes the
-    weights from ``zero/`` and only metadata (``dp_world_size``, lr scheduler, step counters,
-    client state) from these files, which data-parallel rank 0's file holds like every other.
+    The conversion copies the saving run's model-states files (ZeRO-3:
+    ``zero_pp_rank_<r>_mp_rank_<m>_model_states.pt``; ZeRO-1/2: ``mp_rank_<m>_model_states.pt``), so an engine of the
+    other kind finds none of its own and fails with a bare ``AssertionError`` (``SDLoaderBase.check_ckpt_list``).
+    Universal loading takes the weights from ``zero/`` and only metadata (``dp_world_size``, lr scheduler, step
+    counters, client state) from these files, which data-parallel rank 0's file holds like every other.
 
-    Args:
-        checkpoint_dir: ``<load_dir>/<tag>``.
-        mp_placeholder: the model-parallel rank, or ``*`` for every one.
-        partitioned: the loading engine partitions its weights (ZeRO-3): it reads a ZeRO-1/2 run's
-            files; else a ZeRO-3 run's (data-parallel rank 0's).
-
-    Returns:
-        the files, one per model-parallel rank, sorted; empty if the folder has none.
+    Returns the files in ``checkpoint_dir`` (``<load_dir>/<tag>``) of model-parallel rank ``mp_placeholder`` (``*``:
+    every one), sorted: a ZeRO-1/2 run's if ``partitioned`` (the loading engine is ZeRO-3), else a ZeRO-3 run's
+    (data-parallel rank 0's); empty if there are none.
     """
     name = f"mp_rank_{mp_placeholder}_model_states.pt" if partitioned else \
         f"zero_pp_rank_0_mp_rank_{mp_placeholder}_model_states.pt"
@@ -54,28 +46,16 @@ def model_states_files(checkpoint_dir: str, mp_placeholder: str = "*", partition
 
 
 def resize_error(saved_dp_world_size, current_dp_world_size, load_dir, tag):
-    """The error for loading a regular ZeRO checkpoint at another data-parallel world size, naming
-    the way out: convert the checkpoint to a universal one and load that.
+    """The error for loading a regular ZeRO checkpoint at another data-parallel world size, naming the way out.
 
-    A regular checkpoint keeps each rank's partition of the flat fp32 master weights and optimizer
-    states (``*_optim_states.pt``, one file per rank; under ZeRO-3 also one model-states file per
-    rank); the partition boundaries depend on the world size that wrote it, so an engine cannot
-    take the states over at another one. A universal checkpoint does not depend on the world size,
-    and ``ds_to_universal`` writes ``<load_dir>/latest_universal``, so after the conversion
-    ``load_checkpoint(load_dir)`` with ``"checkpoint": {"load_universal": true}`` finds it without
-    a tag.
+    A regular checkpoint keeps each rank's partition of the flat fp32 weights and optimizer states, whose boundaries
+    depend on the world size that wrote it. A universal one does not, and ``ds_to_universal`` writes
+    ``<load_dir>/latest_universal``, so after the conversion ``load_checkpoint(load_dir)`` with
+    ``"checkpoint": {"load_universal": true}`` finds it without a tag.
 
-    Args:
-        saved_dp_world_size (int): the data-parallel world size that saved the checkpoint.
-        current_dp_world_size (int): the data-parallel world size of the loading engine.
-        load_dir (str or os.PathLike): the ``load_dir`` passed to ``load_checkpoint``.
-        tag (str): the checkpoint's tag (its folder under ``load_dir``).
-
-    Returns:
-        ZeRORuntimeException: for the caller to raise. Its message keeps the engine's text (both
-        world sizes) and adds the conversion command with this checkpoint's folders (shell-quoted;
-        with ``--inject_missing_state`` for a ZeRO-1/2 checkpoint without
-        ``universal_checkpoint_info``) and the config setting that loads the result.
+    Returns a ZeRORuntimeException for the caller to raise: the engine's text (both world sizes), the shell-quoted
+    conversion command for ``<load_dir>/<tag>`` (with ``--inject_missing_state`` for a ZeRO-1/2 checkpoint without
+    ``universal_checkpoint_info``) and the config setting that loads the result.
     """
     input_folder = os.path.join(os.fspath(load_dir), str(tag))
     output_folder = f"{input_folder}_universal"
@@ -95,11 +75,9 @@ def resize_error(saved_dp_world_size, current_dp_world_size, load_dir, tag):
 
 
 def _needs_injected_state(checkpoint_folder) -> bool:
-    """Whether ``ds_to_universal`` needs ``--inject_missing_state`` for this regular checkpoint: a
-    ZeRO-1/2 one (no per-rank ``zero_pp_rank_*_model_states.pt``) whose
-    ``mp_rank_00_model_states.pt`` has no ``universal_checkpoint_info`` (Megatron-style clients set
-    it; a plain ``nn.Module``, as under the Hugging Face Trainer, does not). The file is read
-    memory-mapped, so no tensor is read."""
+    """Whether ``ds_to_universal`` needs ``--inject_missing_state``: a ZeRO-1/2 checkpoint whose
+    ``mp_rank_00_model_states.pt`` lacks ``universal_checkpoint_info`` (Megatron-style clients set it; a plain
+    ``nn.Module``, as under the Hugging Face Trainer, does not). Read memory-mapped: no tensor is read."""
     model_states = os.path.join(checkpoint_folder, "mp_rank_00_model_states.pt")
     if saved_zero3_dp_world_size(checkpoint_folder) is not None or not os.path.isfile(model_states):
         return False
@@ -108,18 +86,11 @@ def _needs_injected_state(checkpoint_folder) -> bool:
 
 
 def saved_zero3_dp_world_size(checkpoint_folder):
-    """The data-parallel world size that wrote a regular ZeRO-3 checkpoint, from its file names.
+    """The data-parallel world size that wrote a regular ZeRO-3 checkpoint (``<load_dir>/<tag>``), from its file names.
 
-    ZeRO-3 writes one model-states file per data-parallel rank r (and model-parallel rank m),
-    ``zero_pp_rank_<r>_mp_rank_<m>_model_states.pt``; the world size is the number of distinct r.
-    Counting names needs no ``torch.load`` of a file that may not be this rank's to read.
-
-    Args:
-        checkpoint_folder (str or os.PathLike): ``<load_dir>/<tag>``.
-
-    Returns:
-        int, or None where the folder does not exist or holds no such file (not a ZeRO-3
-        checkpoint, or a universal one).
+    The number of distinct r in ``zero_pp_rank_<r>_mp_rank_<m>_model_states.pt``; counting names needs no
+    ``torch.load`` of a file that may not be this rank's to read. None where the folder does not exist or holds no
+    such file (not ZeRO-3, or universal).
     """
     if not os.path.isdir(checkpoint_folder):
         return None
@@ -129,22 +100,15 @@ def saved_zero3_dp_world_size(checkpoint_folder):
 
 
 def raise_if_saved_at_another_world_size(load_dir, tag, current_dp_world_size):
-    """For a ZeRO-3 rank that finds no model-states file of its own in a regular checkpoint: raise
-    ``resize_error`` if the checkpoint was written at another data-parallel world size.
+    """For a ZeRO-3 rank without a model-states file of its own in a regular checkpoint: raise ``resize_error``
+    if the checkpoint was written at another data-parallel world size.
 
-    A rank whose data-parallel rank the saving run did not have (the world size grew) has no
-    ``zero_pp_rank_<r>_*_model_states.pt`` to read, and would otherwise fail in the state-dict
-    loader on an empty file list (``AssertionError``) before reaching the world-size check that
-    names the way out, while the other ranks get that check's error.
-
-    Args:
-        load_dir (str or os.PathLike), tag (str): as given to (or resolved by) ``load_checkpoint``.
-        current_dp_world_size (int): the loading engine's data-parallel world size.
+    A rank the saving run did not have (the world size grew) would otherwise fail in the state-dict loader on an
+    empty file list (``AssertionError``) before the world-size check, while the other ranks get that check's error.
+    Otherwise returns None (e.g. a wrong tag, left to the engine's own error).
 
     Raises:
-        ZeRORuntimeException: ``resize_error``'s, where the checkpoint's ZeRO-3 model-states files
-            show another world size. Otherwise returns None (e.g. a wrong tag, left to the
-            engine's own error).
+        ZeRORuntimeException: ``resize_error``'s, where the ZeRO-3 model-states files show another world size.
     """
     saved = saved_zero3_dp_world_size(os.path.join(os.fspath(load_dir), str(tag)))
     if saved is not None and saved != current_dp_world_size:
@@ -153,24 +117,10 @@ def raise_if_saved_at_another_world_size(load_dir, tag, current_dp_world_size):
 
 def model_states_files_to_load(found: List[str], load_dir, tag, universal: bool, partitioned: bool,
                                dp_world_size: int) -> List[str]:
-    """The model-states files an engine loads, from those it found of its own kind (``found``,
-    ``DeepSpeedEngine._get_all_ckpt_names``).
-
-    Where it found none: from a universal checkpoint (``universal``) another ZeRO stage wrote, that
-    stage's files (``model_states_files``); from a regular checkpoint, at ZeRO-3 (``partitioned``), the
-    error naming the conversion where the checkpoint was written at another data-parallel world size
-    (``raise_if_saved_at_another_world_size``).
-
-    Args:
-        found: the files found, sorted.
-        load_dir (str or os.PathLike), tag (str): as ``load_checkpoint`` resolved them.
-        universal: ``checkpoint.load_universal`` is set.
-        partitioned: the engine partitions its weights (ZeRO-3).
-        dp_world_size (int): the engine's data-parallel world size.
-
-    Returns:
-        ``found`` where it is not empty, else the files above (empty where there are none: the
-        state-dict loader's error follows).
+    """The model-states files an engine loads: ``found`` (its own kind's, ``DeepSpeedEngine._get_all_ckpt_names``)
+    if not empty; else from a universal checkpoint (``universal``) another ZeRO stage wrote, that stage's files
+    (``model_states_files``); else at ZeRO-3 (``partitioned``) the conversion error, where the checkpoint was written
+    at another data-parallel world size; else the empty list (the state-dict loader's error follows).
 
     Raises:
         ZeRORuntimeException: ``resize_error``'s, as ``raise_if_saved_at_another_world_size``.
@@ -193,20 +143,19 @@ ZERO_PARTITION_COUNT = "zero_partition_count"
 
 
 def zero_partition_record(group):
-    """``{ZERO_PARTITION_RANK: rank, ZERO_PARTITION_COUNT: world size}`` of this rank in ``group`` (the
-    optimizer's data-parallel group), for its ZeRO optimizer-state file."""
+    """``{ZERO_PARTITION_RANK: rank, ZERO_PARTITION_COUNT: world size}`` of this rank in the optimizer's
+    data-parallel ``group``, for its ZeRO optimizer-state file."""
     return {ZERO_PARTITION_RANK: dist.get_rank(group=group), ZERO_PARTITION_COUNT: dist.get_world_size(group=group)}
 
 
 def load_zero_partition_file(checkpoint_engine, path, partition_rank, partition_count):
-    """The state dict of the ZeRO optimizer-state file ``path`` of data-parallel rank ``partition_rank`` of
-    ``partition_count``, loaded to the CPU with ``checkpoint_engine``.
+    """The state dict of data-parallel rank ``partition_rank``'s (of ``partition_count``) ZeRO optimizer-state file
+    ``path``, loaded to the CPU with ``checkpoint_engine``. Files without ``ZERO_PARTITION_RANK`` are not checked.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        RuntimeError: ``path`` cannot be read (truncated or damaged; the loader's error is named), or
-            records another partition rank or count than expected (files renamed, swapped or copied
-            from another run). Files saved without ``ZERO_PARTITION_RANK`` are not checked.
+        RuntimeError: ``path`` is unreadable (truncated or damaged; the loader's error is named), or records another
+            partition rank or count (files renamed, swapped or copied from another run).
     """
     try:
         state = checkpoint_engine.load(path, map_location='cpu')
@@ -223,8 +172,8 @@ def load_zero_partition_file(checkpoint_engine, path, partition_rank, partition_
 
 
 _PARTITION_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_?optim_states\.pt")
-"""The name DeepSpeed gives data-parallel rank ``<r>``'s ZeRO optimizer-state file (``_get_zero_ckpt_name``;
-the older names without the ``_`` before ``optim_states`` too)."""
+"""Data-parallel rank ``<r>``'s ZeRO optimizer-state file name (``_get_zero_ckpt_name``; older names without the
+``_`` before ``optim_states`` too)."""
 
 
 def partition_rank_of(path) -> Optional[int]:
@@ -234,9 +183,8 @@ def partition_rank_of(path) -> Optional[int]:
 
 
 class _CheckedPartitionLoads:
-    """A checkpoint engine whose ``load`` of a ZeRO optimizer-state file is ``load_zero_partition_file``'s
-    (the file named with its rank if missing or unreadable, refused if it records another rank or count);
-    everything else is ``inner``'s."""
+    """A checkpoint engine whose ``load`` of a ZeRO optimizer-state file is ``load_zero_partition_file``'s; everything
+    else is ``inner``'s."""
 
     def __init__(self, inner, partition_count: int):
         self.inner, self.partition_count = inner, partition_count
@@ -253,30 +201,19 @@ class _CheckedPartitionLoads:
 
 def load_zero_partitions(engine, load_dir, tag, load_optimizer_states: bool):
     """The optimizer state dicts of a regular ZeRO checkpoint's ``*_optim_states.pt`` files, read as
-    ``engine._get_all_zero_checkpoints`` reads them (each rank its own file, or every file under
-    ``zero_optimization.elastic_checkpoint``), with each file checked and errors every rank agrees on.
+    ``engine._get_all_zero_checkpoints`` reads them (one entry per checkpoint rank), each file checked, with errors
+    every rank agrees on. ``engine.loaded_checkpoint_dp_world_size`` must be set from the model-states file first.
 
-    While it reads, the engine's ``checkpoint_engine`` is replaced by one whose loads of these files are
-    ``load_zero_partition_file``'s (put back after, also on error), so the engine's own reading (its file
-    names, the bf16/fp16 fallback, the AutoEP metadata checks) is unchanged. With
-    ``zero_optimization.pipeline_loading_checkpoint`` the ranks read one after another, so no agreement
-    is sought (a rank would wait for one not yet reading): the rank's own error is raised.
-
-    Args:
-        engine: the loading ``DeepSpeedEngine`` (its ``loaded_checkpoint_dp_world_size`` set from the
-            model-states file).
-        load_dir (str or os.PathLike), tag (str): as ``load_checkpoint`` resolved them.
-        load_optimizer_states: the optimizer states are loaded (else another world size is allowed:
-            only the weights are taken).
-
-    Returns:
-        ``engine._get_all_zero_checkpoints``'s list (one entry per data-parallel rank of the checkpoint).
+    While it reads, ``engine.checkpoint_engine`` is wrapped so that loads of these files are
+    ``load_zero_partition_file``'s (restored after, also on error), leaving the engine's own reading (file names,
+    bf16/fp16 fallback, AutoEP metadata checks) unchanged. Under ``zero_optimization.pipeline_loading_checkpoint`` the
+    ranks read one after another, so no agreement is sought (a rank would wait for one not yet reading). Without
+    ``load_optimizer_states`` another world size is allowed (only the weights are taken).
 
     Raises:
-        ZeRORuntimeException: ``resize_error``'s, where the optimizer states are loaded at another
-            data-parallel world size than the checkpoint's.
-        RankAgreedError (a RuntimeError): on every rank, where some rank's file is missing, unreadable,
-            another rank's, or another error ended its read, naming each failed rank and its error.
+        ZeRORuntimeException: ``resize_error``'s, loading the optimizer states at another data-parallel world size.
+        RankAgreedError (a RuntimeError): on every rank, where some rank's file is missing, unreadable, another
+            rank's, or another error ended its read, naming each failed rank and its error.
     """
     saved = engine.loaded_checkpoint_dp_world_size
     if load_optimizer_states and engine.seq_dp_world_size != saved:

@@ -4,25 +4,18 @@
 # DeepSpeed Team
 """What a universal checkpoint must hold for a Muon run, checked before anything is loaded.
 
-The universal format and loaders (``deepspeed.checkpoint.universal_states`` for ZeRO-3, DeepSpeed's
-own for ZeRO-1/2) restore whatever states a parameter's folder holds, in the flat partition's
-layout, which is where every ZeRO stage keeps Muon's momentum and a variant's checkpoint form
-(``deepspeed.runtime.zero.muon.binding``). For ``MuonWithAuxAdam`` that is not enough: a Muon
-matrix (``use_muon``) whose folder lacks ``momentum_buffer.pt`` would silently restart its momentum
-at zero, an Adam parameter with one would drop it, and the two kinds of parameter groups are told
-apart only by ``use_muon``, so a checkpoint whose groups pair with the run's by count but not by
-kind would hand Muon settings to Adam groups. These checks refuse such checkpoints, naming the
-parameter or group: ``check_zero3_universal_state`` before the ZeRO-3 loader,
-``check_zero12_universal_state`` before the ZeRO-1/2 one (``DeepSpeedZeroOptimizer`` and
-``BF16_Optimizer``).
+The universal loaders (``universal_states`` for ZeRO-3, DeepSpeed's own for ZeRO-1/2) restore whatever states a
+parameter's folder holds, in the flat partition's layout, where every ZeRO stage keeps Muon's momentum and a variant's
+state (``deepspeed.runtime.zero.muon.binding``). For ``MuonWithAuxAdam`` that is not enough: a Muon matrix
+(``use_muon``) whose folder lacks ``momentum_buffer.pt`` would silently restart its momentum at zero, an Adam parameter
+with one would drop it, and groups are told apart only by ``use_muon``, so groups pairing by count but not by kind
+would hand Muon settings to Adam groups. ``check_zero3_universal_state`` (before the ZeRO-3 loader) and
+``check_zero12_universal_state`` (before ``DeepSpeedZeroOptimizer``'s and ``BF16_Optimizer``'s) refuse such
+checkpoints, naming the parameter or group; ``check_variant_state`` does the same for a Muon variant's owner state
+(``owner_state``; NorMuon's ``normuon_second_moment.pt``).
 
-A Muon variant with owner state (``owner_state``; NorMuon's file is ``normuon_second_moment.pt``)
-saves it per parameter too; ``check_variant_state`` requires it where the run's group uses the
-variant and refuses a variant's state where the group does not use that variant.
-
-``ds_to_universal`` calls ``check_zero12_convertible`` first for a ZeRO-1/2 checkpoint: one saved
-by stock DeepSpeed or an older build of this patch keeps Muon's momentum as whole parameters, not
-in the partition's layout the converter cuts, and is refused rather than cut.
+``ds_to_universal`` calls ``check_zero12_convertible`` first for a ZeRO-1/2 checkpoint: one saved by stock DeepSpeed
+or an older build of this patch keeps Muon's momentum as whole parameters, which the converter would cut wrong.
 """
 
 import os
@@ -30,7 +23,7 @@ from typing import Iterable, List
 
 import torch
 
-from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM_GROUPS
+from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, PARAM, PARAM_GROUPS
 from deepspeed.checkpoint.universal_states import FP32, STEP, check_groups_pair, state_files
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY, is_muon_group, is_muon_optimizer
 from deepspeed.runtime.zero.muon.owner_state import VARIANT_KEY, state_keys, variant_of
@@ -43,16 +36,15 @@ def check_muon_state(name: str, folder: str, states: Iterable[str], is_muon: boo
     """Refuse a parameter whose optimizer states do not belong to the optimizer that will run it.
 
     Args:
-        name: the parameter's name (named in the error).
-        folder: its folder in the checkpoint.
+        name, folder: the parameter's name and its folder in the checkpoint.
         states: the state names its folder holds (``fp32``, ``momentum_buffer``, ``exp_avg``, ...).
         is_muon: the loading run optimizes it with Muon (``use_muon``).
-        never_stepped: the checkpoint was saved before the first optimizer step (no state at all).
+        never_stepped: the checkpoint was saved before the first optimizer step (no momentum; a variant's state, if
+            any, all zeros).
 
     Raises:
-        ValueError: a Muon parameter without ``momentum_buffer`` once the optimizer has stepped
-            (its momentum would restart at zero), or an Adam parameter with one (it would be
-            dropped).
+        ValueError: a Muon parameter without ``momentum_buffer`` once the optimizer has stepped (its momentum would
+            restart at zero), or an Adam parameter with one (it would be dropped).
     """
     states = set(states)
     if is_muon and MOMENTUM_KEY not in states and not never_stepped:
@@ -70,14 +62,11 @@ def check_muon_state(name: str, folder: str, states: Iterable[str], is_muon: boo
 def check_variant_state(name: str, folder: str, states: Iterable[str], param_group: dict) -> None:
     """Refuse a Muon parameter whose folder lacks its variant's state, or holds one its group does not use.
 
-    Args:
-        name, folder, states: as for ``check_muon_state``.
-        param_group: the loading run's parameter group of the parameter (its ``variant``).
+    ``name``, ``folder``, ``states`` as for ``check_muon_state``; ``param_group``: the run's group of the parameter.
 
     Raises:
-        ValueError: a variant's parameter without its state (e.g. ``normuon_second_moment``: it
-            would restart at zero), or a parameter with the state of a variant its group does not
-            use (it would be dropped).
+        ValueError: a variant's parameter without its state (e.g. ``normuon_second_moment``: it would restart at
+            zero), or a parameter with the state of a variant its group does not use (it would be dropped).
     """
     states = set(states)
     variant = variant_of(param_group) if is_muon_group(param_group) else None
@@ -96,9 +85,8 @@ def check_variant_state(name: str, folder: str, states: Iterable[str], param_gro
 def check_muon_groups_pair(param_groups: List[dict], saved_groups: List[dict]) -> None:
     """Refuse a checkpoint whose parameter groups do not pair with the run's by index and kind.
 
-    Besides the same number of groups (``check_groups_pair``), each group's ``use_muon`` must be
-    the saved group's of the same index: the loaders copy the saved group's settings over, and a
-    Muon group's (``momentum``, ``ns_method``) mean nothing to Adam and the other way round.
+    Besides the count (``check_groups_pair``), each group's ``use_muon`` must be the saved group's of the same index:
+    the loaders copy the saved settings over, and a Muon group's (``momentum``, ``ns_method``) mean nothing to Adam.
 
     Raises:
         ValueError: a different number of groups, or a group whose ``use_muon`` differs.
@@ -113,19 +101,14 @@ def check_muon_groups_pair(param_groups: List[dict], saved_groups: List[dict]) -
 
 
 def check_zero3_universal_state(optimizer, zero_dir: str, optim_sd: dict) -> None:
-    """Refuse, before the ZeRO-3 universal loader reads anything, a checkpoint whose state does not
-    fit this Muon run.
+    """Refuse, before the ZeRO-3 universal loader reads anything, a checkpoint whose state does not fit this Muon run.
 
-    Args:
-        optimizer: ``DeepSpeedZeroOptimizer_Stage3`` with ``use_muon`` (its ``sub_groups_using_muon``
-            says which sub-groups Muon runs).
-        zero_dir: the checkpoint's ``zero/`` folder.
-        optim_sd: the checkpoint's ``zero/optimizer_state.pt`` (of a ZeRO-3 or a ZeRO-1/2 source).
+    ``optimizer`` is a ``DeepSpeedZeroOptimizer_Stage3`` with ``use_muon``; ``zero_dir`` the checkpoint's ``zero/``,
+    ``optim_sd`` its ``optimizer_state.pt`` (of a ZeRO-3 or a ZeRO-1/2 source).
 
     Raises:
-        ValueError: the parameter groups do not pair (``check_muon_groups_pair``); a parameter's
-            folder holds the other optimizer's state (``check_muon_state``). A parameter without a
-            name in the model is left to the loader's own error.
+        ValueError: from ``check_muon_groups_pair``, ``check_muon_state`` or ``check_variant_state``. A parameter
+            without a name in the model is left to the loader's own error.
     """
     check_muon_groups_pair(optimizer.optimizer.param_groups, optim_sd[PARAM_GROUPS])
     never_stepped = _never_stepped(
@@ -149,26 +132,29 @@ def _lp_groups(zero_optimizer):
 
 
 def _never_stepped(zero_folder, names) -> bool:
-    """Whether the checkpoint holds no optimizer state for the parameters ``names`` (saved before the
-    first optimizer step): each one's folder has only ``fp32.pt`` (and ``step.pt``)."""
-    return all(not set(state_files(os.path.join(zero_folder, name))) - {FP32, STEP} for name in names)
+    """Whether every parameter of ``names`` has only ``fp32.pt``, ``step.pt`` and a Muon variant's state still all
+    zeros (every stage saves a variant's owner state from initialization on): saved before the first step."""
+    for name in names:
+        files = state_files(os.path.join(zero_folder, name))
+        others = set(files) - {FP32, STEP}
+        if others - set(state_keys()) or any(_nonzero(files[key]) for key in others):
+            return False
+    return True
+
+
+def _nonzero(path: str) -> bool:
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    return bool(torch.count_nonzero(saved[PARAM] if isinstance(saved, dict) else saved))
 
 
 def check_zero12_universal_state(zero_optimizer, checkpoint_folder) -> None:
-    """Refuse, before the ZeRO-1/2 universal loader reads anything, a checkpoint whose state does not
-    fit this Muon run (nothing for another optimizer).
-
-    Args:
-        zero_optimizer: a ``DeepSpeedZeroOptimizer`` (stage 1/2) or a ``BF16_Optimizer``.
-        checkpoint_folder: the universal checkpoint (holding ``zero/``).
+    """Refuse, before the ZeRO-1/2 universal loader reads anything, a checkpoint whose state does not fit this Muon
+    run (nothing for another optimizer). ``zero_optimizer``: a ``DeepSpeedZeroOptimizer`` or ``BF16_Optimizer``.
 
     Raises:
-        ValueError: the checkpoint's parameter groups do not pair with the engine's
-            (``check_muon_groups_pair``: the loader pairs them by position); a Muon parameter's
-            folder has no ``momentum_buffer.pt`` although the checkpoint holds optimizer state (one
-            saved before the first step has none, and loads as a fresh start), or an Adam
-            parameter's has one (``check_muon_state``); a parameter of a variant's group without
-            the variant's state file, or one of a plain Muon group with it (``check_variant_state``).
+        ValueError: from ``check_muon_groups_pair`` (the loader pairs groups by position), ``check_muon_state`` (a
+            checkpoint saved before the first step has no momentum and loads as a fresh start) or
+            ``check_variant_state`` (skipped for such a checkpoint).
     """
     base = zero_optimizer.optimizer
     if not is_muon_optimizer(base):
@@ -189,29 +175,24 @@ def check_zero12_universal_state(zero_optimizer, checkpoint_folder) -> None:
 
 
 def check_zero12_convertible(optim_file: str) -> None:
-    """Refuse, in ``ds_to_universal``, to convert a ZeRO-1/2 checkpoint of a Muon run whose momentum
-    is not in the partition's layout.
+    """Refuse, in ``ds_to_universal``, a ZeRO-1/2 checkpoint of a Muon run whose momentum is not in the partition's
+    layout.
 
-    ZeRO-1/2's converter cuts every state of a parameter group at the fp32 partition's fragment
-    offsets (``param_slice_mappings``). This build keeps Muon's state in that layout and marks its
-    checkpoints (``zero12_checkpoints.STATE_LAYOUT_KEY``); stock DeepSpeed and older builds of this patch kept
-    the momentum as the whole parameters that touch the rank's partition, which cut there would
-    give wrong momentum. Every parameter group is partitioned over every data-parallel rank, so one
-    rank's file shows it; it is read memory-mapped (``torch.load(mmap=True)``): no tensor is read.
-
-    Args:
-        optim_file: one rank's ``*_optim_states.pt`` of the checkpoint (named in the error).
+    The converter cuts every state of a group at the fragment offsets of the fp32 partition (``param_slice_mappings``).
+    This build keeps Muon's state in that layout and marks its checkpoints (``zero12_checkpoints.STATE_LAYOUT_KEY``);
+    stock DeepSpeed and older builds of this patch kept the whole parameters touching the rank's partition, which cut
+    there would give wrong momentum. Every group is partitioned over every rank, so one rank's file (``optim_file``,
+    read memory-mapped: no tensor is read) shows it.
 
     Raises:
-        ValueError: a Muon parameter group (``use_muon``) holds ``momentum_buffer``, or a group a
-            variant's state, and the file of ``DeepSpeedZeroOptimizer`` has no ``STATE_LAYOUT_KEY``.
+        ValueError: a Muon group (``use_muon``) holds ``momentum_buffer``, or a group a variant's state, and the file
+            of ``DeepSpeedZeroOptimizer`` has no ``STATE_LAYOUT_KEY``.
     """
     from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, LOSS_SCALER
     from deepspeed.runtime.zero.muon.zero12_checkpoints import STATE_LAYOUT_KEY
     saved = torch.load(optim_file, map_location="cpu", weights_only=False, mmap=True)
     optim_sd = saved[OPTIMIZER_STATE_DICT]
-    # BF16_Optimizer's files (no loss scaler) come from its base optimizer stepping the flat fp32
-    # partitions: every state, Muon's momentum too, is in their layout.
+    # BF16_Optimizer's files (no loss scaler): its base optimizer steps the flat fp32 partitions, so every state is.
     if optim_sd.get(STATE_LAYOUT_KEY) is not None or LOSS_SCALER not in optim_sd:
         return
     base_state = optim_sd[BASE_OPTIMIZER_STATE]

@@ -3,10 +3,9 @@
 
 # DeepSpeed Team
 """Errors every rank agrees on: a step that can fail on some ranks and not others (each rank reads its own checkpoint
-file, checks its own partition) ends on every rank with the same ``RankAgreedError``, instead of the failed ranks
-raising while the others wait in the next collective until the process group's timeout (``agreed_errors`` wraps such
-a step). The agreement costs one all-reduce of one int32 element; only where some rank failed do the ranks
-all-gather the failed ranks' messages.
+file, checks its own partition) ends on every rank with the same ``RankAgreedError`` (``agreed_errors``), instead of
+the failed ranks raising while the others wait in the next collective until the process group's timeout. It costs one
+all-reduce of one int32 element; only where some rank failed do the ranks all-gather the failed ranks' messages.
 """
 
 import contextlib
@@ -18,9 +17,8 @@ from deepspeed.accelerator import get_accelerator
 
 
 class RankAgreedError(RuntimeError):
-    """Raised with the same message on every rank of a group where a step failed on some of its ranks.
-
-    ``failures``: ``[(global rank, message)]`` of the failed ranks, in rank order."""
+    """Raised with the same message on every rank of a group where a step failed on some of its ranks; ``failures``:
+    ``[(global rank, message)]`` of the failed ranks, in rank order."""
 
     def __init__(self, message, failures):
         super().__init__(message)
@@ -29,19 +27,19 @@ class RankAgreedError(RuntimeError):
 
 @contextlib.contextmanager
 def agreed_errors(what, detail=None, group=None, enabled=True):
-    """Run the ``with`` block on every rank of ``group`` (default: all ranks), then agree on its outcome.
+    """Run the ``with`` block on every rank of ``group``, then agree on its outcome.
 
     Args:
         what: the step, the same on every rank (e.g. "loading the ZeRO optimizer states").
         detail: this rank's part (e.g. its file), put before its error message.
-        group: the process group whose ranks all enter the block; ``enabled=False`` skips the agreement
-            (where the ranks run the step one after another, e.g. serial checkpoint loading).
+        group: the process group whose ranks all enter the block (default: the world).
+        enabled: False skips the agreement, re-raising the block's own error (where the ranks run the step one after
+            another, e.g. serial checkpoint loading).
 
     Raises:
-        RankAgreedError: on every rank of ``group`` where the block raised an ``Exception`` on some rank:
-            "<what> failed on rank <r> of <W>: <detail>: <type>: <message>" (each failed rank, "; "
-            between); on a rank where it failed, chained to that rank's exception. A rank whose block
-            returns or raises nothing leaves the ``with`` normally when no rank failed.
+        RankAgreedError: on every rank of ``group`` where the block raised an ``Exception`` on some rank: "<what>
+            failed on rank <r> of <W>: <detail>: <type>: <message>" (each failed rank, "; " between); on a failed
+            rank, chained to its exception.
     """
     failure = error = None
     try:

@@ -2,10 +2,10 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Small Hugging Face causal language models (Llama, GPT-2, Qwen3-MoE, Phi-3), their token batches and their
-single-process reference (``train_causal_lm_reference``, fused projections updated part by part where asked), for
-runs under tensor parallelism (AutoTP; ``expected_shard`` cuts the reference's whole matrix the way AutoTP cut a
-rank's) and with fused projections.
+"""Small Hugging Face causal LMs (Llama, GPT-2, Qwen3-MoE, Phi-3), their token batches and single-process reference.
+
+For runs under tensor parallelism (AutoTP; ``expected_shard`` cuts the reference's whole matrix as AutoTP cut a rank's)
+and with fused projections (``train_causal_lm_reference`` updates them part by part where asked).
 """
 
 import functools
@@ -46,8 +46,8 @@ def token_batch(step: int) -> torch.Tensor:
 
 
 def micro_batches(step: int, dp_rank: int, dp_size: int, gas: int):
-    """This data-parallel rank's micro-batches of step ``step``: its ``SAMPLES / dp_size`` samples in ``gas``
-    equal runs (every rank of a tensor-parallel group gets the same)."""
+    """This data-parallel rank's ``SAMPLES / dp_size`` samples of step ``step`` in ``gas`` equal micro-batches (the
+    same on every rank of a tensor-parallel group)."""
     mine = token_batch(step).chunk(dp_size)[dp_rank]
     return mine.chunk(gas)
 
@@ -58,9 +58,8 @@ def causal_lm_loss(model, ids):
 
 
 def reference_muon_update_parts(grad, momentum, beta, ns_method="gram", split=None):
-    """Upstream ``muon_update`` on each part of a fused parameter (``split = (dim, sizes)``, dim -2 or -1), its
-    momentum's part a view, as if the parts were separate layers (a 3-D tensor per expert); the parts' updates side
-    by side."""
+    """Upstream ``muon_update`` on each part of a fused parameter (``split = (dim, sizes)``, dim -2 or -1; momentum
+    parts are views) as if separate layers (3-D: per expert); the parts' updates side by side."""
     dim, sizes = split
     parts = zip(grad.split(list(sizes), dim=dim), momentum.split(list(sizes), dim=dim))
     return torch.cat(
@@ -76,11 +75,10 @@ def train_model_reference(model,
                           splits=None,
                           muon_names=None,
                           after_step=None):
-    """The single-process reference (``reference``) for any ``model``, trained in place: Muon on ``muon_names``
-    (default: those ``is_muon_param`` picks) with the config's settings, ``heads``: name -> ``muon_num_heads``,
-    ``splits``: name -> ``(dim, sizes)`` of a fused parameter; ``loss_of(step)``: the loss of step ``step``'s samples;
-    ``after_step(step)``: called after each step; Newton-Schulz in fp32. Returns the pre-clip global gradient norm
-    of every step."""
+    """The single-process reference for any ``model``, trained in place, Newton-Schulz in fp32: Muon on ``muon_names``
+    (default: ``is_muon_param``'s) with the config's settings; ``heads``: name -> ``muon_num_heads``; ``splits``: name
+    -> ``(dim, sizes)`` of a fused parameter; ``loss_of(step)``: the step's loss; ``after_step(step)``: called after
+    each step. Returns the pre-clip global gradient norm of every step."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if muon_names is None:
         muon_names = {n for n, p in named if is_muon_param(n, p)}
@@ -165,7 +163,6 @@ def tiny_phi3(seed: int = 0):
 
 
 MODELS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "qwen3_moe": tiny_qwen3_moe, "phi3": tiny_phi3}
-"""The causal language models by name."""
 
 
 def train_causal_lm_reference(name: str,
@@ -175,8 +172,7 @@ def train_causal_lm_reference(name: str,
                               heads=None,
                               splits=None,
                               muon_names=None):
-    """``MODELS[name]`` trained by ``train_model_reference`` on every step's whole batch (``heads``, ``splits``,
-    ``muon_names``: as there); returns the model."""
+    """``MODELS[name]`` trained by ``train_model_reference`` on every step's whole batch; returns the model."""
     model = MODELS[name]()
     train_model_reference(model, lambda step: causal_lm_loss(model, token_batch(step)), steps, clip, hyper, heads,
                           splits, muon_names)

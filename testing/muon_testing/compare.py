@@ -2,8 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""How two trainings are compared: the fp32 floor, relative weight differences, full weights of a (ZeRO-3) engine, and
-a free port for a launcher."""
+"""How trainings are compared: the fp32 floor, relative weight differences, an engine's full weights, a free port."""
 
 import contextlib
 import socket
@@ -12,11 +11,10 @@ import numpy as np
 import torch
 
 FLOOR = 2e-6
-"""Relative weight difference allowed between two fp32 runs that differ only in the order of fp32 sums (samples split
-differently over ranks and micro-steps, reference vs ZeRO-3). Newton-Schulz runs in fp32 on the CPU; the largest such
-difference measured on the test models after 4 steps is 6.0e-7 (gas=1 vs gas=4 at W=4), so FLOOR is about 3x that.
-Wrong results are far off: momentum advanced per micro-step gives 1e-1, clipping the update instead of the gradient
-4e-3. The measurements behind it: docs/configurations.md."""
+"""Relative weight difference allowed between two fp32 runs differing only in the order of fp32 sums (samples split
+differently over ranks and micro-steps, reference vs ZeRO-3), Newton-Schulz in fp32 on the CPU: ~3x the largest one
+measured on the test models after 4 steps, 6.0e-7 (gas=1 vs gas=4 at W=4; docs/configurations.md). Wrong results are
+far off: momentum advanced per micro-step gives 1e-1, clipping the update instead of the gradient 4e-3."""
 
 
 def free_port() -> int:
@@ -33,11 +31,8 @@ def _float64(x):
 
 
 def relative_difference(a, b) -> float:
-    """``||a - b|| / ||a||`` over all parameters, in float64.
-
-    Args:
-        a, b: dicts name -> array (numpy or torch, any float dtype) with the same keys, or
-            sequences of arrays of equal length, paired in order.
+    """``||a - b|| / ||a||`` over all parameters, in float64; ``a``, ``b``: dicts name -> array (numpy or torch, any
+    float dtype) with the same keys, or equal-length sequences of arrays paired in order.
 
     Raises:
         ValueError: the keys (or lengths) differ.

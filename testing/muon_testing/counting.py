@@ -2,8 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Newton-Schulz calls counted on upstream's kernels (``NSCounter``): how many matrices an optimizer step
-orthogonalized, for the tests, the benchmark and the demo, and how long that took."""
+"""Newton-Schulz calls counted on upstream's kernels (``NSCounter``): matrices orthogonalized per step, and time."""
 
 import math
 import time
@@ -11,27 +10,24 @@ import time
 import torch
 
 NS_KERNELS = ("zeropower_via_gram_newtonschulz", "zeropower_via_newtonschulz5", "zeropower_via_polar_express")
-"""Upstream's Newton-Schulz kernels, module attributes of ``deepspeed.runtime.zero.muon.original_muon`` (Polar
-Express's where patch 0017 imports it there, ``polar_express.zeropower_via_polar_express``)."""
+"""Upstream's Newton-Schulz kernels, attributes of ``deepspeed.runtime.zero.muon.original_muon`` (Polar Express's
+where this DeepSpeed imports it there from ``polar_express``)."""
 
 
 class NSCounter:
     """Counts calls into upstream's Newton-Schulz kernels by replacing the ``original_muon`` module attributes with
-    counting wrappers (every caller looks them up there at call time).
+    counting wrappers (every caller looks them up there at call time); ``uninstall`` or leaving ``with`` restores them.
 
-    Install before the first optimizer step: where ``muon_update`` itself is ``torch.compile``d (0.19.7) and
-    TorchDynamo is on, it is traced with the kernels it finds then, and the counting is replayed as a side effect of
-    each call. ``uninstall`` (or leaving the ``with`` block) restores the kernels. Works on stock DeepSpeed too (a
-    kernel ``original_muon`` lacks, Polar Express there, is not counted; its count stays 0).
+    Install before the first optimizer step: where ``muon_update`` is ``torch.compile``d (0.19.7) and TorchDynamo is
+    on, it is traced with the kernels it finds then, the counting replayed as a side effect of each call. On stock
+    DeepSpeed a kernel ``original_muon`` lacks (Polar Express) keeps count 0.
 
     Attributes:
-        count: matrices orthogonalized, over all calls: a call on a batch of shape ``(..., rows, cols)`` counts the
-            product of its leading dimensions, so one batched call on k same-shape matrices counts k, as k calls of
-            one would (an expert group of E experts counts E; a per-head projection its number of heads);
-        by_kernel: the same per kernel name (NS_KERNELS); calls: kernel calls;
-        seconds: wall time spent inside the kernels (``time.perf_counter`` around each outermost call; on a device
-            other than the CPU the device is synchronized before and after, so that asynchronous launches are not
-            timed as free).
+        count: matrices orthogonalized: a call on ``(..., rows, cols)`` counts the product of the leading dimensions,
+            as that many calls of one would (an expert group of E experts counts E; a per-head projection its heads).
+        by_kernel: the same per kernel name (NS_KERNELS). calls: kernel calls.
+        seconds: wall time inside the kernels (``time.perf_counter`` around each outermost call; off the CPU the
+            device is synchronized before and after, so asynchronous launches are not timed as free).
     """
 
     def __init__(self):

@@ -4,10 +4,9 @@
 # DeepSpeed Team
 """The test models, the samples of every optimizer step, the loss and the parameter groups.
 
-Every model is small, with matrices whose sizes W = 2, 3, 4 do not divide, and each covers a case Muon or ZeRO-3 must
-handle (shapes, routing, frozen layers, heads, expert and conv weights). ``step_batch(name, step)`` gives the same
-``TOTAL_SAMPLES`` samples for a step whatever the world size and gradient accumulation, so runs that cut them
-differently must end equal (``FLOOR``).
+Each model is small, its matrix sizes not divisible by W = 2, 3, 4, and covers a case Muon or ZeRO-3 must handle
+(shapes, routing, frozen layers, heads, expert and conv weights). ``step_batch`` gives a step the same samples whatever
+the world size and gradient accumulation, so runs that cut them differently must end equal (``FLOOR``).
 """
 
 import types
@@ -16,19 +15,15 @@ from typing import Optional
 import torch
 
 TOTAL_SAMPLES = 16
-"""Samples per optimizer step, whatever the world size and gradient accumulation."""
+"""Samples per optimizer step."""
 
 HYPER = dict(muon_lr=0.02, adam_lr=0.003, momentum=0.95, weight_decay=0.01, betas=(0.9, 0.95), eps=1e-8)
-"""Hyper-parameters of the runs and of the reference: Muon's learning rate, momentum and weight decay, the auxiliary
-Adam's learning rate, betas and eps (``ds_config``'s optimizer block)."""
+"""Hyper-parameters of the runs and of the reference (``ds_config``'s optimizer block)."""
 
 
 class MixedMLP(torch.nn.Module):
-    """Matrices of different shapes, none of whose sizes divides by 2, 3 or 4, plus 1-D params.
-
-    Muon matrices: 33x21 (tall), 17x33 (wide), 7x17 (wide); AdamW: two biases and a LayerNorm. Input (N, 21) fp32,
-    output (N, 7).
-    """
+    """Muon matrices 33x21, 17x33, 7x17 (no size divisible by 2, 3 or 4); AdamW: two biases and a LayerNorm.
+    Input (N, 21) fp32, output (N, 7)."""
     in_dim, out_dim = 21, 7
 
     def __init__(self):
@@ -57,13 +52,9 @@ class CrossShapes(torch.nn.Module):
 
 
 class Routed(torch.nn.Module):
-    """A branch only some samples use, so some steps (and some micro-steps) give it no gradient.
-
-    Samples whose first input feature is positive also go through ``extra`` (a 9x21 Muon matrix and a bias).
-    ``step_batch`` sets that feature so that in step 0 only the last 4 samples use the branch (at gas=4 it gets no
-    gradient in the first micro-steps), in step 1 none does (no gradient in the whole step), in step 2 all do, in step
-    3 the first 4. Input (N, 21), output (N, 9).
-    """
+    """A branch (``extra``: a 9x21 Muon matrix and a bias) only samples with a positive first feature use, so some
+    steps and micro-steps give it no gradient. By ``ROUTES``: the last 4 samples in step 0 (at gas=4 none in the first
+    micro-steps), none in step 1, all in step 2, the first 4 in step 3. Input (N, 21), output (N, 9)."""
     in_dim, out_dim = 21, 9
     ROUTES = {0: range(12, 16), 1: range(0), 2: range(16), 3: range(0, 4)}
 
@@ -142,16 +133,14 @@ def build_model(name: str, seed: int = 0) -> torch.nn.Module:
 
 
 def is_muon_param(name: str, param: torch.Tensor) -> bool:
-    """DeepSpeed's rule (``param_selection``) on the test models, which have no ``nn.Embedding``:
-    matrices, except names containing ``embed`` or ``lm_head``."""
+    """DeepSpeed's ``param_selection`` on these models (no ``nn.Embedding``): matrices but ``embed``/``lm_head``."""
     return param.ndim >= 2 and not any(key in name.lower() for key in ("embed", "lm_head"))
 
 
 def newton_schulz_problem_count(name: str, num_heads: Optional[dict] = None) -> int:
-    """Number of 2-D Newton-Schulz problems per optimizer step of model ``name``: over the parameters DeepSpeed
-    optimizes with Muon, one per matrix, one per expert of an expert group, one per head of a projection in
-    ``num_heads`` (parameter name -> ``muon_num_heads``, as ``Zero3MuonResult.muon_num_heads`` reports them;
-    ``muon_ns_problem``): what ``NSCounter.count`` counts for one step."""
+    """2-D Newton-Schulz problems per optimizer step of model ``name`` (what ``NSCounter.count`` counts): per Muon
+    parameter one per matrix, per expert of an expert group, or per head of a projection in ``num_heads`` (parameter
+    name -> ``muon_num_heads``, as ``Zero3MuonResult.muon_num_heads`` reports them; ``muon_ns_problem``)."""
     from deepspeed.runtime.zero.muon.newton_schulz import newton_schulz_problem
     heads = num_heads or {}
     return sum(
@@ -173,8 +162,7 @@ def step_batch(name: str, step: int, target_scale: float = 1.0, samples: int = T
 
 
 def loss_fn(out, target):
-    """Mean squared error of ``out`` against ``target`` (both (N, out), fp32: a model's output is cast first), the loss
-    of every test model."""
+    """Every test model's loss: mean squared error (both (N, out) fp32: a model's output is cast first)."""
     return torch.nn.functional.mse_loss(out, target)
 
 

@@ -2,13 +2,11 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The single-process reference: what a PyTorch user writes by hand, one process, the whole batch of a step at once,
-optionally ``torch.nn.utils.clip_grad_norm_``, then upstream ``muon_update`` per Muon matrix (weight decay and
-``-lr * update`` as ``MuonWithAuxAdam`` applies them) and ``torch.optim.AdamW`` for everything else
-(``train_reference``).
+"""The single-process reference: what a PyTorch user writes by hand, upstream ``muon_update`` plus AdamW.
 
-Newton-Schulz computes in fp32 there and in the runs compared with it (``fp32_newton_schulz``), the premise of
-``FLOOR``.
+``train_reference``: the whole batch of a step at once, optionally ``clip_grad_norm_``, then upstream ``muon_update``
+per Muon matrix (weight decay and ``-lr * update`` as ``MuonWithAuxAdam`` applies them), ``torch.optim.AdamW`` for
+the rest. Newton-Schulz computes in fp32 there and in the runs compared with it (``fp32_newton_schulz``): ``FLOOR``.
 """
 
 import contextlib
@@ -20,9 +18,8 @@ from muon_testing.models import HYPER, TOTAL_SAMPLES, build_model, is_muon_param
 
 
 def device():
-    """The device the tests' tensors live on: DeepSpeed's accelerator's current device (``"cpu"`` on the CPU
-    accelerator, ``"cuda:<local rank>"`` on a GPU). References, replays and the inputs a DeepSpeed engine is fed go
-    there; results come back as CPU numpy arrays."""
+    """DeepSpeed's accelerator's current device (``"cpu"``, ``"cuda:<local rank>"``): references, replays and engine
+    inputs go there; results come back as CPU numpy arrays."""
     from deepspeed.accelerator import get_accelerator
     return torch.device(get_accelerator().current_device_name())
 
@@ -31,15 +28,11 @@ def device():
 def fp32_newton_schulz(every_method: bool = False):
     """Newton-Schulz's "gram" kernel in fp32, the tests' premise (FLOOR), on any accelerator.
 
-    Upstream's ``ns_compute_dtype`` runs "gram" in fp16 where the accelerator supports fp16: on every GPU, and on CPUs
-    whose oneDNN has fp16 (AVX512-FP16 or AMX, ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``), where the reference
-    and ZeRO-3 then differ by 5.7e-4 (measured on the CPU, MixedMLP, 4 steps) instead of the fp32 floor. While a test
-    trains or replays, the accelerator reports no fp16 (fp16 engines claim it back while they are built,
-    ``fp16_allowed_on_cpu``).
-
-    With ``every_method`` the accelerator reports no bf16 either, so the kernels that compute in bf16 where it is
-    supported ("standard", "polar_express") run in fp32 too: for fp32 runs only (``bf16.enabled`` needs bf16 at
-    ``deepspeed.initialize``)."""
+    Upstream's ``ns_compute_dtype`` runs "gram" in fp16 where the accelerator supports fp16: every GPU, and CPUs whose
+    oneDNN has it (AVX512-FP16 or AMX, ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``), where reference and ZeRO-3
+    then differ by 5.7e-4 (CPU, MixedMLP, 4 steps). So the accelerator reports no fp16 meanwhile (fp16 engines claim
+    it back while built, ``fp16_allowed_on_cpu``). ``every_method``: no bf16 either, so "standard" and
+    "polar_express" run in fp32 too; fp32 runs only (``bf16.enabled`` needs bf16 at ``deepspeed.initialize``)."""
     from deepspeed.accelerator import get_accelerator
     accelerator = get_accelerator()
     original, original_bf16 = accelerator.is_fp16_supported, accelerator.is_bf16_supported
@@ -53,10 +46,9 @@ def fp32_newton_schulz(every_method: bool = False):
 
 
 def reference_muon_update(grad, momentum, beta, ns_method="gram", is_expert_group=False, num_heads=None):
-    """Upstream ``muon_update``, except for 4-D convolution weights, where it fails in its final
-    ``torch.where(finite, update, grad)`` ((out, in*kh*kw) does not broadcast against (out, in, kh, kw)); for those its
-    own steps are composed as Keller Jordan's Muon does them: the same lerps, NS on the weight flattened to (out, -1),
-    scaled by its last two dimensions."""
+    """Upstream ``muon_update``, except for 4-D conv weights, where its final ``torch.where(finite, update, grad)``
+    fails ((out, in*kh*kw) does not broadcast against (out, in, kh, kw)): there its own steps as Keller Jordan's Muon
+    composes them (the same lerps, NS on the weight as (out, -1), scaled by its last two dimensions)."""
     from deepspeed.runtime.zero.muon import original_muon
     if num_heads is not None or grad.ndim != 4 or is_expert_group:
         extra = dict(num_heads=num_heads) if num_heads is not None else dict(is_expert_group=is_expert_group)
@@ -69,9 +61,8 @@ def reference_muon_update(grad, momentum, beta, ns_method="gram", is_expert_grou
 
 
 def muon_settings(model, grouping, hyper, ns_method="gram", is_muon=is_muon_param):
-    """Per parameter name, the Muon or AdamW settings DeepSpeed's Muon engine resolves: the config's shared values
-    (``ns_method``: the config's), ``muon_lr`` / ``adam_lr``, then the group's own (engine ``_muon_param_groups``);
-    ``is_muon(name, param)``: which half it is in."""
+    """Per parameter name, the Muon or AdamW settings the engine resolves (``_muon_param_groups``): the config's shared
+    values and ``ns_method``, ``muon_lr`` / ``adam_lr``, then the group's own; ``is_muon(name, param)``: its half."""
     names = {id(p): n for n, p in model.named_parameters()}
     settings = {}
     for group in param_groups(model, grouping) if grouping else [dict(params=list(model.parameters()))]:
@@ -109,16 +100,13 @@ def _train_reference(name: str,
                      per_head=False,
                      samples: int = TOTAL_SAMPLES,
                      ns_method: Optional[str] = None):
-    """Single-process PyTorch + upstream ``muon_update`` training; see the module docstring.
+    """Single-process PyTorch + upstream ``muon_update`` training (module docstring).
 
-    A parameter without a gradient in a step (a branch no sample used) gets a zero gradient, as DeepSpeed's optimizers
-    treat it; a frozen parameter is left out. With ``adamw_only`` every parameter uses AdamW (lr ``adam_lr``), the
-    reference for DeepSpeed's ``"AdamW"`` optimizer. With ``per_head`` the model's ``MUON_HEADS`` are orthogonalized
-    per head. ``ns_method``: the config's (``optimizer.params.ns_method``; None: upstream's default, "gram").
-
-    Returns:
-        ``(weights, norms)``: final parameters by name (numpy fp32) and the pre-clip global
-        gradient norm of every step.
+    A parameter without a gradient in a step (a branch no sample used) gets a zero one, as DeepSpeed's optimizers
+    treat it; a frozen one is left out. ``adamw_only``: AdamW (lr ``adam_lr``) everywhere, the reference for
+    DeepSpeed's ``"AdamW"``. ``per_head``: the model's ``MUON_HEADS`` orthogonalized per head. ``ns_method``: the
+    config's (None: upstream's "gram"). Returns ``(weights, norms)``: final parameters by name (numpy fp32) and the
+    pre-clip global gradient norm of every step.
     """
     dev = device()
     model = build_model(name).to(dev)
@@ -143,10 +131,9 @@ def _train_reference(name: str,
 
 def train_steps(model, named, settings, muon, other, heads, steps, clip, loss_of, splits=(), after_step=None) -> list:
     """``steps`` optimizer steps of ``model`` (``loss_of(step)``: the step's loss over all its samples): Muon on
-    ``muon`` (``heads``: name -> ``muon_num_heads``; ``splits``: name -> the update of a fused parameter, a callable
-    taking ``(grad, momentum, beta, ns_method)``), AdamW on ``other`` (``(name, param)`` lists; ``settings`` by name),
-    optional clipping, ``after_step(step)`` after each step's updates; returns the pre-clip global gradient norm of
-    every step."""
+    ``muon`` (``heads``: name -> ``muon_num_heads``; ``splits``: name -> a fused parameter's update, a callable of
+    ``(grad, momentum, beta, ns_method)``), AdamW on ``other`` (``(name, param)`` lists; ``settings`` by name),
+    optional clipping, ``after_step(step)`` after each step; returns the pre-clip global gradient norm per step."""
     adamw = torch.optim.AdamW([dict(params=[p], **settings[n]) for n, p in other]) if other else None
     momenta = {n: torch.zeros_like(p) for n, p in muon}
     norms = []

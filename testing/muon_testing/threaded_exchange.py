@@ -2,15 +2,12 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""W ranks of the distributed Muon core (``pipeline.MuonPipeline``) simulated by threads in one process, on any
-device: the tests run it on the CPU accelerator, the GPU check on one GPU (the exchange's buffers, views and copies
-on CUDA tensors at W > 1, which a one-GPU run of DeepSpeed never reaches).
+"""W ranks of the distributed Muon core (``pipeline.MuonPipeline``) simulated by threads in one process, on any device.
 
-``FakeAllToAll`` stands in for ``all_to_all_single``: the ranks' n-th collectives complete together once all have
-posted them, after checking that their splits agree; a handle's ``wait`` checks that its input was not written before
-it. ``run_pipelines`` runs steps of random gradients on ZeRO-3's layout (``ceil(numel / W)`` of each matrix, zero
-padded) or ZeRO-1/2's (the flat buffer cut in W); ``reference_updates`` is upstream ``muon_update`` on each whole
-matrix; ``scatter`` gives a rank's pieces of whole matrices, so results compare bit for bit.
+The tests run it on the CPU accelerator, the GPU check on one GPU (CUDA buffers, views and copies at W > 1, which a
+one-GPU DeepSpeed run never reaches). ``FakeAllToAll`` stands in for ``all_to_all_single``; ``run_pipelines`` runs
+random gradients on ZeRO-3's layout (``ceil(numel / W)`` of each matrix, zero padded) or ZeRO-1/2's (the flat buffer
+cut in W); ``scatter`` of ``reference_updates`` (upstream ``muon_update`` per whole matrix) compares bit for bit.
 """
 
 import math
@@ -27,18 +24,14 @@ SHAPES = [(7, 5), (12, 12), (1, 3), (9, 16), (2, 3, 5), (16, 9), (30, 4), (5, 5)
 
 
 def settings():
-    """Muon's settings of these runs (``momentum.StepSettings``): momentum 0.9, Nesterov, "gram", 5 steps."""
     from deepspeed.runtime.zero.muon.momentum import StepSettings
     return StepSettings(momentum=0.9, nesterov=True, ns_method="gram", ns_steps=5)
 
 
 class FakeAllToAll:
-    """``all_to_all_single`` for ``world_size`` simulated ranks (``for_rank(r)``: rank r's callable).
-
-    Attributes:
-        async_ops: per rank, each collective's ``async_op``. errors: disagreements found (splits that differ, an input
-            written before its handle was waited for); the caller asserts it is empty.
-    """
+    """``all_to_all_single`` for ``world_size`` simulated ranks (``for_rank(r)``: rank r's callable): the n-th
+    collectives complete together once all ranks posted them. ``async_ops``: per rank, each collective's
+    ``async_op``; ``errors``: splits that disagree, inputs written before their handle's ``wait`` (asserted empty)."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
@@ -92,8 +85,8 @@ class FakeAllToAll:
 
 
 class _Handle:
-    """Completes when collective ``n`` is routed; ``wait`` checks the input still holds what it did
-    when the collective was issued (a real all-to-all may read it until then)."""
+    """Completes when collective ``n`` is routed; ``wait`` checks the input is unchanged since the collective was
+    issued (a real all-to-all may read it until then)."""
 
     def __init__(self, fake, n, input, snapshot):
         self.fake, self.n, self.input, self.snapshot = fake, n, input, snapshot
@@ -180,12 +173,11 @@ def run_pipelines(layout,
     """``steps`` steps of random gradients through ``world_size`` threaded pipelines on ``device``.
 
     Args:
-        layout: ``zero3_layout``, ``zero12_layout`` or a callable of the same signature.
+        layout: ``zero3_layout``, ``zero12_layout`` or alike. pieces: ``(pieces, slices)`` instead of ``layout``'s.
         bucket_numel, depth: the owner plan's bucket size and the pipeline depth. specs: default ``specs_of()``.
-        pieces: ``(pieces, slices)`` instead of ``layout``'s. options: ``MuonPipeline``'s ``batch_ns``, ``variant``.
-        device: where Newton-Schulz runs and the buffers live. offload: the pieces (gradient, momentum) on the CPU,
-            crossing through pinned staging buffers (``ExchangeBuffers``' ``staging_device``), as under optimizer
-            offload; on the CPU itself the staging copies run too.
+        device: where Newton-Schulz runs and the buffers live. options: ``MuonPipeline``'s ``batch_ns``, ``variant``.
+        offload: the pieces (gradient, momentum) on the CPU, through pinned staging buffers as under optimizer
+            offload (``ExchangeBuffers``' ``staging_device``; on the CPU the staging copies run too).
 
     Raises:
         AssertionError: a rank raised (its exception in the message) or the collectives disagreed.
@@ -231,11 +223,8 @@ def run_pipelines(layout,
 
 
 def reference_updates(specs, grads):
-    """Upstream, one process: ``muon_update`` per whole matrix, step after step, on the gradients' device.
-
-    Returns:
-        ``(updates, momenta)``: per step the updates of each matrix, and each matrix's final momentum.
-    """
+    """Upstream ``muon_update`` per whole matrix, step after step, on the gradients' device: ``(updates, momenta)``,
+    per step each matrix's update, and each matrix's final momentum."""
     from deepspeed.runtime.zero.muon import original_muon
     momenta = [torch.zeros_like(g) for g in grads[0]]
     return [[original_muon.muon_update(g.clone(), m, beta=settings().momentum) for g, m in zip(step, momenta)]
@@ -243,9 +232,8 @@ def reference_updates(specs, grads):
 
 
 def mismatches(run: Run, device="cpu"):
-    """Per rank and step where a rank's update or final momentum is not its pieces of ``reference_updates``: a list of
-    ``(rank, step or "momentum", max absolute difference relative to the reference's largest element)``; empty where
-    every piece is bit for bit upstream's."""
+    """``(rank, step or "momentum", max absolute difference / the reference's largest element)`` wherever a rank's
+    update or final momentum is not its pieces of ``reference_updates``; empty where all are upstream's bit for bit."""
     updates, reference_momenta = reference_updates(run.specs, run.grads)
     numel = run.momenta[0].numel()
     out = []
@@ -261,14 +249,11 @@ def mismatches(run: Run, device="cpu"):
 
 def device_check(device, world_sizes=range(2, 9), depths=(1, 2), bucket_numels=(1, 300, 10**9),
                  offloads=(False, True)):
-    """The exchange's device code at every ``world_sizes`` x layout x depth x bucket size x offload on ``device``, each
-    run against upstream's update on the same device, Newton-Schulz unbatched (``batch_ns=False``: upstream's calls).
-
-    Returns:
-        One dict per run: ``layout``, ``world_size``, ``depth``, ``bucket_numel``, ``offload``, ``ns_dtype`` (what
-        ``original_muon.ns_compute_dtype`` gave), ``exchanges`` (all-to-alls issued, summed over ranks), ``bit_equal``,
-        ``max_relative_difference`` (0 where bit-equal) and ``seconds``.
-    """
+    """The exchange's device code at every world size x layout x depth x bucket size x offload on ``device``, each run
+    against upstream's update on the same device, Newton-Schulz unbatched (``batch_ns=False``: upstream's calls).
+    Returns one dict per run: ``layout``, ``world_size``, ``depth``, ``bucket_numel``, ``offload``, ``ns_dtype``
+    (``original_muon.ns_compute_dtype``), ``exchanges`` (all-to-alls, summed over ranks), ``bit_equal``,
+    ``max_relative_difference`` (0 where bit-equal) and ``seconds``."""
     import time
     from deepspeed.runtime.zero.muon import original_muon
     rows = []

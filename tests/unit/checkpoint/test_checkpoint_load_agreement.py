@@ -4,12 +4,10 @@
 # DeepSpeed Team
 """A regular ZeRO checkpoint with one rank's optimizer-state file damaged ends every rank with the same error.
 
-Each rank reads its own ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt``; a rank whose file is missing, truncated or
-another rank's used to raise alone (a bare ``OSError: [Errno 22] Invalid argument`` for a truncated file, naming
-neither file nor rank; a file of another rank loaded silently), while the others returned and then waited in their next
-collective until the process group's timeout. Here (each rank catches its error and stays alive) every rank must raise,
-within seconds, one ``RankAgreedError`` whose message is the same on every rank and names the damaged file and the
-rank, at ZeRO-1, 2 and 3, with Muon and with AdamW (W=2). The intact checkpoint loads the saved state bit for bit.
+A rank whose ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` is missing, truncated or another rank's must not raise
+alone while the others wait in their next collective until the process-group timeout: every rank must raise, within
+seconds, one ``RankAgreedError`` with the same message naming the damaged file and rank, at ZeRO-1, 2 and 3, with Muon
+and AdamW (W=2). The intact checkpoint loads the saved state bit for bit.
 """
 
 import glob
@@ -31,8 +29,7 @@ DAMAGES = {  # what rank 0 does to a copy of the checkpoint: (the ranks that mus
     "swapped": ([0, 1], "expected rank 0 of 2"),
 }
 SECONDS = 30.0
-"""Every rank's ``load_checkpoint`` must end by then (it ends in well under a second after the reads; a rank left
-waiting for a failed one would wait for the process group's timeout, 600 s here)."""
+"""Every rank's ``load_checkpoint`` must end by then; a rank left waiting for a failed one would wait 600 s."""
 
 
 def _damage(folder, how):

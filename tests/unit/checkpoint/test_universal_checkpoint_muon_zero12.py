@@ -4,13 +4,10 @@
 # DeepSpeed Team
 """Universal checkpoints of Muon runs and ZeRO stages 1 and 2, in both directions.
 
-ZeRO-3 to ZeRO-1/2 (two phases, ``zero3_universal_helpers``): MixedMLP at ZeRO-3 (two Muon groups with their own
-momentum, lr and weight decay, and their two Adam groups) saved at W=2; at W' a stage-1/2 engine must hold exactly the
-saved state, Muon's momentum in the partition's layout as Adam's moments, then follow the ZeRO-3 run.
-
-ZeRO-1/2 to anywhere: a stage 1, 2 and 2 + CPU offload checkpoint (W=2) converts (the momentum is cut at the fragment
-offsets like ``exp_avg``) and resumes at W'=1 and 4 and at ZeRO-3 (W'=2). The older layout (whole parameters) is
-refused by the converter. Without Muon: ``test_zero3_universal.py`` and ``test_zero12_universal.py``.
+ZeRO-3 to ZeRO-1/2: MixedMLP at ZeRO-3 (two Muon groups with own momentum, lr, weight decay, two Adam groups) saved at
+W=2; at W' a stage-1/2 engine must hold exactly the saved state, momentum in the partition layout, then follow ZeRO-3.
+ZeRO-1/2 to anywhere: a stage 1, 2 and 2 + CPU offload checkpoint (W=2) converts (momentum cut at the fragment offsets
+like ``exp_avg``) and resumes at W'=1, 4 and at ZeRO-3 (W'=2). The older whole-parameter layout is refused.
 """
 
 import os
@@ -32,8 +29,7 @@ SETTINGS = GROUP_SETTINGS + ("use_muon", "momentum", "ns_method")  # group setti
 
 
 def check_momentum_restored(engine, expected):
-    """Muon's momentum as the stage will use it, in the partition's layout: each of this rank's fragments bit-identical
-    to the saved momentum's, every Muon matrix's held by some rank."""
+    """Each of this rank's momentum fragments equals the saved momentum's bit for bit; every Muon matrix's is held."""
     import deepspeed.comm as dist
     opt = engine.optimizer
     names = []
@@ -56,7 +52,7 @@ def check_momentum_restored(engine, expected):
 
 
 def _round_trip(tmp_path, load):
-    """``universal_round_trip`` of ``RUN`` loaded as ``load``, with Muon's settings and momentum checked too."""
+    """``universal_round_trip`` of ``RUN`` loaded as ``load``, Muon's settings and momentum checked too."""
     phase = universal_round_trip(RUN, tmp_path, load, SETTINGS)
     if phase is not None:
         check_momentum_restored(*phase)
@@ -79,9 +75,8 @@ class TestZero3MuonUniversalAtZero12(DistributedTest):
 
     @pytest.mark.world_size([2, 2])
     def test_bf16_optimizer(self, tmp_path):
-        """bf16 with data_types.grad_accum_dtype fp32 at stage 1 is DeepSpeed's BF16_Optimizer. On 0.19.8 it keeps
-        Muon's momentum in the partition layout, which upstream's loader restores; 0.19.7 refuses Muon with
-        BF16_Optimizer at deepspeed.initialize (it would apply no Muon update), naming the stage and the key."""
+        """Stage 1 bf16 + grad_accum_dtype fp32 (BF16_Optimizer) restores the partition-layout momentum on 0.19.8;
+        0.19.7 refuses Muon there at initialize (it would apply no Muon update), naming the stage and the key."""
         run = RUN.with_(stage=1, dtype="bf16", extra=(("data_types", {"grad_accum_dtype": "fp32"}), ))
         if _upstream_0197() and (tmp_path / "expected.pt").exists():
             with pytest.raises(Exception, match="BF16_Optimizer.*grad_accum_dtype fp32 at ZeRO stage 1"):
@@ -134,9 +129,7 @@ class TestZero12OlderLayoutRefused(DistributedTest):
     reuse_dist_env = True
 
     def test_refused_naming_the_checkpoint(self, tmp_path):
-        """A ZeRO-1/2 Muon checkpoint of the older layout (whole parameters, no ``muon_state_layout``: stock DeepSpeed,
-        older builds) is refused by ``ds_to_universal`` before it writes anything, with the way out; a checkpoint of
-        this build converts (``TestZero12MuonCheckpointConverts``)."""
+        """An older whole-parameter layout (no ``muon_state_layout``) is refused before anything is written."""
         import deepspeed.comm as dist
         from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
         from muon_testing.models import build_model, is_muon_param
@@ -165,10 +158,8 @@ class TestZero12BF16OptimizerConverts(DistributedTest):
     reuse_dist_env = True
 
     def test_converts_and_loads_at_zero3(self, tmp_path):
-        """DeepSpeed's BF16_Optimizer (bf16 with data_types.grad_accum_dtype fp32 at stage 1; 0.19.8, whose release
-        runs its own Muon there) steps its base optimizer on the flat fp32 partitions, so Muon's momentum is in their
-        layout without this build's mark: ``ds_to_universal`` converts it, each Muon matrix's ``momentum_buffer.pt``
-        holds the saved momentum bit for bit, and a ZeRO-3 engine loads it and trains on."""
+        """BF16_Optimizer (0.19.8) keeps Muon's momentum in the flat partition layout without this build's mark:
+        ``ds_to_universal`` converts it bit for bit per Muon matrix, and a ZeRO-3 engine loads it and trains on."""
         from deepspeed.utils import safe_get_full_optimizer_state
         from muon_testing.models import is_muon_param
         if _upstream_0197():

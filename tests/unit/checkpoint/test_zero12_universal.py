@@ -4,22 +4,19 @@
 # DeepSpeed Team
 """ZeRO-1/2 universal checkpoints of any optimizer: every state converted, then loaded at W' = 1 and 2.
 
-``ds_to_universal``'s ZeRO-1/2 extractor read ``exp_avg`` and ``exp_avg_sq`` by name, so a checkpoint of
-``torch.optim.SGD`` with momentum stopped with ``KeyError: 'exp_avg'``. Each round trip runs three times with the same
-``tmp_path`` (``world_size`` ``[2, 1, 2]``):
+The extractor must not read ``exp_avg``/``exp_avg_sq`` by name (SGD's momentum hit ``KeyError``). Each round trip runs
+three times with one ``tmp_path`` (``world_size`` ``[2, 1, 2]``):
 
-- at W=2: MixedMLP (1427 parameters: the last rank's partition is padded) in two parameter groups (fc1's with its own
-  settings) trains, saves, is converted with ``--inject_missing_state`` (the model sets no
-  ``universal_checkpoint_info``); the converted folders must hold exactly every state recorded (fp32 masters, each
-  optimizer state, step, group settings). One more step follows.
-- at W'=1, then W'=2: a ``load_universal`` engine must hold exactly the recorded state, and after the same step the
-  uninterrupted run's, bit for bit. Every step uses 16 samples in micro-batches of 8 (W=2: gas 1; W'=1: 2), so each
-  micro-batch's gradient is the same computation, their fp32 sum the same whether two ranks average it or one rank
-  accumulates halves (halving is exact), and the optimizer's step is elementwise.
+- W=2: MixedMLP (1427 parameters: last partition padded) in two groups (fc1's own settings) trains, saves, converts
+  with ``--inject_missing_state``; the folders must hold exactly every recorded state (fp32 masters, optimizer states,
+  step, group settings). One more step follows.
+- W'=1, then 2: a ``load_universal`` engine must hold exactly the recorded state and, after the same step, the
+  uninterrupted run's, bit for bit. 16 samples per step in micro-batches of 8 (W=2: gas 1; W'=1: 2) keep each fp32
+  gradient sum identical (halving is exact) and the step is elementwise.
 
-Cases: SGD with momentum and weight decay (a client optimizer; ``zero_force_ds_cpu_optimizer: false`` with offload) at
-ZeRO-1, 2 and 2 + CPU offload, DeepSpeed's AdamW (FusedAdam, with offload DeepSpeedCPUAdam) at ZeRO-1 and 2 + offload.
-A state of another length than the partition's is refused by the converter before any parameter is written.
+Cases: SGD with momentum and weight decay (client optimizer; ``zero_force_ds_cpu_optimizer: false`` with offload) at
+ZeRO-1, 2, 2 + CPU offload; DeepSpeed's AdamW (FusedAdam, DeepSpeedCPUAdam with offload) at ZeRO-1 and 2 + offload. A
+state of another length is refused.
 """
 
 import copy
@@ -81,16 +78,11 @@ class Case:
 
 
 ADAM_ULPS = 8
-"""Largest difference, in ulps (``ulps``), allowed between AdamW's state one step after loading at W'=1 and the run
-that never stopped at W=2; everywhere else they are equal bit for bit. DeepSpeed's CPU Adam kernels (FusedAdam's and
-DeepSpeedCPUAdam's, ``cpu_adam.h`` ``Step_AVX`` and ``cpu_adam_impl.cpp`` ``Step_1``) update a partition in FMA vectors
-up to a multiple of the vector tile and the rest element by element, rounded differently; a group's partition at W'=1
-is twice as long as at W=2, so a few elements near the partitions' ends are updated by the other code. Measured on
-0.19.8 and 0.19.7 (the loaded state itself bit-identical): 1 ulp in 1 to 3 elements of the fp32 masters and moments of
-fc1 and norm.bias, 3 ulps in one element of fc1.bias's ``exp_avg`` (a small value, 1.4e-4), nowhere else; on another
-x86 host (AVX-512, another vector tile) 6 ulps in one element of fc1.weight's ``exp_avg`` and 1 ulp elsewhere. The
-bound is the largest, rounded up: the kernels' split depends on the host's vector width. A state not restored (a
-momentum restarted at zero, a step count lost) differs by orders of magnitude more."""
+"""Largest difference (``ulps``) allowed between AdamW's state one step after loading at W'=1 and the run that never
+stopped at W=2 (elsewhere bit-equal). CPU Adam (``cpu_adam.h`` ``Step_AVX``, ``cpu_adam_impl.cpp`` ``Step_1``) updates
+FMA vector tiles and the remainder element-wise, rounded differently, and the W'=1 partition is twice as long. Measured
+1-3 ulps, 6 on an AVX-512 host (the split follows the vector width); 8: the largest measured, rounded up; the loaded
+state itself is bit-identical (0.19.7, 0.19.8). A state not restored differs by far more."""
 
 CASES = [Case(*c) for c in [("sgd", 1), ("sgd", 2), ("sgd", 2, True), ("adamw", 1), ("adamw", 2, True)]]
 
@@ -107,10 +99,9 @@ def train_step(engine, step):
 
 
 def _whole(param, flat):
-    """Parameter ``param``'s elements of the flat partition tensor ``flat`` (the fp32 master or a state), gathered over
-    the ranks: fp32 CPU, the parameter's shape (collective). Read through the fragment addresses:
-    ``safe_get_full_optimizer_state`` knows only the states the optimizer held before its first step (ZeRO-1/2 links
-    them then), which SGD's ``momentum_buffer`` is not."""
+    """``param``'s elements of flat partition tensor ``flat``, gathered (collective): fp32 CPU, ``param``'s shape.
+    Read via fragment addresses: ``safe_get_full_optimizer_state`` knows only states held before the first step, which
+    SGD's ``momentum_buffer`` is not."""
     import deepspeed.comm as dist
     buffer = torch.zeros(param.numel(), dtype=torch.float32)
     mapping = param._hp_mapping
@@ -122,8 +113,7 @@ def _whole(param, flat):
 
 
 def full_state(engine):
-    """The whole optimizer state (collective): ``state`` per ``(name, key)``, the fp32 master (``fp32``) and every
-    state of the parameter's flat partition, full, fp32 CPU; per group its ``steps`` (or None) and ``groups``."""
+    """Full state (collective): ``state[(name, key)]`` fp32 CPU (``fp32``: master); per group ``steps``, ``groups``."""
     opt = engine.optimizer
     state, steps, groups = {}, [], []
     for group_id, group in enumerate(opt.optimizer.param_groups):
@@ -154,16 +144,14 @@ def check_converted(folder, saved):
 
 
 def ulps(expected, actual):
-    """The largest difference of two fp32 tensors, in units in the last place of the expected value
-    (``spacing(|expected|)``; for a value of 0, of the smallest normal fp32 number)."""
+    """Largest difference of two fp32 tensors in ulps of ``expected`` (of the smallest normal fp32 where it is 0)."""
     magnitude = expected.abs().clamp_min(torch.finfo(torch.float32).tiny)
     spacing = torch.nextafter(magnitude, torch.tensor(float("inf"))) - magnitude
     return float(((expected - actual).abs() / spacing).max())
 
 
 def unequal(expected, actual):
-    """The ``(name, key)`` whose tensors are not equal (or that one side lacks): their largest difference in ulps
-    (``ulps``), or "missing"."""
+    """``{(name, key): ulps or "missing"}`` of the tensors that differ or that one side lacks."""
     return {
         key: ulps(expected[key], actual[key]) if key in expected and key in actual else "missing"
         for key in expected.keys() | actual.keys()

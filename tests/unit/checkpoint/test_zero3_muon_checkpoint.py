@@ -3,14 +3,12 @@
 
 # DeepSpeed Team
 """Checkpoints: save at step 3, load into a fresh engine, and continue to step 6 bit-identically to an uninterrupted
-run, momentum included (it shapes every later update), W=2, gas=2, in fp32, bf16 and with CPU optimizer offload; and
-late, at step 15 of 16 (fp32). A momentum in bf16, as stock 0.19.8 writes it under bf16, loads, upcast, and trains on.
+run, momentum included, W=2, gas=2, in fp32, bf16 and CPU offload; and late, at step 15 of 16 (fp32). A bf16 momentum,
+as stock 0.19.8 writes it, loads upcast and trains on.
 
-In other models the auxiliary Adam's parameters can differ by an ulp after a late resume (the Muon matrices do not):
-upstream's CPU Adam kernel (``csrc/includes/cpu_adam.h``, ``Adam_Optimizer::IncrementStep``) multiplies beta**step up
-by one fp32 product per step while a run goes on, but recomputes it with ``std::pow`` when the step jumps, as it does
-after ``load_checkpoint`` (measured figures in docs/configurations.md). If this test fails only on 1-D parameters, that
-is the cause.
+Elsewhere auxiliary Adam parameters can differ by an ulp after a late resume: upstream's CPU Adam kernel
+(``cpu_adam.h``, ``Adam_Optimizer::IncrementStep``) accumulates beta**step by one fp32 product per step but recomputes
+it with ``std::pow`` when the step jumps, as after ``load_checkpoint``. If only 1-D parameters fail, this is the cause.
 """
 
 import numpy as np
@@ -26,8 +24,7 @@ RESTART = {"fp32": 3, "bf16": 3, "offload": 3, "late": 15}
 
 
 def resume_is_bit_identical(name, tmp_path):
-    """The run of ``SETTINGS[name]`` saved at ``RESTART[name]`` and loaded into a fresh engine ends with the same
-    weights and norms as without, bit for bit; the momentum stays fp32."""
+    """``SETTINGS[name]`` restarted at ``RESTART[name]`` ends with bit-identical weights and norms; momentum fp32."""
     run = SETTINGS[name]
     straight = run.train()
     restarted = run.with_(restart_after=RESTART[name]).train(checkpoint_dir=str(tmp_path))
@@ -61,8 +58,7 @@ class TestZero3MuonMomentumOfAnotherSize(DistributedTest):
     reuse_dist_env = True
 
     def test_refused_at_the_next_step(self):
-        """A momentum whose size does not match the sub-group's partition (a state of another partitioning) stops the
-        step with an error, rather than being replaced by zeros."""
+        """A momentum of another partitioning's size stops the step with an error rather than being zeroed."""
         import deepspeed
         from muon_testing.models import build_model
         from unit.runtime.zero.zero3_muon_helpers import ds_config, train_one_step

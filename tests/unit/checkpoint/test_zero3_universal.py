@@ -2,15 +2,13 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""ZeRO-3 universal checkpoints of any optimizer (DeepSpeed's AdamW, whose state ``ds_to_universal`` converted before
-too): every state of a sub-group kept (with the step), loaded per sub-group, each parameter group's settings taken from
-its own saved group.
+"""ZeRO-3 universal checkpoints of any optimizer (DeepSpeed's AdamW): every sub-group state kept (with the step),
+loaded per sub-group, each parameter group's settings from its own saved group.
 
-Resize tests run twice with the same ``tmp_path`` (``world_size`` ``[W, W']``): at W 3 steps, save and convert; at W'
-exactly the saved state (fp32 masters, ``exp_avg``, ``exp_avg_sq``, ``step``), then after steps 3 and 4 a run at W'
-that never stopped to ``FLOOR`` (bit for bit at W' = W). Two parameter groups with their own lr and weight decay: a
-loader that gave every group the first group's settings would leave the run that never stopped. Then: the checkpoint
-loaded at ZeRO-1/2, broken ones refused naming the parameter, and the pieces on hand-made files (one process).
+Resize tests run twice with one ``tmp_path`` (``world_size`` ``[W, W']``): at W 3 steps, save, convert; at W' exactly
+the saved state (fp32 masters, ``exp_avg``, ``exp_avg_sq``, ``step``), then after 2 steps the never-stopped run at W'
+to ``FLOOR`` (bit for bit at W' = W). Two groups with own lr and weight decay catch a loader giving every group the
+first one's settings. Also: loading at ZeRO-1/2, broken checkpoints refused, and the pieces on hand-made files.
 """
 
 import os
@@ -27,9 +25,8 @@ from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
 SAVED_AT = 3  # optimizer steps before the checkpoint
 RUN = Zero3MuonRun(gas=2, steps=5, samples=24, universal=True, optimizer="AdamW", groups="two_muon_groups")
-"""Every step uses the same 24 samples whatever W' and the gradient accumulation are (24 divides over 1 to 4 ranks and
-2 micro-steps). ``two_muon_groups`` puts fc1 in a group of its own (lr 0.01, no weight decay); AdamW keeps its
-``momentum`` key and does not use it."""
+"""24 samples per step divide over 1 to 4 ranks and 2 micro-steps. ``two_muon_groups`` puts fc1 in its own group (lr
+0.01, no weight decay); AdamW keeps the ``momentum`` key unused."""
 
 
 class TestZero3Universal(DistributedTest):
@@ -70,8 +67,8 @@ ZERO12_RUN = Zero3MuonRun(model="mixed", gas=2, groups="two_muon_groups", clip=0
 
 
 class TestZero3UniversalAtZero12(DistributedTest):
-    """At stage 1/2 the ZeRO-3 model-states files and ``optimizer_state.pt`` (no ``ds_version``) are found and
-    accepted; exactly the saved state, then the ZeRO-3 run's weights to ``CONTINUE_FLOOR``."""
+    """Stage 1/2 accepts ZeRO-3 model-states files and ``optimizer_state.pt`` (no ``ds_version``): exactly the saved
+    state, then the ZeRO-3 run's weights to ``CONTINUE_FLOOR``."""
     reuse_dist_env = True
 
     @pytest.mark.parametrize("stage, load_world_size", [
@@ -154,8 +151,7 @@ def test_merge_writes_the_logical_shape_without_padding(tmp_path):
 
 
 class _OneRankZero3:
-    """What stage 3 hands ``restore_zero3_optimizer_state`` at W = 1: a ``Zero3SubGroup`` per list of ``sub_groups``
-    (``names`` in that order) with a flat fp32 partition, the inner optimizer, a whole-file state reader."""
+    """Stage 3 as ``restore_zero3_optimizer_state`` sees it at W = 1: a ``Zero3SubGroup`` per ``sub_groups`` entry."""
 
     def __init__(self, sub_groups, names, param_groups):
         from deepspeed.checkpoint.universal_states import Zero3SubGroup
@@ -193,9 +189,8 @@ def _write(zero, name, **states):
 
 
 def test_restore_per_sub_group(tmp_path):
-    """Two sub-groups with different states (Adam's moments and a momentum without step), a checkpoint without
-    per-parameter ``step.pt``: each sub-group gets its own states in place, the step of the saved sub-group with the
-    same states, and each group its own settings."""
+    """Sub-groups with different states (Adam's moments; a momentum without step), no ``step.pt``: each gets its own
+    states in place, the step of the saved sub-group with the same states, and its group's own settings."""
     zero = tmp_path / "zero"
     a, b, m = _param(2, 3), _param(4), _param(5)
     _write(zero, "a", fp32=torch.ones(2, 3), exp_avg=torch.full((2, 3), 2.0), exp_avg_sq=torch.full((2, 3), 3.0))

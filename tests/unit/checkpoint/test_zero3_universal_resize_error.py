@@ -4,13 +4,10 @@
 # DeepSpeed Team
 """A regular (non-universal) checkpoint loaded at another data-parallel world size.
 
-Saved at W=2 by a ZeRO-3 AdamW run, loaded at W=1 or W=4 (``world_size`` ``[2, W']``, the same ``tmp_path``): every
-rank raises ``ZeRORuntimeException`` with both world sizes and the way out (the ``ds_to_universal`` command for this
-checkpoint's folders and ``"checkpoint": {"load_universal": true}``); at W=4 also ranks 2 and 3, which have no
-model-states file of their own (without the check they fail on an empty file list). At W=2 it still loads exactly.
-
-At ZeRO-2 (W=2 to W=1; the model sets no ``universal_checkpoint_info``) the command carries ``--inject_missing_state``,
-which upstream's ZeRO-1/2 converter needs then, and converts the checkpoint, which then loads at W=1.
+Saved at W=2 by ZeRO-3 AdamW, loaded at W'=1 or 4: every rank (at W=4 also ranks 2, 3 without a model-states file)
+raises ``ZeRORuntimeException`` with both world sizes and the way out (the ``ds_to_universal`` command and
+``"checkpoint": {"load_universal": true}``). At W=2 it loads exactly. At ZeRO-2 the command carries
+``--inject_missing_state`` (no ``universal_checkpoint_info``), and the converted checkpoint loads at W=1.
 """
 
 import os
@@ -27,8 +24,7 @@ RUN = Zero3MuonRun(gas=2, steps=3, optimizer="AdamW")
 
 
 def _resize_error(run, world_size, tmp_path):
-    """The message of the error ``load_checkpoint`` of the regular checkpoint (tag from ``latest``) raises at
-    ``world_size``, and the checkpoint's folder."""
+    """``(message, folder)`` of the error loading the regular checkpoint (tag from ``latest``) at ``world_size``."""
     from deepspeed.runtime.zero.utils import ZeRORuntimeException
     engine = run.build_engine(run.config(world_size))
     with pytest.raises(ZeRORuntimeException) as raised:

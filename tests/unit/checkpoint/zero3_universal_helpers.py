@@ -2,10 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Shared by the universal-checkpoint tests of any optimizer. A test of two phases runs twice with the same
-``tmp_path`` (``world_size`` ``[2, W']``): at W=2 ``save_convert_and_continue`` saves, converts and records a run,
-which trains on for ``MORE`` steps; at W' ``load_at`` loads the universal checkpoint, ``check_restored_exactly`` and
-``continue_training`` compare with the record."""
+"""Shared by the universal-checkpoint tests. A two-phase test runs twice with one ``tmp_path`` (``[2, W']``): at W=2
+``save_convert_and_continue`` saves, converts, records and trains ``MORE`` steps; at W' ``load_at`` loads and
+``check_restored_exactly`` and ``continue_training`` compare with the record."""
 
 import os
 import shutil
@@ -24,17 +23,13 @@ MORE = 2  # optimizer steps after it, by the run that never stopped and by the r
 TAG = "zero3_universal"  # the universal checkpoint's tag under <tmp_path>/ckpt
 GROUP_SETTINGS = ("lr", "betas", "eps", "weight_decay")  # compared after loading (tests add their optimizer's)
 CONTINUE_FLOOR = 1e-6
-"""Relative weight difference (all parameters) allowed after each of the ``MORE`` steps between a run resumed from a
-universal checkpoint and the run that never stopped: the same math from bit-identical state, fp32 sums in another order
-(gradients reduced over another number of ranks and buckets). Measured on 0.19.8, Muon from ZeRO-3: 1.2e-7 after the
-first step and 1.74e-7 after the second (stage 1 or 2 at W'=1, stage 1 at W'=2), 0.0 and 9.0e-11 at stage 2, W'=2; the
-bound is about 6x the largest. A momentum restarted at zero or read at wrong offsets, or a step or a group setting not
-restored, moves the weights by orders of magnitude more (1e-2)."""
+"""Relative weight difference allowed after each ``MORE`` step between a resumed run and the one never stopped: same
+math from bit-identical state, fp32 sums reduced in another order. Measured (0.19.8, Muon from ZeRO-3): at most
+1.74e-7; the bound is about 6x that. A state not restored or misread moves the weights by ~1e-2."""
 
 
 def unequal_states(saved: dict, loaded: dict) -> list:
-    """The keys of two ``gathered_optimizer_state`` dicts (``(parameter, state)``) whose loaded value is not exactly
-    the saved one, or that only one side has."""
+    """``(parameter, state)`` keys of two ``gathered_optimizer_state`` dicts that differ or that one side lacks."""
     return sorted(key for key in saved.keys() | loaded.keys()
                   if key not in saved or key not in loaded or not np.array_equal(saved[key], loaded[key]))
 
@@ -88,8 +83,8 @@ def adam_steps(base_optimizer):
 
 
 def save_convert_and_continue(run, tmp_path, settings=GROUP_SETTINGS):
-    """The first phase (True; False once ``tmp_path/expected.pt`` exists): W=2, ``run``'s stage, train, save (tag
-    ``zero3``, or ``zero12`` converted with ``--inject_missing_state``), convert, record (ZeRO-3: state), train on."""
+    """First phase (True; False once ``tmp_path/expected.pt`` exists): at W=2 train, save (tag ``zero3``, or
+    ``zero12`` with ``--inject_missing_state``), convert, record, train on."""
     import deepspeed.comm as dist
     if (tmp_path / "expected.pt").exists():
         return False
@@ -143,8 +138,7 @@ def check_restored_exactly(engine, expected, settings=GROUP_SETTINGS):
 
 
 def continue_training(phase, run, label):
-    """Train ``phase``'s engine (``(engine, expected)``) the ``MORE`` steps after the save: after each the relative
-    weight difference to the run that never stopped must be below ``CONTINUE_FLOOR``. Destroys it."""
+    """Train ``(engine, expected)`` ``MORE`` steps, each within ``CONTINUE_FLOOR`` of the run never stopped."""
     engine, expected = phase
     differences = []
     for k, step in enumerate(range(SAVE_AFTER, SAVE_AFTER + MORE)):
@@ -176,9 +170,8 @@ def rewrite_state(folder, name, state, change):
 
 
 def broken_checkpoints_refused(run, tmp_path, saved_at, tamper, refusals, groups_error):
-    """At W=2 trains ``run`` to ``saved_at`` and saves its universal checkpoint (tag ``restart_universal``); at W=1
-    loads a copy broken by ``tamper(folder, how)`` for each ``how`` of ``refusals`` (``{how: words the ValueError
-    must contain}``), then under ``two_muon_groups`` (error matching ``groups_error``), then the untouched one."""
+    """At W=2 save a universal checkpoint at ``saved_at``; at W=1 each copy broken by ``tamper(folder, how)`` raises a
+    ValueError with ``refusals[how]``'s words, other groups raise ``groups_error``, the untouched one loads."""
     import deepspeed.comm as dist
     if dist.get_world_size() == 2:
         run.with_(steps=saved_at, restart_after=saved_at).train(checkpoint_dir=str(tmp_path))
@@ -194,12 +187,10 @@ def broken_checkpoints_refused(run, tmp_path, saved_at, tamper, refusals, groups
         print(f"[refused {how}] {error.value}")
         for word in words:
             assert word in str(error.value), (how, str(error.value))
-    # Other parameter groups than the checkpoint's: refused too.
     engine = universal_engine(resume.with_(groups="two_muon_groups"))
     with pytest.raises(ValueError, match=groups_error):
         engine.load_checkpoint(str(tmp_path), tag="restart_universal")
     engine.destroy()
-    # The untouched checkpoint loads.
     engine = universal_engine(resume)
     engine.load_checkpoint(str(tmp_path), tag="restart_universal")
     engine.destroy()

@@ -4,18 +4,16 @@
 # DeepSpeed Team
 """The Muon update of every ZeRO stage, run once per optimizer step at the accumulation boundary.
 
-Each stage describes its rank's share of every ZeRO-3 sub-group or ZeRO-1/2 parameter group once (``MuonPartition``);
-``MuonUpdate`` serves every stage from that description alone. In ``step()``, right after the gradient partition was
-divided by the loss scale and the clip coefficient (as ``clip_grad_norm_`` before Muon in PyTorch), each rank advances
-its fp32 momentum partition on its pieces, each matrix held by more than one rank goes to one owner among its holders
-by all-to-all, the owner runs Newton-Schulz once on the whole matrix, and the pieces of the update come back in place
-of the gradient (``pipeline``). Under ZeRO-3 every rank holds a piece of every matrix; under ZeRO-1/2 most matrices lie
-whole in one partition and never travel. The momentum never travels; nothing runs on micro-steps. The stage calls
-``update`` in ``step()``, ``after_inner_step`` right after the inner optimizer step, and ``save_owner_state`` /
-``load_saved_state`` from its ``state_dict()`` / ``load_state_dict()``. The momentum is optimizer state of the flat
-partition, in its layout (as Adam's ``exp_avg``), so every checkpoint path carries it.
-
-``MuonWithAuxAdam`` then applies weight decay and ``-lr * update``; the update is not rescaled.
+Each stage describes its rank's share of every ZeRO-3 sub-group or ZeRO-1/2 parameter group once (``MuonPartition``).
+In ``step()``, once the gradient partition is divided by the loss scale and the clip coefficient (as
+``clip_grad_norm_`` before Muon in PyTorch), each rank advances its fp32 momentum on its pieces; each matrix held by
+several ranks goes by all-to-all to one owner among them, which runs Newton-Schulz once on the whole matrix, and the
+update's pieces come back in place of the gradient (``pipeline``). Under ZeRO-3 every rank holds a piece of every
+matrix; under ZeRO-1/2 most matrices lie whole in one partition and never travel. The momentum never travels and
+nothing runs on micro-steps. The stage calls ``update`` in ``step()``, ``after_inner_step`` after the inner step, and
+``save_owner_state`` / ``load_saved_state`` from ``state_dict()`` / ``load_state_dict()``. The momentum is optimizer
+state of the flat partition in its layout (as Adam's ``exp_avg``), so every checkpoint path carries it.
+``MuonWithAuxAdam`` then applies weight decay and ``-lr * update`` (not rescaled).
 """
 
 import dataclasses
@@ -48,26 +46,21 @@ LOW_EFFICIENCY = 0.5
 
 @dataclass(frozen=True, eq=False)
 class MuonPartition:
-    """The parameters of one ZeRO-3 sub-group or ZeRO-1/2 parameter group as this rank holds them, built once by the
-    stage (``_muon_partitions`` in ``stage3.py``, ``stage_1_and_2.py``).
+    """One ZeRO-3 sub-group or ZeRO-1/2 parameter group as this rank holds it, built once by the stage.
 
     Attributes:
         key, label: the stage's index (passed to ``update`` and ``after_inner_step``) and its name in messages.
-        group_index: its group in the optimizer's ``param_groups`` (read at each step: a loaded checkpoint replaces
-            the groups).
-        muon: whether the group is a Muon group (its parameters are matrices Muon orthogonalizes); the others are
-            described for what runs after the inner step.
+        group_index: its group in ``optimizer.param_groups`` (read at each step: a loaded checkpoint replaces them).
+        muon: whether its parameters are Muon matrices; other groups are described for the after-inner-step hooks.
         params, shapes: the parameters in partition order and their full shapes.
-        pieces: per matrix, the elements every rank of ``process_group`` holds of it; in rank order the matrix
-            flattened (ZeRO-3 zero-pads past its end).
-        slices: per matrix, ``(offset, numel)`` of this rank's piece in the flat partition.
-        flat, numel: the fp32 partition (its optimizer state holds the momentum; its device is where the pieces
-            live) and its elements.
+        pieces: per matrix, the elements each rank of ``process_group`` holds of the flattened matrix, in rank order
+            (ZeRO-3 zero-pads past its end).
+        slices: per matrix, ``(offset, numel)`` of this rank's piece in ``flat``.
+        flat, numel: the fp32 partition (its optimizer state holds the momentum; on the pieces' device), its elements.
         bucket_numel: most elements of whole matrices exchanged at once (``reduce_bucket_size``).
-        allocate_momentum: puts a zero fp32 momentum into ``flat``'s state the stage's way (ZeRO-3's knows optimizer
-            swapping); None: a zero tensor.
-        agree_finite: hold the update back (momentum unchanged, a zero update) where some rank's gradient is not
-            finite (ZeRO-1/2 may step on one; ZeRO-3 skips such a step itself).
+        allocate_momentum: makes ``flat``'s zero fp32 momentum the stage's way (ZeRO-3's knows swapping); None: zeros.
+        agree_finite: where some rank's gradient is not finite, keep the momentum and return a zero update (ZeRO-1/2
+            may step on such a gradient; ZeRO-3 skips the step itself).
     """
     key: int
     label: str
@@ -85,9 +78,8 @@ class MuonPartition:
     agree_finite: bool = False
 
     def held_pieces(self) -> List[Tuple[torch.nn.Parameter, int, int, int]]:
-        """``(param, start, offset, numel)`` of every parameter this rank holds elements of: elements
-        ``[start, start + numel)`` of the flattened parameter lie at ``offset`` of ``flat``; ZeRO-3's zero padding past
-        its end left out."""
+        """``(param, start, offset, numel)`` per parameter this rank holds: its elements ``[start, start + numel)`` lie
+        at ``offset`` of ``flat`` (ZeRO-3's padding left out)."""
         rank = dist.get_rank(group=self.process_group)
         held = []
         for param, shape, piece, (offset, numel) in zip(self.params, self.shapes, self.pieces, self.slices):
@@ -99,25 +91,22 @@ class MuonPartition:
 
 
 class MuonUpdate:
-    """Muon's momentum and Newton-Schulz for the Muon partitions of one ZeRO optimizer.
-
-    Args:
-        optimizer: the ``MuonWithAuxAdam`` the stage wraps. partitions: the stage's description.
+    """Muon's momentum and Newton-Schulz for the Muon partitions of one ZeRO optimizer (a ``MuonWithAuxAdam``).
 
     Attributes:
         stats: ``ExchangeStats``, cumulative on this rank.
         pipelines: per partition key its ``MuonPipeline`` (owner plan, layouts, owner state).
-        buffers: the ``ExchangeBuffers`` of the pipeline being run, None between runs: the device memory goes back to
-            the allocator for the next forward and backward (pinned host staging, for optimizer offload, is kept: host
-            memory, and slow to pin).
+        buffers: the running pipeline's ``ExchangeBuffers``; None between runs, so the device memory serves the next
+            forward and backward (pinned host staging for optimizer offload is kept: slow to pin).
         figures: the plans' ``owner_plan.PlanFigures`` (every rank's).
 
     Raises:
         ValueError: at initialization, on every rank: a Muon parameter that is not a matrix, ``muon_num_heads`` that
-            does not fit it, an unknown ``variant``, a ``max_step_memory`` below what every matrix alone needs (the
-            message gives that figure).
-        RuntimeError: at initialization, where the ranks of a group built different owner plans, or its warm-up
-            all-to-all (``OwnerExchange.warm_up``, one per process group of more than one rank) came back wrong.
+            does not fit it, an unknown ``variant``, a ``max_step_memory`` below what every matrix alone needs;
+            matrices spread over more ranks by two kinds of layout or with a variant's owner state; a variant with
+            ``split_fused_muon`` on parts of unequal rows.
+        RuntimeError: at initialization, where a group's ranks built different owner plans or its warm-up all-to-all
+            (``OwnerExchange.warm_up``) came back wrong.
     """
 
     def __init__(self, optimizer, partitions: Sequence[MuonPartition]):
@@ -185,19 +174,16 @@ class MuonUpdate:
 
     @classmethod
     def create(cls, optimizer, partitions: Callable[[], Sequence[MuonPartition]]) -> Optional["MuonUpdate"]:
-        """The update for a stage wrapping ``optimizer``, or None when it is not ``MuonWithAuxAdam`` (``partitions`` is
-        called only then)."""
+        """The update for ``optimizer``, or None unless it is ``MuonWithAuxAdam`` (only then is ``partitions`` run)."""
         return cls(optimizer, partitions()) if is_muon_optimizer(optimizer) else None
 
     def _group(self, part: MuonPartition) -> dict:
         return self.optimizer.param_groups[part.group_index]
 
     def _spread_matrices(self) -> dict:
-        """Per partition key, its matrices whose pieces lie over more ranks than its group (AutoTP's: their
-        ``param_record.tensor_parallel_layout``), as their layout's ``spread`` describes them (one call for every
-        partition; nothing where none is marked). ``spread({key: (partition, {index: layout})})``, once on every
-        rank, gives per key ``indices``, ``shapes`` (whole), ``pieces`` (over ``process_group``), ``placements``,
-        ``assemblies``, ``num_heads``."""
+        """Per partition key, its matrices spread over more ranks than its group (AutoTP's, marked by
+        ``param_record.tensor_parallel_layout``), as one call of the layout's ``spread`` describes them: ``indices``,
+        ``shapes`` (whole), ``pieces`` (over ``process_group``), ``placements``, ``assemblies``, ``num_heads``."""
         requests = {}
         for key, part in self.partitions.items():
             layouts = {j: tensor_parallel_layout(p) for j, p in enumerate(part.params)}
@@ -224,12 +210,9 @@ class MuonUpdate:
                         shapes: Sequence[Tuple[int, ...]],
                         loads,
                         sharded=None) -> MuonPipeline:
-        """The pipeline of the partition's matrices ``indices`` of (whole) ``shapes`` held as ``pieces`` over the
-        partition's group, or as ``sharded`` (a tensor-parallel layout's ``spread``) says, planned by
-        ``owner_plan.plan_partition`` under the group's ``max_step_memory``, the variant's owner state counted.
-
-        Raises:
-            owner_plan.CapBelowFloor: no plan fits ``max_step_memory``."""
+        """The pipeline of the partition's matrices ``indices`` of (whole) ``shapes``, held as ``pieces`` over its
+        group or as ``sharded`` (a layout's ``spread``) says, planned under the group's ``max_step_memory`` with the
+        variant's owner state counted. Raises ``owner_plan.CapBelowFloor`` where no plan fits."""
         group = self._group(part)
         ns_method = StepSettings.of(group).ns_method
         heads = sharded.num_heads if sharded is not None else [
@@ -284,9 +267,9 @@ class MuonUpdate:
         return pipeline
 
     def _check_plans_agree(self):
-        """Per partition one all-reduce MAX of ``[count, digest, -count, -digest]`` (the matrix count and a
-        SHA-256 of the shapes, pieces, problems, plan and depth, which fix the order of the collectives;
-        fixed length, so ranks with different counts still meet): ranks agree where max and min are theirs."""
+        """Per pipeline one all-reduce MAX of ``[count, digest, -count, -digest]`` (matrix count and SHA-256 of the
+        shapes, pieces, problems, plan and depth, which fix the collectives' order; fixed length, so ranks of different
+        counts still meet): agreed if max == min."""
         for key, pipeline in self._every_pipeline():
             if pipeline.exchange.world_size == 1:
                 continue
@@ -337,7 +320,6 @@ class MuonUpdate:
                     f"cost max/mean {max(p.plan.imbalance() for p in pipelines):.3f}")
 
     def _ns_dtypes(self) -> str:
-        """The dtypes Newton-Schulz runs in for the partitions' groups (``original_muon.ns_compute_dtype``)."""
         dtypes = {
             original_muon.ns_compute_dtype(StepSettings.of(self._group(p)).ns_method)
             for p in self.partitions.values()
@@ -345,13 +327,12 @@ class MuonUpdate:
         return ", ".join(sorted(str(d).replace("torch.", "") for d in dtypes))
 
     def add_after_inner_step(self, hook: Callable[[MuonPartition], None]) -> None:
-        """Run ``hook(partition)`` right after the inner optimizer stepped each described partition (every group, Muon
-        or not), on every rank in the stage's order, in the order hooks were added (MuonClip's QK-clip)."""
+        """Run ``hook(partition)`` right after the inner optimizer stepped each partition, Muon or not, on every rank
+        in the stage's order, hooks in the order added (MuonClip's QK-clip)."""
         self._after_inner_step.append(hook)
 
     def after_inner_step(self, key: int) -> None:
-        """The stage's call right after its inner optimizer stepped partition ``key`` (fp32 ``flat`` updated,
-        not yet copied to the low-precision parameters)."""
+        """Called right after the inner optimizer stepped partition ``key`` (``flat`` updated, not yet copied out)."""
         for hook in self._after_inner_step:
             hook(self.described[key])
 
@@ -363,9 +344,8 @@ class MuonUpdate:
         return self.optimizer.state.setdefault(part.flat, {})
 
     def momentum(self, key: int, device) -> torch.Tensor:
-        """The partition's fp32 momentum (1-D, ``numel``, on ``device``; optimizer state ``MOMENTUM_KEY``), the one
-        place it is created (zero), upcast (earlier releases' checkpoints hold it in bf16) and size-checked
-        (``RuntimeError``)."""
+        """The partition's fp32 momentum (1-D, ``numel``, on ``device``), created (zero), upcast (older checkpoints
+        hold bf16) and size-checked (``RuntimeError``) here alone."""
         part = self.partitions[key]
         state = self._state(part)
         if state.get(MOMENTUM_KEY) is None:
@@ -394,11 +374,10 @@ class MuonUpdate:
 
     @torch.no_grad()
     def update(self, key: int, grad_partition: torch.Tensor) -> None:
-        """Replace this rank's pieces of partition ``key``'s gradient (``grad_partition``: 1-D fp32, divided by the
-        loss scale and the clip coefficient) with its pieces of the Muon update, in place; once per step on every rank
-        of the group. Nothing for a key without Muon matrices; where ``agree_finite`` and some rank's gradient is not
-        finite, the momentum stays and the pieces become zero (the matrices take no step but their weight decay);
-        ``RuntimeError`` where the group's ``variant`` is not the one the state was built for."""
+        """Replace in place this rank's pieces of partition ``key``'s gradient (``grad_partition``: 1-D fp32, divided
+        by the loss scale and the clip coefficient) with its pieces of the Muon update; once per step on every rank of
+        the group. With ``agree_finite`` and a non-finite gradient on some rank, the momentum stays and the pieces
+        become zero (weight decay only). ``RuntimeError`` where the group's ``variant`` is not the state's."""
         pipelines = [p for k, p in self._every_pipeline() if k == key]
         if not pipelines:
             return
@@ -434,9 +413,8 @@ class MuonUpdate:
 
     @torch.no_grad()
     def save_owner_state(self) -> None:
-        """Put each variant's owner state in its checkpoint form (``OwnerState.to_partition``) into the optimizer state
-        under the variant's ``state_key`` for the stage's ``state_dict()`` (dropped at the next ``update``); collective
-        over each variant partition's group, nothing for plain Muon."""
+        """Put each variant's owner state in checkpoint form (``OwnerState.to_partition``) under its ``state_key`` in
+        the optimizer state for ``state_dict()`` (dropped at the next ``update``); collective per variant group."""
         for key, pipeline in self.pipelines.items():
             if pipeline.owner_state is None:
                 continue
@@ -446,13 +424,11 @@ class MuonUpdate:
 
     @torch.no_grad()
     def load_saved_state(self) -> None:
-        """Take over the Muon state the stage has just loaded (regular or universal checkpoint); on every rank,
-        collective over each variant partition's group.
+        """Take over the Muon state the stage just loaded (regular or universal checkpoint); collective per group.
 
         Raises:
-            RankAgreedError (a RuntimeError), on every rank: some rank's momentum of another size; a group whose
-                ``variant`` the checkpoint changed; a variant's state missing, foreign or misfit
-                (``owner_state.load_checkpoint_form``).
+            RankAgreedError (a RuntimeError), on every rank: a momentum of another size on some rank, a ``variant`` the
+                checkpoint changed, or a variant's state missing, foreign or misfit (``load_checkpoint_form``).
             ValueError: a variant's state not in its checkpoint form.
         """
         for key, pipeline in self._every_pipeline():

@@ -2,25 +2,18 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Muon's configuration: one typed model of its keys, their values and defaults, checked at ``deepspeed.initialize``.
+"""Muon's configuration: one typed model of its keys, values and defaults, checked at ``deepspeed.initialize``.
 
-``MuonConfig`` describes ``"optimizer": {"type": "Muon", "params": {...}}`` and ``MuonGroupConfig`` a parameter
-group passed as ``model_parameters``; both are ``DeepSpeedConfigModel``s sharing ``MuonSettings``'s fields, so each
-key's type, default, accepted values and description sit in one place. The modules that read a setting import its
-name from here (``PIPELINE_DEPTH_KEY`` and the others), except ``variant``'s (``owner_state.VARIANT_KEY``).
-
-Why the keys are checked at all: the engine builds Muon's parameter groups itself
-(``DeepSpeedEngine._muon_param_groups``), reading these keys and dropping every other one, so a misspelled key
-(``muon_momentum``, ``lr_muon``) or one meant for another optimizer (``amsgrad``, ``ns_steps``) trained silently
-with the defaults. ``check_muon_keys`` refuses such keys and the values their fields refuse; ``check_muon_groups``
-runs each variant's own checks (``key_problems``) on the groups the engine built, fills the variant's
-``defaults`` in, and refuses what cannot run where no owner rank runs the update (``support``).
-
-Precedence of the learning rates: a Muon group's rate is the parameter group's own ``lr``, else ``muon_lr``, else
-``lr``, else 0.02; an Adam group's the group's own ``lr``, else ``adam_lr``, else ``lr``, else 3e-4.
-
-This module imports no engine-side Muon module (only ``owner_plan``'s plain constants, ``momentum``, the variant
-registry ``owner_state`` and ``support``, none of which imports it), so every Muon module may import it.
+``MuonConfig`` describes ``"optimizer": {"type": "Muon", "params": {...}}`` and ``MuonGroupConfig`` a parameter group
+passed as ``model_parameters``; both share ``MuonSettings``'s fields, so each key's type, default, accepted values and
+description sit in one place. Keys are checked because the engine builds Muon's parameter groups itself
+(``DeepSpeedEngine._muon_param_groups``), keeping only these keys, so a misspelled key (``muon_momentum``) or one of
+another optimizer (``amsgrad``, ``ns_steps``) would silently train with the defaults. ``check_muon_keys`` refuses such
+keys and values; ``check_muon_groups`` checks variants on the built groups and fills their defaults. Learning rates: a
+Muon group's is its own ``lr``, else ``muon_lr``, else ``lr``, else 0.02; an Adam group's its own ``lr``, else
+``adam_lr``, else ``lr``, else 3e-4. Modules that read a setting import its key name from here (``variant``'s from
+``owner_state.VARIANT_KEY``). This module imports only ``owner_plan``'s constants, ``momentum``, ``owner_state`` and
+``support``, none of which imports it, so every Muon module may import it.
 """
 
 import difflib
@@ -52,7 +45,6 @@ AUTOTP_SIZE_KEY = "tensor_parallel.autotp_size"
 DEFAULT_PIPELINE_DEPTH = 2
 """One bucket exchanged while the next is orthogonalized."""
 DEFAULT_VARIANT = MUON
-"""Plain Muon, no owner state."""
 DEFAULT_MOMENTUM = 0.95
 DEFAULT_NS_METHOD = "gram"
 """Upstream ``Muon``'s defaults (``original_muon.Muon.__init__``)."""
@@ -97,10 +89,7 @@ def _key(default, reaches: str, description: str):
 
 
 class MuonSettings(DeepSpeedConfigModel):
-    """The keys shared by ``optimizer.params`` and a Muon parameter group (a group's value wins over the config's).
-
-    The descriptions end every value error (``check_muon_keys``).
-    """
+    """The keys shared by ``optimizer.params`` and a Muon group (whose value wins); descriptions end value errors."""
     lr: Optional[NonNegative] = _key(
         None, BOTH, "the learning rate of both halves where muon_lr / adam_lr (or a group's own lr) do not set it "
         "(a number >= 0; unset: 0.02 for Muon, 3e-4 for Adam)")
@@ -135,8 +124,7 @@ class MuonSettings(DeepSpeedConfigModel):
 
 
 class MuonConfig(MuonSettings):
-    """``optimizer.params`` of ``"optimizer": {"type": "Muon"}``: ``MuonSettings`` plus the keys of the whole optimizer
-    (``config_keys``: the ones this DeepSpeed accepts)."""
+    """``optimizer.params`` of ``"optimizer": {"type": "Muon"}``: ``MuonSettings`` plus the whole optimizer's keys."""
     muon_lr: Optional[NonNegative] = _key(None, MUON_MATRICES,
                                           "the Muon matrices' learning rate, over lr (a number >= 0)")
     adam_lr: Optional[NonNegative] = _key(None, ADAM, "the auxiliary Adam's learning rate, over lr (a number >= 0)")
@@ -157,9 +145,8 @@ class MuonConfig(MuonSettings):
 
 
 class MuonGroupConfig(MuonSettings):
-    """A parameter group passed as ``model_parameters`` with the Muon optimizer: ``MuonSettings`` (which the engine
-    copies into the group's Muon or Adam half), the group's tensors and name, and ``moe``, which DeepSpeed's MoE
-    helpers (``create_moe_param_groups``) put in every group they build."""
+    """A parameter group passed as ``model_parameters``: ``MuonSettings`` (copied into its Muon or Adam half), its
+    tensors and name, and ``moe``, which DeepSpeed's MoE helpers (``create_moe_param_groups``) put in every group."""
     params: Any = _key(None, "the group's tensors", "the group's tensors")
     name: Optional[StrictStr] = _key(None,
                                      "the group's name (its halves are named <name>-muon-params, <name>-adam-params)",
@@ -193,15 +180,13 @@ def _variant_keys() -> List[str]:
 
 
 def muon_group_keys() -> tuple:
-    """Keys the engine copies into each Muon group beyond ``momentum``, ``ns_method``, ``lr`` and
-    ``weight_decay``: ``UPDATE_KEYS``, ``variant`` and every registered variant's own keys."""
+    """Keys the engine copies into each Muon group besides ``momentum``, ``ns_method``, ``lr`` and ``weight_decay``."""
     return (*UPDATE_KEYS, VARIANT_KEY, *_variant_keys())
 
 
 def config_keys() -> Mapping[str, str]:
-    """Every key of ``optimizer.params`` and the half it reaches: ``MuonConfig``'s fields (``per_head_muon`` where
-    this DeepSpeed has per-head Muon (``has_per_head_muon``), ``qk_clip_threshold`` where it has QK-clip
-    (``has_qk_clip``)) and every registered variant's keys (Muon matrices)."""
+    """Every key of ``optimizer.params`` and the half it reaches: ``MuonConfig``'s fields (``per_head_muon`` and
+    ``qk_clip_threshold`` only where this DeepSpeed has them) and every registered variant's keys."""
     available = {PER_HEAD_KEY: has_per_head_muon(), QK_CLIP_KEY: has_qk_clip()}
     keys = {k: v for k, v in _reaches(MuonConfig).items() if available.get(k, True)}
     keys.update({k: MUON_MATRICES for k in _variant_keys() if k not in keys})
@@ -209,8 +194,7 @@ def config_keys() -> Mapping[str, str]:
 
 
 def group_keys() -> Mapping[str, str]:
-    """Every key of a Muon parameter group and what it reaches: ``MuonGroupConfig``'s fields and every registered
-    variant's keys (Muon matrices)."""
+    """Every key of a Muon parameter group and what it reaches, registered variants' keys included."""
     return {**_reaches(MuonGroupConfig), **{k: MUON_MATRICES for k in _variant_keys()}}
 
 
@@ -239,10 +223,8 @@ def _accepted(keys: Iterable[str]) -> str:
 
 
 def did_you_mean(value, choices: Iterable[str]) -> str:
-    """`` Did you mean 'x'?`` for the choice closest to ``value`` (lower-cased) by
-    ``difflib.get_close_matches`` at a ratio of at least 0.75, else "" (and for a non-string):
-    "Gram" -> 'gram', "polar-express" -> 'polar_express', ``muon_momentum`` -> 'momentum';
-    ``ns_steps`` gets none (0.47 from ``ns_method``)."""
+    """`` Did you mean 'x'?`` for the choice closest to ``value`` (lower-cased, ``difflib`` ratio >= 0.75), else "":
+    "Gram" -> 'gram', ``muon_momentum`` -> 'momentum'; ``ns_steps`` gets none (0.47 from ``ns_method``)."""
     if not isinstance(value, str):
         return ""
     close = difflib.get_close_matches(value.lower(), sorted(choices), n=1, cutoff=0.75)
@@ -250,7 +232,6 @@ def did_you_mean(value, choices: Iterable[str]) -> str:
 
 
 def _value_problem(model: Type[MuonSettings], key: str, value, where: str) -> str:
-    """The message for a value of ``key`` that ``model``'s field refuses: the key, the value, what the key accepts."""
     if key == "ns_method":
         return (f"{where}.ns_method: {value!r} is not a Newton-Schulz method of Muon. "
                 f"Accepted: {_accepted(ns_methods())}.{did_you_mean(value, ns_methods())}")
@@ -259,9 +240,8 @@ def _value_problem(model: Type[MuonSettings], key: str, value, where: str) -> st
 
 
 def value_problems(model: Type[MuonSettings], settings: Mapping[str, Any], where: str) -> List[str]:
-    """What is wrong with the values of ``settings`` (a config block or a group, named ``where``) that are fields of
-    ``model`` (``MuonConfig`` or ``MuonGroupConfig``), one message per key in the fields' order; empty when nothing.
-    Keys that are not fields are left to ``check_muon_keys``'s key check."""
+    """One message per value of ``settings`` (a config block or group named ``where``) that its field of ``model``
+    refuses, in field order; keys that are not fields are left to ``check_muon_keys``."""
     known = {k: v for k, v in settings.items() if k in model.model_fields}
     try:
         model(strict=True, **known)  # strict: "auto" is a value like any other, refused where a number belongs
@@ -272,8 +252,7 @@ def value_problems(model: Type[MuonSettings], settings: Mapping[str, Any], where
 
 
 def _settings_blocks(optimizer_parameters: Mapping[str, Any], model_parameters):
-    """``(where, settings, model)`` of ``optimizer.params`` and of each group dict of ``model_parameters``
-    (only a list or tuple is looked into: a generator is not consumed)."""
+    """``(where, settings, model)`` of ``optimizer.params`` and each dict in a list or tuple ``model_parameters``."""
     yield "optimizer.params", optimizer_parameters or {}, MuonConfig
     if isinstance(model_parameters, (list, tuple)):
         for index, group in enumerate(model_parameters):
@@ -282,20 +261,19 @@ def _settings_blocks(optimizer_parameters: Mapping[str, Any], model_parameters):
 
 
 def check_muon_keys(optimizer_parameters: Mapping[str, Any], model_parameters) -> None:
-    """Refuse every key of the Muon block and of its parameter groups that the engine would drop, and every value
-    its field in ``MuonConfig`` / ``MuonGroupConfig`` does not accept.
+    """Refuse each key of the Muon block and its parameter groups that the engine would drop, and each value its field
+    in ``MuonConfig`` / ``MuonGroupConfig`` does not accept.
 
     Args:
         optimizer_parameters: the config's ``optimizer.params`` (not modified).
-        model_parameters: what ``deepspeed.initialize`` got as ``model_parameters``: tensors
-            and/or parameter-group dicts (a generator is not consumed; only a list or tuple of
-            dicts is checked).
+        model_parameters: ``deepspeed.initialize``'s; only a list or tuple of group dicts is checked (a generator is
+            not consumed).
 
     Raises:
         ValueError: one message listing each unknown key (``optimizer.params.<key>`` or
-            ``model_parameters[<i>].<key>``, with the keys accepted there; ``per_head_muon`` where this base
-            lacks per-head Muon), then each refused value as ``<where>.<key>: <value> is invalid; <what the key
-            accepts>`` (an ``ns_method`` with the accepted methods), with the closest accepted name where one is close.
+            ``model_parameters[<i>].<key>``, with the keys accepted there; ``per_head_muon`` where this DeepSpeed lacks
+            it), then each refused value as ``<where>.<key>: <value> is invalid; <what the key accepts>``, with the
+            closest accepted name where one is close.
     """
     accepted, accepted_in_groups = config_keys(), group_keys()
     problems, values = [], []
@@ -344,10 +322,8 @@ def _variant_problems(settings: Mapping[str, Any], where: str) -> List[str]:
 
 def check_muon_groups(optimizer_parameters: Mapping[str, Any], model_parameters, param_groups: Sequence[dict],
                       engine) -> None:
-    """Check the variant settings on the groups the engine built, and fill each variant's defaults in.
-
-    Called by the engine right after ``_muon_param_groups``. A Muon group that uses a variant gets each of the
-    variant's settings (its own, the config's, or the default), so checkpoints record them.
+    """Check the variant settings on the groups the engine built (right after ``_muon_param_groups``) and fill each
+    variant's defaults into the Muon groups using it, so checkpoints record them.
 
     Args:
         optimizer_parameters, model_parameters: as for ``check_muon_keys``.
@@ -355,9 +331,9 @@ def check_muon_groups(optimizer_parameters: Mapping[str, Any], model_parameters,
         engine: the ``DeepSpeedEngine`` (its ZeRO stage, data types and offload).
 
     Raises:
-        ValueError: naming each key: an unknown ``variant``, a variant's setting it refuses (``key_problems``), a
-            variant's settings where no Muon group uses that variant, and a variant or a weight AutoTP split
-            (``support.spread_problem``) where no owner rank runs the update (``support.where_no_owner_runs``).
+        ValueError: naming each key: an unknown ``variant``, a setting its variant refuses (``key_problems``), a
+            variant's settings no Muon group uses, a variant or an AutoTP-split weight where no owner rank runs the
+            update (``support``).
     """
     problems = [
         p for where, settings, _ in _settings_blocks(optimizer_parameters, model_parameters)

@@ -4,12 +4,9 @@
 # DeepSpeed Team
 """QK-clip's knowledge of Hugging Face attention: which layers of a ``transformers`` model it clips, and their logits.
 
-``find_attention`` describes each attention layer of a model (``qk_clip.AttentionHeads``: the layouts of
-Llama-style ``q_proj``/``k_proj``, Phi-3's ``qkv_proj``, GPT-2's ``c_attn``, an RMSNorm ``q_norm``), or takes a
-layer's own description (``qk_clip.mark_attention``). ``install_recorders`` wraps transformers' attention
-functions (``"sdpa"`` and each modeling file's ``eager_attention_forward``) so that each layer ``qk_clip`` clips
-reports its per-head maximum logit of every micro-step (``max_logits``, ``qk_clip.record_max_logits``); calls
-for other layers pass through. The clip itself (the all-reduce and the scaling) is ``qk_clip.QKClip``.
+``find_attention`` describes each attention layer (``describe_attention``) or takes the description
+``qk_clip.mark_attention`` attached; ``install_recorders`` wraps transformers' ``"sdpa"`` and
+``eager_attention_forward`` so each clipped layer reports its per-head maximum logit of every micro-step.
 """
 
 import copy
@@ -27,10 +24,10 @@ _QUERY_CHUNK_ELEMENTS = 1 << 24  # logits computed at once by max_logits, to bou
 
 def max_logits(query: torch.Tensor, key: torch.Tensor, attention_mask: Optional[torch.Tensor], scaling: float,
                is_causal: bool) -> torch.Tensor:
-    """fp32 ``(heads,)``: per head the maximum of ``query @ key^T * scaling`` (``(batch, heads, q_len, d)`` by
-    ``(batch, kv_heads, k_len, d)``, query head h on key head ``h // (heads / kv_heads)``) where ``attention_mask``
-    (additive float or boolean, broadcastable to ``(batch, heads, q_len, k_len)``) lets through, or with None and
-    ``is_causal``, keys up to ``i + k_len - q_len``; ``-inf`` for a head that sees nothing. In ``query``'s dtype,
+    """fp32 ``(heads,)``: per head the max of ``query @ key^T * scaling`` (``(batch, heads, q_len, d)`` by ``(batch,
+    kv_heads, k_len, d)``, query head h on key head ``h // (heads / kv_heads)``) where ``attention_mask`` (additive
+    float or boolean, broadcastable to ``(batch, heads, q_len, k_len)``) lets through, or with None and ``is_causal``,
+    keys up to ``i + k_len - q_len``; ``-inf`` where a head sees nothing. ``query``'s dtype (fp16 upcast to fp32),
     chunks of about 2^24 logits, no gradient."""
     batch, heads, q_len, head_dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
@@ -85,8 +82,7 @@ def _recording(attention, sdpa: bool):
 
 
 def install_recorders(modules: Sequence[torch.nn.Module]) -> None:
-    """Wrap (once; other modules' calls pass through) transformers' ``"sdpa"`` (``AttentionInterface.register``)
-    and the ``eager_attention_forward`` of the modeling file of each of ``modules``."""
+    """Wrap (once) transformers' ``"sdpa"`` and the ``eager_attention_forward`` of each of ``modules``' files."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
     AttentionInterface.register("sdpa", _recording(ALL_ATTENTION_FUNCTIONS["sdpa"], sdpa=True))
     for module in modules:
@@ -96,9 +92,8 @@ def install_recorders(modules: Sequence[torch.nn.Module]) -> None:
 
 
 def describe_attention(module: torch.nn.Module) -> Optional[AttentionHeads]:
-    """The ``AttentionHeads`` of a Hugging Face self-attention layer with ``head_dim``: ``q_proj``/``k_proj``
-    ``nn.Linear`` (Llama, Mistral, Qwen2/3, Qwen3-MoE and most decoders; ``q_norm`` where present), Phi-3's
-    ``qkv_proj`` rows, GPT-2's ``Conv1D`` ``c_attn`` columns; None for any other layout."""
+    """``AttentionHeads`` of a Hugging Face self-attention layer with ``head_dim``: ``q_proj``/``k_proj`` (Llama,
+    Mistral, Qwen2/3 and most decoders; ``q_norm`` if any), Phi-3's ``qkv_proj``, GPT-2's ``c_attn``; else None."""
     from transformers.pytorch_utils import Conv1D
     head_dim, config = getattr(module, "head_dim", None), getattr(module, "config", None)
     if not isinstance(head_dim, int) or head_dim < 1 or getattr(module, "is_cross_attention", False):
@@ -131,9 +126,8 @@ def describe_attention(module: torch.nn.Module) -> Optional[AttentionHeads]:
 
 
 def _scales_with_weight(norm, size: int) -> bool:
-    """Whether ``norm`` (one parameter, ``weight`` of ``size``) returns its normalized input times ``weight``
-    (RMSNorm), so that scaling the weight scales its output; not ``x * (1 + weight)`` (Gemma), not with a bias.
-    Probed on a copy of the module, its forward called without hooks (ZeRO-3's would gather)."""
+    """Whether scaling ``norm``'s sole ``weight`` (of ``size``) scales its output (RMSNorm; not Gemma's ``x * (1 +
+    weight)``, not with a bias). Probed on a copy, forward called without hooks (ZeRO-3's would gather)."""
     weight = dict(norm.named_parameters()).get("weight")
     if [n for n, _ in norm.named_parameters()] != ["weight"] or getattr(weight, "ds_numel", weight.numel()) != size:
         return False
@@ -157,8 +151,7 @@ def find_attention(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module, A
     """``(name, module, heads)`` of every attention layer of ``model``: marked or of a known layout.
 
     Raises:
-        ValueError: naming the key and each module named like attention in no known layout or on an attention
-            implementation other than eager and sdpa; or no attention layer at all.
+        ValueError: a module named like attention in no known layout or not on eager/sdpa; or no attention layer.
     """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     found, problems = [], []

@@ -5,24 +5,11 @@
 """Muon's one entry point in DeepSpeed: every Muon feature ``deepspeed.initialize`` and the engine need.
 
 The engine and ``deepspeed/__init__.py`` call this module only; the ZeRO stages reach ``binding`` (their
-``MuonUpdate``, built from their own description of their partitions) and ``support`` (the configurations the update
-cannot serve), and the checkpoint code lives under ``deepspeed/checkpoint/``:
-
-- ``prepare_model`` (``deepspeed.set_optimizer_flags``, before the engine is built): the keys and values of
-  ``optimizer.params`` and of the parameter groups checked (``config``) before upstream's optimizer reads them, and
-  each parameter's ``use_muon`` chosen (``param_selection``);
-- ``MuonIntegration.create`` (``engine._configure_optimizer``, with the basic optimizer, before the wrapper checks and
-  ZeRO replace its groups by flat partitions): Muon's own group keys copied into each Muon group and the variants'
-  settings checked, the selection resolved and reported (``param_selection``), ZenFlow refused at ZeRO-1/2, the weights
-  AutoTP split marked (``tensor_parallel``), the scheduler's per-group rates resolved (``lr_groups``), MuonClip's
-  threshold, placement and attention layers checked;
-- ``bind`` (once the engine built its optimizer): what runs right after each inner optimizer step, registered with the
-  ZeRO stage's update (``binding.MuonUpdate.add_after_inner_step``): MuonClip's QK-clip (``qk_clip``);
-- ``named_by_group`` (the progress log): each rate and momentum with its group's name.
-
-The ZeRO stages build their ``MuonUpdate`` themselves (it is their step). ``qk_clip`` and
-``hf_attention`` are imported by name only where a build has them (``config.has_qk_clip``: the pull
-request of Muon's variants adds them).
+``MuonUpdate``) and ``support``; the checkpoint code lives under ``deepspeed/checkpoint/``. ``prepare_model`` from
+``deepspeed.set_optimizer_flags``, ``MuonIntegration.create`` from ``engine._configure_optimizer`` before ZeRO flattens
+the groups, ``bind`` once the ZeRO optimizer exists (QK-clip after each inner step), ``named_by_group`` for the
+progress log. ``qk_clip`` and ``hf_attention`` are imported by name only where a build has them
+(``config.has_qk_clip``).
 """
 
 import importlib
@@ -44,10 +31,9 @@ from deepspeed.utils import logger
 
 
 def prepare_model(optimizer_parameters: Mapping[str, Any], model, model_parameters=None) -> None:
-    """``deepspeed.initialize``'s call for DeepSpeed's Muon, before the engine is built: the keys and values of
-    ``optimizer.params`` and of the group dicts of ``model_parameters`` (a list or tuple; a generator is not
-    consumed) checked (``config.check_muon_keys``) before upstream's optimizer reads them, then each
-    parameter's ``use_muon`` chosen (``param_selection.select_muon_parameters``; a flag the user set is kept).
+    """Check (``config.check_muon_keys``) the keys and values of ``optimizer.params`` and of the group dicts of
+    ``model_parameters`` (a list or tuple; a generator is not consumed) before upstream's optimizer reads them, then
+    choose each parameter's ``use_muon`` (``param_selection.select_muon_parameters``; a user's flag is kept).
 
     Raises:
         ValueError: naming each key or value Muon cannot use.
@@ -64,9 +50,8 @@ def _source_groups(model_parameters) -> Mapping[int, dict]:
 
 
 def fill_muon_group_keys(param_groups, optimizer_parameters: Mapping[str, Any], model_parameters) -> None:
-    """Copy Muon's own keys (``config.muon_group_keys``) into each Muon group of ``param_groups``: the incoming
-    group's value, else ``optimizer.params``' (the precedence of ``DeepSpeedEngine._muon_param_groups``, which
-    keeps upstream's keys only). A key set in neither stays unset (each reader has its default)."""
+    """Copy Muon's own keys into each Muon group: the incoming group's value, else ``optimizer.params``' (the
+    precedence of ``_muon_param_groups``, which keeps upstream's keys only); a key set in neither stays unset."""
     sources = _source_groups(model_parameters)
     for group in param_groups:
         if not is_muon_group(group) or not group["params"]:
@@ -83,8 +68,7 @@ class MuonIntegration:
     """What one ``DeepSpeedEngine`` runs for Muon.
 
     Attributes:
-        selection: ``param_selection.MuonSelection``: which parameters Muon trains and why (also
-            ``engine.muon_selection``); None for a client optimizer DeepSpeed cannot see into.
+        selection: the ``MuonSelection`` (also ``engine.muon_selection``); None for an opaque client optimizer.
         qk_clip: MuonClip's ``qk_clip.QKClip`` once bound, None where ``qk_clip_threshold`` is unset.
     """
 
@@ -97,21 +81,15 @@ class MuonIntegration:
 
     @classmethod
     def create(cls, engine, basic_optimizer, client_optimizer, model_parameters) -> Optional["MuonIntegration"]:
-        """Muon's checks and settings on ``basic_optimizer`` (the engine's, before ZeRO wraps it); None where it
-        is not DeepSpeed's Muon.
-
-        Args:
-            engine: the ``DeepSpeedEngine`` (its config, module, ZeRO stage and scheduler).
-            basic_optimizer: the optimizer built from the config or the client's (its groups are modified:
-                Muon's group keys filled in, variants' defaults).
-            client_optimizer: the client's optimizer (or callable), None for a config-named one.
-            model_parameters: what ``deepspeed.initialize`` got (its group dicts carry per-group keys).
+        """On ``basic_optimizer`` (before ZeRO wraps it): fill and check Muon's group keys, resolve and report the
+        selection, mark AutoTP-split weights, resolve the scheduler's per-group rates, check MuonClip's setup.
+        ``client_optimizer`` is None for a config-named one; ``model_parameters``' group dicts carry per-group keys.
+        Returns None if it is not DeepSpeed's Muon.
 
         Raises:
-            ValueError: naming the config key: a variant's setting Muon cannot use (``config.check_muon_groups``; the
-                keys and values were checked by ``prepare_model``), ZenFlow at ZeRO-1/2, a client Muon that cannot run
-                on flat partitions (``param_selection``), a scheduler rate that would overwrite Muon's or Adam's rates
-                (``lr_groups``), a ``qk_clip_threshold`` that cannot run here or attention it cannot clip.
+            ValueError: naming the config key: a variant's setting Muon cannot use, ZenFlow at ZeRO-1/2, a client
+                Muon that cannot run on flat partitions, a scheduler rate that would overwrite Muon's or Adam's, a
+                ``qk_clip_threshold`` that cannot run here or attention it cannot clip.
         """
         named = client_optimizer is None and engine.optimizer_name() == MUON_OPTIMIZER
         optimizer_parameters = dict(engine.optimizer_params() or {}) if named else {}
@@ -145,8 +123,7 @@ class MuonIntegration:
         return cls(basic_optimizer, selection, layers, threshold, engine.steps_per_print() or 0)
 
     def bind(self, optimizer) -> None:
-        """Register Muon's work after the inner optimizer step with ``optimizer``, the one the engine built (a
-        ZeRO stage's runs it from its ``muon_update``).
+        """Register Muon's work after the inner step with the engine's ``optimizer`` (run by its ``muon_update``).
 
         Raises:
             ValueError: ``qk_clip_threshold`` with an optimizer that runs no Muon update (no ZeRO stage).
@@ -173,6 +150,5 @@ class MuonIntegration:
         return clip
 
     def named_by_group(self, lrs, moms):
-        """``engine.get_lr()`` and ``get_mom()`` for the progress log, each value with its group's name
-        (``lr_groups.rates_by_group``, ``momenta_by_group``)."""
+        """``engine.get_lr()`` and ``get_mom()`` labelled with their groups' names for the progress log."""
         return rates_by_group(self._optimizer, lrs), momenta_by_group(self._optimizer, moms)

@@ -26,8 +26,7 @@ def is_muon_group(param_group) -> bool:
 
 
 def is_muon_optimizer(optimizer) -> bool:
-    """Whether ``optimizer`` is DeepSpeed's ``MuonWithAuxAdam`` (imported here: importing Muon compiles its
-    kernels)."""
+    """Whether ``optimizer`` is DeepSpeed's ``MuonWithAuxAdam`` (imported here: importing Muon compiles kernels)."""
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
     return isinstance(optimizer, MuonWithAuxAdam)
 
@@ -52,10 +51,10 @@ class StepSettings:
 
 
 def momentum_step(grad: torch.Tensor, momentum: torch.Tensor, settings: StepSettings, out: torch.Tensor) -> None:
-    """Upstream ``muon_momentum_step_`` on a finite gradient, bit for bit: ``momentum.lerp_(grad, 1 -
-    beta)`` in place, then the Nesterov blend ``grad.lerp(momentum, beta)`` (or the momentum) into
-    ``out`` (``grad`` itself, or a send buffer of as many elements on ``grad``'s device). ``grad``
-    and ``momentum``: fp32, one shape (a rank's piece of a matrix in each), the gradient unscaled and clipped."""
+    """Upstream ``muon_momentum_step_`` on a finite gradient, bit for bit: ``momentum.lerp_(grad, 1 - beta)`` in place,
+    then the Nesterov blend ``grad.lerp(momentum, beta)`` (or the momentum) into ``out`` (``grad`` itself, or a send
+    buffer of as many elements on ``grad``'s device). ``grad``, ``momentum``: fp32, one shape (a rank's piece of a
+    matrix), the gradient unscaled and clipped."""
     momentum.lerp_(grad, 1 - settings.momentum)
     out = out.view(grad.shape)
     if settings.nesterov:

@@ -42,13 +42,12 @@ def part_problems(shape: Sequence[int], split: Split) -> Tuple[Tuple[int, int, i
 
 
 def newton_schulz_problem(shape: Sequence[int], is_expert_group: bool, num_heads) -> Tuple[int, int, int]:
-    """``(batch, rows, cols)`` of the NS problems of a parameter of full ``shape`` with its
-    ``is_expert_group`` and ``muon_num_heads`` (``per_head_muon``; or None): upstream
-    ``original_muon.muon_ns_problem``, with errors that name the config keys.
+    """``(batch, rows, cols)`` of the NS problems of a parameter of full ``shape`` and ``muon_num_heads`` (or None):
+    upstream ``original_muon.muon_ns_problem``, with errors that name the config keys.
 
     Raises:
-        ValueError: fewer than 2 dimensions, or ``muon_num_heads`` on a tensor that is not 2-D, on
-            rows it does not divide, or on a DeepSpeed release without per-head Muon.
+        ValueError: fewer than 2 dimensions, or ``muon_num_heads`` on a tensor that is not 2-D, on rows it does not
+            divide, or on a DeepSpeed release without per-head Muon.
     """
     try:
         return original_muon.muon_ns_problem(shape, is_expert_group, num_heads)
@@ -65,13 +64,12 @@ def matrix_spec(param,
                 ns_method: str,
                 num_heads: Optional[int] = None,
                 split: Optional[Split] = None) -> MatrixSpec:
-    """The ``MatrixSpec`` of ``param`` (its ``is_expert_group`` read) of full ``shape`` (ZeRO-3: ``ds_shape``;
-    a tensor-parallel matrix's whole) with ``num_heads`` (its ``muon_num_heads`` for that shape) and ``split``
-    (``split_of``; checked at selection, ``param_selection.check_split``) under the group's ``ns_method``.
+    """The ``MatrixSpec`` of ``param`` of full ``shape`` (ZeRO-3: ``ds_shape``; a tensor-parallel matrix's whole) under
+    the group's ``ns_method``, with its ``muon_num_heads`` for that shape and ``split`` (``split_of``, checked by
+    ``param_selection.check_split``).
 
     Raises:
-        ValueError: see ``newton_schulz_problem``.
-    """
+        ValueError: see ``newton_schulz_problem``."""
     shape, experts = tuple(shape), bool(getattr(param, "is_expert_group", False))
     if split is not None:
         parts = part_problems(shape, split)
@@ -98,16 +96,15 @@ def orthogonalize_each(load: Callable[[int], torch.Tensor],
                        device,
                        batch: Optional[bool] = None,
                        max_call_numel: Optional[int] = None) -> Iterator[Tuple[List[int], List[torch.Tensor]]]:
-    """Orthogonalize an owner's matrices of one bucket (``load(k)``: matrix ``k``'s NS input, not
-    modified), yielding ``(indices, results)`` per call, each result in ``dtype`` and its shape.
+    """Orthogonalize an owner's matrices of one bucket (``load(k)``: matrix ``k``'s NS input, not modified), yielding
+    ``(indices, results)`` per call, each result in ``dtype`` and its matrix's shape.
 
-    With ``batch`` (None: where ``batches`` says it pays on ``device``), same-``(rows, cols)`` problems run as one
-    call on their stack: upstream's kernels normalize and iterate each problem of a batch on its own, so no math
-    changes. A lone matrix runs upstream's ``muon_orthogonalize`` as ``muon_update`` does; a 4-D conv filter always
-    runs alone (upstream scales it by its kernel's shape), and a fused parameter too (``orthogonalize_parts``). Inputs
-    load when their call runs, so a caller holds one call's tensors at a time, and ``max_call_numel`` bounds a
-    batched call's working set (``ns_workspace_numel`` summed).
-    """
+    With ``batch`` (None: where ``batches`` says it pays on ``device``), same-``(rows, cols)`` problems run as one call
+    on their stack: upstream's kernels normalize and iterate each problem of a batch on its own, so no math changes. A
+    lone matrix runs upstream's ``muon_orthogonalize`` as ``muon_update`` does; a 4-D conv filter always runs alone
+    (upstream scales it by its kernel's shape), and so does a fused parameter (``orthogonalize_parts``). Inputs load
+    when their call runs, so a caller holds one call's tensors at a time; ``max_call_numel`` bounds a batched call's
+    working set (``ns_workspace_numel`` summed)."""
     groups = {}
     for k, spec in enumerate(specs):
         _, rows, cols = spec.ns_problem
@@ -135,9 +132,8 @@ def orthogonalize_each(load: Callable[[int], torch.Tensor],
 def orthogonalize_parts(update: torch.Tensor, split: Split, ns_steps: int, ns_method: str,
                         dtype: Optional[torch.dtype]) -> torch.Tensor:
     """Upstream's ``muon_orthogonalize`` on each part of a fused ``update`` (2-D, or 3-D: a batch of experts) along
-    ``split = (dim, sizes)`` (``check_split``'s), each part with its own aspect-ratio scale, the parts of one shape
-    in one batched call; the result in ``dtype`` (None: the kernel's) and ``update``'s shape, each part where it
-    lies in ``update``."""
+    ``split = (dim, sizes)``, each part with its own aspect-ratio scale, the parts of one shape in one batched call;
+    the result in ``dtype`` (None: the kernel's) and ``update``'s shape, each part where it lies."""
     dim, sizes = split
     parts = update.split(list(sizes), dim=dim)
     shapes = {}

@@ -4,17 +4,13 @@
 # DeepSpeed Team
 """NorMuon: Muon with a per-neuron second moment, run on each matrix's owner rank.
 
-NorMuon (Zichong Li, Liming Liu, Chen Liang, Weizhu Chen, Tuo Zhao, 2025, "NorMuon: Making Muon
-more efficient and scalable", arXiv:2510.05491, Algorithm 1) keeps a second moment per output row
-of the orthogonalized update and normalizes each row by it. An implementation that normalizes
-the rows of each rank's piece approximates it; here the owner rank holds the whole Newton-Schulz
-result, so the statistic is exact and costs no communication.
+NorMuon (Zichong Li, Liming Liu, Chen Liang, Weizhu Chen, Tuo Zhao, 2025, "NorMuon: Making Muon more efficient and
+scalable", arXiv:2510.05491, Algorithm 1) normalizes each output row of the orthogonalized update by its second
+moment. The owner rank holds the whole Newton-Schulz result, so the statistic is exact and needs no communication.
 
-Selected per Muon parameter group (or for all, in ``optimizer.params``) by ``"variant":
-"normuon"``, with ``normuon_beta2`` and ``normuon_eps``; the keys are prefixed because
-``optimizer.params`` is shared with the auxiliary Adam, whose ``betas`` / ``eps`` mean something
-else. Importing this module registers the variant with ``owner_state`` (``register_variant``);
-the package ``deepspeed.runtime.zero.muon`` imports it, so the variant is known wherever Muon runs.
+Selected per Muon group (or in ``optimizer.params``) by ``"variant": "normuon"``, with ``normuon_beta2`` and
+``normuon_eps``, prefixed because ``optimizer.params`` is shared with the auxiliary Adam, whose ``betas`` / ``eps``
+mean something else. Importing this module (the package does) registers the variant with ``owner_state``.
 """
 
 import math
@@ -47,31 +43,25 @@ def _number(value) -> bool:
 class NorMuon:
     """NorMuon's rule on the owner: per-row second moment, row normalization, norm kept.
 
-    For one Newton-Schulz problem ``O`` of ``rows x cols`` (``MatrixSpec.ns_problem``: a 2-D
-    matrix, one attention head under ``per_head_muon``, one expert of an expert group, a conv
-    filter flattened to ``out x in*kh*kw``), with ``v`` its ``rows`` state (zero at the start):
+    For one Newton-Schulz problem ``O`` of ``rows x cols`` (``MatrixSpec.ns_problem``: a matrix, a head under
+    ``per_head_muon``, an expert, a conv filter as ``out x in*kh*kw``), with ``v`` its ``rows`` state (zero at start):
 
         v    <- beta2 * v + (1 - beta2) * mean_cols(O * O)       (Algorithm 1, line "v_t")
         O^   =  O / (sqrt(v) + eps)                              (row-wise, "O^_t")
         U    =  O^ * ||O||_F / ||O^||_F
 
-    ``O`` is DeepSpeed's Muon update as ``muon_orthogonalize`` returns it: Newton-Schulz of the
-    Nesterov blend of gradient and momentum (DeepSpeed's Muon fixes Nesterov on), times upstream's
-    aspect-ratio scale ``s = sqrt(max(1, rows/cols))``. The last line is where implementations
-    differ. The paper's Algorithm 1 steps by ``0.2 * lr * sqrt(m n) / ||O^||_F`` (an update RMS of
-    0.2, Adam's, for an Adam-tuned learning rate). The authors' released ``normuon.py``
-    (github.com/zichongli5/NorMuon) and microsoft/dion's ``dion/normuon.py`` rescale ``O^`` to
-    the Frobenius norm of the Newton-Schulz output instead, and then apply their Muon learning-rate
-    scale. This module does what they do, so that the update has exactly the norm of DeepSpeed's
-    Muon update and ``muon_lr`` (tuned for Muon, default 0.02) keeps its meaning: switching the
-    variant redistributes each update over its rows, it does not resize it. Since ``O`` already
-    holds ``s``, ``v`` is ``s^2`` times the authors' (who scale after normalizing), and the result
-    equals theirs with ``eps / s`` for ``eps``; the rescale is per problem (per head, per expert),
-    as dion's per-block rescale.
+    ``O`` is ``muon_orthogonalize``'s output: Newton-Schulz of the Nesterov blend of gradient and momentum (Nesterov
+    fixed on), times upstream's aspect-ratio scale ``s = sqrt(max(1, rows/cols))``. Implementations differ in the last
+    line. The paper steps by ``0.2 * lr * sqrt(m n) / ||O^||_F`` (Adam's update RMS, for an Adam-tuned rate); the
+    authors' released ``normuon.py`` (github.com/zichongli5/NorMuon) and microsoft/dion's ``dion/normuon.py`` rescale
+    ``O^`` to the Newton-Schulz output's Frobenius norm, then apply their Muon rate scale. This module does the
+    latter, so the update keeps the norm of DeepSpeed's Muon update and ``muon_lr`` (default 0.02) its meaning: the
+    variant redistributes each update over its rows, it does not resize it. As ``O`` already holds ``s``, ``v`` is
+    ``s^2`` times the authors' (who scale after normalizing) and the result equals theirs with ``eps / s`` for
+    ``eps``; the rescale is per problem (head, expert), as dion's per-block rescale.
 
     Attributes:
-        beta2: ``normuon_beta2``, in [0, 1).
-        eps: ``normuon_eps``, > 0.
+        beta2 / eps: ``normuon_beta2`` in [0, 1) / ``normuon_eps`` > 0.
     """
     beta2: float = NORMUON_BETA2
     eps: float = NORMUON_EPS
@@ -81,8 +71,7 @@ class NorMuon:
 
     @staticmethod
     def key_problems(settings: Mapping[str, Any], where: str) -> List[str]:
-        """What is wrong with ``normuon_beta2`` / ``normuon_eps`` in ``settings`` (a config block or
-        a parameter group, named ``where`` in each message); empty when nothing."""
+        """Problems with ``normuon_beta2`` / ``normuon_eps`` in ``settings`` (a config block or group: ``where``)."""
         problems = []
         if BETA2_KEY in settings:
             beta2 = settings[BETA2_KEY]
@@ -109,23 +98,18 @@ class NorMuon:
 
     @staticmethod
     def state_rows(spec) -> Tuple[int, int]:
-        """``(rows, cols)`` of the state: ``state_numel`` rows, each covering ``cols`` consecutive
-        elements of the flattened parameter (row-major over its problems)."""
+        """``(state_numel, cols)``: each state row covers ``cols`` consecutive elements of the flattened parameter."""
         batch, rows, cols = spec.ns_problem
         return batch * rows, cols
 
     @torch.no_grad()
     def apply(self, update: torch.Tensor, state: torch.Tensor, spec) -> torch.Tensor:
-        """Advance ``state`` and return the normalized update; see the class docstring.
+        """Advance ``state``; return the normalized update in ``update``'s dtype and shape, computed in fp32.
 
         Args:
-            update: the Newton-Schulz result, ``spec.shape`` (a conv filter may come flattened),
-                any float dtype; not modified.
-            state: 1-D fp32, ``state_numel(spec)`` elements, on ``update``'s device; in place.
+            update: the Newton-Schulz result, ``spec.shape`` (a conv filter may come flattened), any float dtype.
+            state: 1-D fp32, ``state_numel(spec)`` elements, on ``update``'s device; updated in place.
             spec: the matrix's ``owner_plan.MatrixSpec``.
-
-        Returns:
-            the update in ``update``'s dtype and shape, computed in fp32.
         """
         batch, rows, cols = spec.ns_problem
         o = update.reshape(batch, rows, cols).to(torch.float32)

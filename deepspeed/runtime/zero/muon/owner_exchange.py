@@ -4,12 +4,11 @@
 # DeepSpeed Team
 """The two all-to-alls of one bucket: Newton-Schulz-input pieces to their owner, results back.
 
-Layout: order the bucket's matrices ``j`` by ``(owner(j), position)``. Every rank's send buffer holds its piece of
-each matrix in that order, so its split for rank ``d`` is its pieces of the matrices ``d`` owns; the owner receives one
-split per source rank and rebuilds matrix ``j`` as the concatenation of its pieces in rank order, cut to its numel
-(ZeRO-3 pads). The results go back in the same layout, so every rank receives exactly its send layout and unpacks in
-reverse. Under ZeRO-3 with a balanced plan a rank receives ``2 P (W - 1) / W^2`` elements on average for ``P`` Muon
-elements, the owner-centric lower bound.
+Every rank's send buffer holds its piece of each of the bucket's matrices, ordered by ``(owner, position)``, so its
+split for rank ``d`` is its pieces of the matrices ``d`` owns; the owner rebuilds each matrix from one split per source
+rank, its pieces in rank order cut to its numel (ZeRO-3 pads). Results return in the same layout, unpacked in reverse.
+Under ZeRO-3 with a balanced plan a rank receives on average ``2 P (W - 1) / W^2`` elements for ``P`` Muon elements,
+the owner-centric lower bound.
 """
 
 from dataclasses import dataclass, field
@@ -22,9 +21,8 @@ from deepspeed.accelerator import get_accelerator
 
 @dataclass
 class ExchangeStats:
-    """One rank's cumulative counters: ``optimizer_steps`` the update ran, ``ns_calls`` (matrices orthogonalized as
-    owner), the elements and bytes sent and received in the all-to-alls (own pieces excluded), ``exchanges``
-    (all-to-alls issued; none with one rank)."""
+    """One rank's cumulative counters: ``optimizer_steps``, ``ns_calls`` (matrices orthogonalized as owner), elements
+    and bytes sent and received in the all-to-alls (own pieces excluded), ``exchanges`` (none with one rank)."""
     optimizer_steps: int = 0
     ns_calls: int = 0
     elements_sent: int = 0
@@ -36,21 +34,16 @@ class ExchangeStats:
 
 @dataclass(frozen=True)
 class BucketLayout:
-    """One rank's view of one bucket's exchange.
+    """One rank's view of one bucket's exchange: ``matrices`` (the bucket's matrix indices, partition order) with their
+    ``owners``, ``numels`` and ``pieces`` (elements every rank holds), seen from ``rank``; ``placements``: per matrix,
+    None (its pieces in rank order are the matrix flattened) or its tensor-parallel layout, per holder ``(offset,
+    numel)`` of its piece's elements in the shards' storage (the rest is padding).
 
-    Args:
-        matrices: the bucket's matrix indices (partition order). owners, numels: per matrix.
-        pieces: per matrix, the elements every rank holds of it. rank: this rank in the group.
-        placements: per matrix, None (its pieces in rank order are the matrix flattened), or its tensor-parallel
-            layout: per holder, ``(offset, numel)`` of its piece's elements in the shards' storage (the rest of the
-            piece is padding).
-
-    Attributes:
-        send_order: bucket positions by (owner, position), the send buffer's order.
-        send_splits / recv_splits: elements sent to / received from each rank, forward.
-        owned: bucket positions of the matrices this rank owns, in send order.
-        send_pieces: ``(k, offset, numel)`` of each piece this rank holds, in the send buffer.
-        owned_spans: per owned matrix, ``(start, numel)`` of its nonzero pieces in the receive buffer, in rank order.
+    Derived: ``send_order`` (bucket positions by (owner, position): the send buffer's order), ``send_splits`` /
+    ``recv_splits`` (elements sent to / received from each rank, forward), ``owned`` (positions of the matrices this
+    rank owns, in send order), ``send_pieces`` (``(k, offset, numel)`` of each piece this rank holds, in the send
+    buffer), ``owned_spans`` (per owned matrix, ``(start, numel)`` of its nonzero pieces in the receive buffer, in rank
+    order).
 
     Raises:
         ValueError: entries of different lengths, or pieces that cannot hold their matrix.
@@ -158,9 +151,8 @@ class OwnerExchange:
         self.stats = stats
 
     def warm_up(self, device) -> None:
-        """One synchronous all-to-all of one int32 per peer, checked, not counted: at initialization, so that the
-        backend connects every pair of ranks before the first step's asynchronous all-to-alls (NCCL opens its
-        point-to-point connections at a pair's first exchange).
+        """A synchronous all-to-all of one int32 per peer at initialization, checked, not counted: NCCL connects a pair
+        of ranks at their first exchange, so this connects them all before the first step's asynchronous all-to-alls.
 
         Raises:
             RuntimeError: an element came back from another rank than the one that sent it."""
@@ -215,16 +207,15 @@ class InFlight:
 
 
 class ExchangeBuffers:
-    """The exchange buffers of one partition's Muon pipelines for one step (an out-of-memory error comes at the
-    step's start, not mid-exchange), shared: the pipelines run one after the other.
+    """One partition's exchange buffers for one step, allocated up front (an out-of-memory error comes at the step's
+    start, not mid-exchange) and shared by its Muon pipelines, which run one after the other.
 
-    Each of ``slots`` holds one bucket in flight: an outgoing buffer (this rank's pieces) and an incoming one (the
-    owner's matrices) of ``outgoing_numel`` / ``incoming_numel`` fp32 elements on ``device``, raw bytes viewed as each
-    step's dtype. Pieces on ``staging_device`` (optimizer offload) cross through a pinned host buffer per slot, once
-    per bucket each way: the momentum step writes into it and one non-blocking copy sends it; the update comes back in
-    one non-blocking copy on a copy stream, which waits for the exchange alone, and an event. ``host``: an
-    ``ExchangeBuffers`` whose pinned staging (and copy stream) to use instead of pinning new memory; it must cover
-    these slots and sizes. ``device_buffers=False``: only the staging (kept by ``MuonUpdate`` across steps).
+    Each of ``slots`` holds one bucket in flight: an outgoing (this rank's pieces) and an incoming buffer (the owner's
+    matrices) of ``outgoing_numel`` / ``incoming_numel`` fp32 elements on ``device``, raw bytes viewed as each step's
+    dtype. Pieces on ``staging_device`` (optimizer offload) cross through a pinned host buffer per slot, in one
+    non-blocking copy per bucket each way (back: ``to_host``). ``host``: an ``ExchangeBuffers`` whose pinned staging
+    and copy stream to reuse (``ValueError`` unless it covers these slots and sizes); ``device_buffers=False``: only
+    the staging (``MuonUpdate`` keeps it across steps).
     """
 
     def __init__(self,
@@ -263,9 +254,8 @@ class ExchangeBuffers:
                  device,
                  host: Optional["ExchangeBuffers"] = None,
                  device_buffers: bool = True) -> "ExchangeBuffers":
-        """One set on ``device`` covering every pipeline's ``(slots, outgoing_numel, incoming_numel, piece_device)``
-        (``MuonPipeline.buffer_demand``), with host staging where pieces live off it (``host``'s, if given).
-        ``device_buffers``: as for the constructor."""
+        """One set on ``device`` covering every pipeline's ``buffer_demand`` ``(slots, outgoing_numel, incoming_numel,
+        piece_device)``, with host staging where pieces live off ``device`` (``host``'s, if given)."""
         slots, outgoing, incoming = (max((d[i] for d in demands), default=0) for i in range(3))
         staging = next((d[3] for d in demands if torch.device(d[3]) != torch.device(device)), None)
         return cls(slots, outgoing, incoming, device, staging, host, device_buffers)
@@ -290,9 +280,9 @@ class ExchangeBuffers:
         return self._view(self._staging[slot], numel, dtype)
 
     def to_host(self, source: torch.Tensor, host: torch.Tensor, pending) -> torch.Tensor:
-        """``host`` (a ``staging`` view) holding ``source`` (the slot's returned update on the device) once the
-        exchange ``pending`` (an ``InFlight`` or None) completed: one non-blocking copy on the copy stream, waited for
-        by its event, so the copy waits for the exchange and not for Newton-Schulz queued on the current stream."""
+        """``host`` (a ``staging`` view) holding ``source`` (the slot's returned update) once ``pending`` (an
+        ``InFlight`` or None) completed: one non-blocking copy on the copy stream, waited for by its event, so the copy
+        waits for the exchange and not for Newton-Schulz queued on the current stream."""
         if self._copy_stream is None:
             if pending is not None:
                 pending.wait()

@@ -4,25 +4,20 @@
 # DeepSpeed Team
 """Which rank orthogonalizes which Muon matrix: the owner plan (pure Python, no torch).
 
-Every rank builds the same plan from the same matrix shapes, so the plan is never communicated
-(the binding checks once, at initialization, that the ranks agree). Terms:
+Every rank builds the same plan from the same matrix shapes, so it is never communicated (the binding checks once, at
+initialization, that the ranks agree). Terms: *pieces*, ``pieces[r]`` the elements of a matrix's flattened gradient
+rank ``r`` holds (ZeRO-3: ``ceil(ds_numel / W)`` on every rank, zero-padded; ZeRO-1/2: the run of the flat buffer each
+partition covers, so most matrices have one holder); *owner rank*, the rank that receives every piece of a matrix's
+Newton-Schulz (NS) input, runs NS once on the whole matrix and sends each rank its piece of the result; *bucket*,
+consecutive matrices exchanged together (buckets bound the exchange buffers).
 
-- *pieces*: ``pieces[r]``, the elements of a matrix's flattened gradient rank ``r`` holds (rank
-  order). ZeRO-3: ``ceil(ds_numel / W)`` on every rank, zero-padded; ZeRO-1/2: the run of the flat
-  buffer each partition covers, so most matrices have one holder.
-- *owner rank*: the rank that receives every piece of a matrix's Newton-Schulz (NS) input, runs NS
-  once on the whole matrix and sends each rank its piece of the result.
-- *bucket*: consecutive matrices exchanged together; buckets bound the exchange buffers.
-
-Owners are balanced by NS cost per bucket: greedy longest-processing-time-first into W bins (LPT,
-Graham 1969, "Bounds on multiprocessing timing anomalies"), since every rank waits for the
-slowest owner of a bucket; then the heaviest bin goes to the rank with the least work so far, so
-the totals stay balanced too. A matrix only some ranks hold goes to the least loaded of them.
-
-The Muon key ``max_step_memory`` sizes the buckets (``plan_partition``): a cap in bytes on what Muon's step adds
-on a rank (``plan_within_cap``), or ``STRICT``, each rank's momentum partition (``plan_for_depth``). The partition
-shrinks as 1/W while a whole matrix and its NS working set do not, so from some W the strict rule leaves one owner
-computing while the others wait; hence the cap of its own.
+Owners are balanced by NS cost per bucket, since every rank waits for a bucket's slowest owner: greedy
+longest-processing-time-first into W bins (LPT, Graham 1969, "Bounds on multiprocessing timing anomalies"), then the
+heaviest bin to the least loaded rank so far, balancing the totals too; a matrix only some ranks hold goes to the least
+loaded of them. ``max_step_memory`` sizes the buckets (``plan_partition``): a byte cap on what Muon's step adds on a
+rank (``plan_within_cap``), or ``STRICT``, each rank's momentum partition (``plan_for_depth``), which shrinks as 1/W
+while a whole matrix and its NS working set do not, so from some W it leaves one owner computing while others wait;
+hence a byte cap of its own.
 """
 
 import dataclasses
@@ -40,16 +35,14 @@ class MatrixSpec:
     """One Muon parameter as the plan sees it.
 
     Attributes:
-        shape: the full shape (ZeRO-3: ``ds_shape``), at least 2-D.
-        ns_method: the group's ``ns_method``.
+        shape, ns_method: the full shape (ZeRO-3: ``ds_shape``; at least 2-D); the group's ``ns_method``.
         is_expert_group, num_heads: the parameter's ``is_expert_group`` and ``muon_num_heads``.
-        ns_problem: ``(batch, rows, cols)`` of the matrices NS runs on (upstream
-            ``original_muon.muon_ns_problem``); may be omitted for a 2-D matrix without heads.
-        split, parts: a fused parameter's ``(dim, sizes)`` (``newton_schulz.SPLIT_ATTR``) and the
-            ``(batch, rows, cols)`` of its parts per distinct shape; None and () for one matrix.
+        ns_problem: ``(batch, rows, cols)`` NS runs on (upstream ``original_muon.muon_ns_problem``); may be omitted
+            for a 2-D matrix without heads.
+        split, parts: a fused parameter's ``(dim, sizes)`` (``newton_schulz.SPLIT_ATTR``) and its parts' ``(batch,
+            rows, cols)`` per distinct shape; None and () for one matrix.
         extra_numel: elements the owner allocates around NS besides (a spread matrix's storage and whole copy).
-        travels: False where its one holder orthogonalizes it in place (its pieces on the NS device): it takes no
-            exchange buffer.
+        travels: False where its one holder orthogonalizes it in place (pieces on the NS device): no exchange buffer.
 
     Raises:
         ValueError: ``ns_problem`` omitted for a tensor that is not 2-D or has ``num_heads``.
@@ -87,12 +80,12 @@ class MatrixSpec:
         return self.ns_workspace(4)
 
     def ns_workspace(self, itemsize: int = 4) -> int:
-        """What NS allocates beyond its input, in fp32 elements (4 bytes), where the kernel computes in a dtype of
-        ``itemsize`` bytes (``original_muon.ns_compute_dtype``: fp16 "gram" and bf16 "standard" on a GPU, fp32 on
-        a CPU without them). The kernel's tensors, measured on the eager fp32 kernels: per problem ``2mn + 4m^2``
-        elements for "gram", ``4mn + 2m^2`` otherwise (``m, n = min, max(rows, cols)``), of ``itemsize`` bytes
-        each; a fused parameter's parts run one shape at a time (the largest counts) between an fp32 stack of them
-        and the result (twice its elements); plus ``extra_numel``."""
+        """What NS allocates beyond its input, in fp32 elements, where the kernel computes in ``itemsize``-byte
+        elements (``original_muon.ns_compute_dtype``: fp16 "gram" and bf16 "standard" on a GPU, fp32 on a CPU without
+        them). Measured on the eager fp32 kernels, per problem (``m, n = min, max(rows, cols)``): ``2mn + 4m^2``
+        ("gram") or ``4mn + 2m^2`` elements of ``itemsize`` bytes, counted in fp32 elements
+        (``ceil(count * itemsize / 4)``); a fused parameter's parts run one shape at a time (the largest counts)
+        between an fp32 stack of them and the result (twice its elements); plus ``extra_numel``."""
         per_mn, per_mm = (2, 4) if self.ns_method == "gram" else (4, 2)
         most = 0
         for batch, rows, cols in self.problems:
@@ -103,10 +96,9 @@ class MatrixSpec:
 
 
 def newton_schulz_cost(spec: MatrixSpec, ns_steps: int = NS_STEPS_DEFAULT) -> float:
-    """Approximate flops of one NS orthogonalization of ``spec``, for balancing (not a time).
-
-    With ``m, n = min, max(rows, cols)``: the quintic iteration (upstream ``zeropower_via_newtonschulz5``; Polar
-    Express costs the same) does ``X X^T``, ``A A`` and ``B X`` per step, ``4 m^2 n + 2 m^3``; the Gram variant
+    """Approximate flops of one NS orthogonalization of ``spec``, for balancing (not a time). With ``m, n = min,
+    max(rows, cols)``: the quintic iteration (upstream ``zeropower_via_newtonschulz5``; Polar Express costs the same)
+    does ``X X^T``, ``A A`` and ``B X`` per step, ``4 m^2 n + 2 m^3``; the Gram variant
     (``zeropower_via_gram_newtonschulz``, for ``m < n``) forms ``X X^T`` once, iterates on the ``m x m`` Gram matrix
     (about ``6 m^3`` per step) and applies ``Q X`` twice.
     """
@@ -126,12 +118,10 @@ class OwnerPlan:
     """Owners and buckets of one partition's matrices (indices in partition order).
 
     Attributes:
-        world_size: ranks of the partition's process group.
-        owners: owner rank per matrix.
-        buckets: each a tuple of matrix indices; every matrix in exactly one.
-        costs, workspaces: per matrix, ``newton_schulz_cost`` and ``MatrixSpec.ns_workspace`` at the plan's NS
-            itemsize.
-        travels: per matrix ``MatrixSpec.travels`` (empty: every matrix travels).
+        world_size, owners: ranks of the partition's process group; per matrix its owner rank.
+        buckets: tuples of matrix indices, every matrix in exactly one.
+        costs, workspaces, travels: per matrix ``newton_schulz_cost``, ``MatrixSpec.ns_workspace`` at the plan's NS
+            itemsize and ``MatrixSpec.travels`` (empty: every matrix travels).
     """
     world_size: int
     owners: Tuple[int, ...]
@@ -141,8 +131,7 @@ class OwnerPlan:
     travels: Tuple[bool, ...] = ()
 
     def workspace(self, rank: int) -> int:
-        """NS working set (elements) ``rank`` needs as owner: its largest matrix's (calls are batched
-        only up to that), 0 where it owns none."""
+        """NS elements ``rank`` needs as owner: its largest matrix's working set (calls batch up to it); 0 if none."""
         return max((w for owner, w in zip(self.owners, self.workspaces) if owner == rank), default=0)
 
     def load(self) -> List[float]:
@@ -248,13 +237,11 @@ def plan_owners(specs: Sequence[MatrixSpec],
                 holders: Optional[Sequence[Sequence[int]]] = None,
                 buckets: Optional[Sequence[Sequence[int]]] = None,
                 ns_itemsize: int = 4) -> OwnerPlan:
-    """Assign an owner rank to every matrix (module docstring); deterministic in its inputs.
-
-    ``initial_load``: NS cost each rank owns in earlier partitions of the group (zeros if omitted);
-    ``holders``: per matrix the ranks holding a piece, its owner one of them (None: every rank);
-    ``buckets``: the buckets to use (default ``make_buckets`` at ``bucket_numel``); ``ns_itemsize``: bytes of the
-    dtype NS computes in (``MatrixSpec.ns_workspace``). Per bucket ``max(bin) <= sum(bucket) / W + max(cost in
-    bucket)`` (LPT). Bins and ranks come from heaps, O(n log W): the least ``(load, index)`` bin or rank each time.
+    """Assign an owner rank to every matrix (module docstring), deterministically. ``initial_load``: NS cost each rank
+    owns in the group's earlier partitions (default zeros); ``holders``: per matrix the ranks holding a piece, one of
+    which owns it (None: every rank); ``buckets``: default ``make_buckets`` at ``bucket_numel``; ``ns_itemsize``: bytes
+    of the dtype NS computes in. Per bucket ``max(bin) <= sum(bucket) / W + max(cost in bucket)`` (LPT); heaps pick the
+    least ``(load, index)`` bin or rank each time, O(n log W).
 
     Raises:
         ValueError: ``world_size < 1``, an ``initial_load`` of the wrong length, a matrix without holders.
@@ -304,8 +291,8 @@ def plan_owners(specs: Sequence[MatrixSpec],
 
 
 def _largest_buffers(plan: OwnerPlan, pieces: Sequence[Sequence[int]]) -> Tuple[List[int], List[int]]:
-    """Per rank, the elements of its largest outgoing and of its largest incoming bucket buffer, of the matrices that
-    travel (O(n + W) where every matrix's pieces are ``Uniform``, else O(n W))."""
+    """Per rank, the elements of its largest outgoing and incoming bucket buffers (travelling matrices only; O(n + W)
+    where every matrix's pieces are ``Uniform``, else O(n W))."""
     w = plan.world_size
     uniform = all(isinstance(p, Uniform) for p in pieces)
     most_out, most_in = [0] * w, [0] * w
@@ -342,11 +329,10 @@ def rank_numels(plan: OwnerPlan,
                 slots: int,
                 result_itemsize: int = 4,
                 state_numels: Optional[Sequence[int]] = None) -> Tuple[List[int], List[int]]:
-    """``(need, budget)`` per rank, in elements (fp32: 4 bytes each). ``need[r]``: what Muon adds on rank ``r`` at the
-    peak of its step, ``reserved_numel`` plus, as owner, its NS working set (``OwnerPlan.workspace``), its largest
-    bucket's results where they are narrower than fp32 (``result_itemsize`` bytes; held until the bucket's calls are
-    done: ``ceil(n * itemsize / 4)``) and a variant's state of its matrices (``state_numels`` per matrix; None for
-    plain Muon). ``budget[r]``: the elements it holds, ``sum(p[r] for p in pieces)`` (its momentum partition)."""
+    """``(need, budget)`` per rank, in fp32 elements. ``need[r]``: what Muon adds on rank ``r`` at its step's peak,
+    ``reserved_numel`` plus, as owner, its NS working set (``OwnerPlan.workspace``), its largest bucket's results where
+    narrower than fp32 (``result_itemsize`` bytes; held until the bucket's calls are done) and a variant's state
+    (``state_numels`` per matrix; None: plain Muon). ``budget[r]``: the elements it holds (its momentum partition)."""
     w = plan.world_size
     most_out, most_in = _largest_buffers(plan, pieces)
     held = [-(-n * result_itemsize // 4) if result_itemsize < 4 else 0 for n in most_in]
@@ -385,16 +371,13 @@ def plan_within_budget(specs: Sequence[MatrixSpec],
                        holders: Optional[Sequence[Sequence[int]]] = None,
                        result_itemsize: int = 4,
                        state_numels: Optional[Sequence[int]] = None) -> OwnerPlan:
-    """The strict rule (``max_step_memory`` ``"momentum_partition"``): ``plan_owners`` with the largest bucket
-    size (at most ``max_bucket_numel``) whose ranks' needs fit their limits: whole, else the first k matrices'
-    totals by bisection (a fitting size; the largest where needs grow monotonically with it, as almost always),
-    else every matrix alone.
-
-    The limit of rank ``r`` is ``max(budget[r], alone[r])`` (``rank_numels`` at ``slots``; ``alone``: the need of
-    the every-matrix-alone plan, the least the pipeline can allocate): the budget where that plan fits it. Where it
-    does not (at ZeRO-3 the largest matrix's owner holds it whole plus its NS working set), buckets still hold
-    several matrices wherever no rank needs more than that floor. The floor's matrix stays alone: another matrix in
-    its bucket adds pieces to every outgoing buffer.
+    """The strict rule (``STRICT``): ``plan_owners`` with the largest bucket size up to ``max_bucket_numel`` whose
+    ranks' needs fit their limits: whole, else the first k matrices' totals by bisection (a fitting size, the largest
+    where needs grow monotonically with it, as almost always), else every matrix alone. Rank ``r``'s limit is
+    ``max(budget[r], alone[r])`` (``rank_numels`` at ``slots``; ``alone``: the every-matrix-alone plan's need, the
+    least the pipeline can allocate), so where ``alone`` exceeds the budget (at ZeRO-3 the largest matrix's owner holds
+    it whole plus its NS working set) buckets still group matrices wherever no rank needs more than that floor; the
+    floor's matrix stays alone, as another in its bucket would add pieces to every outgoing buffer.
 
     Raises:
         ValueError: see ``plan_owners``.
@@ -440,13 +423,11 @@ def slots_for_depth(depth: int) -> int:
 
 def plan_for_depth(specs: Sequence[MatrixSpec], pieces: Sequence[Sequence[int]], world_size: int,
                    max_bucket_numel: int, depth: int, **plan_args) -> Tuple[OwnerPlan, int]:
-    """The strict rule's ``(plan, depth)``: ``plan_within_budget`` at ``depth``'s slots, lowering the depth while
-    its plan does not fit ``within_budget``; at depth 1 its plan whatever it needs.
-
-    Where even every matrix alone exceeds the budget the depth falls to 1 on purpose: a floor at depth ``d``
-    allocates ``2d - 1`` buckets' buffers, depth 1's is the least peak any plan has, and its buckets are the
-    floor-relative ones (``plan_within_budget``).
-    ``plan_args``: ``ns_steps``, ``initial_load``, ``holders``, ``result_itemsize``, ``state_numels``."""
+    """The strict rule's ``(plan, depth)``: ``plan_within_budget`` at ``depth``'s slots, lowering the depth while its
+    plan does not fit ``within_budget``; at depth 1 its plan whatever it needs. Where even every matrix alone exceeds
+    the budget the depth falls to 1 on purpose: depth ``d`` allocates ``2d - 1`` buckets' buffers, so depth 1 has the
+    least peak of any plan, and its buckets are the floor-relative ones. ``plan_args``: ``ns_steps``, ``initial_load``,
+    ``holders``, ``result_itemsize``, ``state_numels``."""
     pieces = [Uniform.of(p) for p in pieces]
     for d in range(depth, 0, -1):
         plan = plan_within_budget(specs, pieces, world_size, max_bucket_numel, slots_for_depth(d), **plan_args)
@@ -473,18 +454,15 @@ EFFICIENCY_GOAL = 0.9
 EFFICIENCY_GOAL, 1.05 * the best fitting plan's)``: near the ideal where a plan gets there, else near the best."""
 
 MIN_SEND_NUMEL = 16 * 2**20
-"""fp32 elements (64 MiB) a rank should send per bucket on average: smaller buckets pay more in per-collective
-start-up (tens of microseconds per all-to-all, more with many peers) than their extra overlap saves, so
-``plan_within_cap`` takes more buckets only while they stay this large (``bench/scale.py``'s model: 4M elements
-gave Qwen3-30B-A3B 581 buckets at W=8 and 5.2 % of forward+backward at W=256, 16M 226 buckets and 3.9 %; the
-Llama-3 plans are the same under both)."""
+"""fp32 elements (64 MiB) a rank should send per bucket on average: smaller buckets pay more in all-to-all start-up
+(tens of microseconds each, more with many peers) than their extra overlap saves, so ``plan_within_cap`` takes more
+buckets only while they stay this large (``bench/scale.py``: 4M elements gave Qwen3-30B-A3B 581 buckets at W=8 and
+5.2 % of forward+backward at W=256, 16M 226 buckets and 3.9 %; the Llama-3 plans are the same under both)."""
 
 
 class CapBelowFloor(ValueError):
-    """Even every matrix alone at pipeline depth 1 needs more than the cap on some rank.
-
-    Attributes:
-        needed_numel: fp32 elements (4 bytes each) that plan needs on its busiest rank: the least any plan needs.
+    """Even every matrix alone at pipeline depth 1 needs more than the cap (``cap_numel``) on some rank:
+    ``needed_numel`` fp32 elements on its busiest rank, the least any plan needs.
     """
 
     def __init__(self, needed_numel: int, cap_numel: int):
@@ -520,17 +498,16 @@ def plan_within_cap(specs: Sequence[MatrixSpec],
                     holders: Optional[Sequence[Sequence[int]]] = None,
                     result_itemsize: int = 4,
                     state_numels: Optional[Sequence[int]] = None) -> Tuple[OwnerPlan, int]:
-    """``(plan, depth)`` in which every owner computes at once, within ``cap_numel`` fp32 elements per rank.
-
-    Buckets are cut by NS cost (``make_cost_buckets`` at each of ``BUCKET_FACTORS``), owners balanced per bucket
+    """``(plan, depth)`` in which every owner computes at once, within ``cap_numel`` fp32 elements per rank. Buckets
+    are cut by NS cost (``make_cost_buckets`` at each of ``BUCKET_FACTORS``), owners balanced per bucket
     (``plan_owners``); a plan fits where every rank's ``rank_numels`` need at its depth's slots is at most
-    ``cap_numel``. Among the fitting plans at depths ``depth`` down to 1: those whose ``critical_path`` is at most
-    ``max(ideal_path / EFFICIENCY_GOAL, 1.05 * the best fitting one's)``, at the deepest depth that has one (exchange
-    overlaps NS), with the most buckets (the least memory, the most overlap) whose ranks send
-    ``MIN_SEND_NUMEL`` per bucket on average, else the fewest. ``reduce_bucket_size`` plays no part.
+    ``cap_numel``. Of the fitting plans at depths ``depth`` down to 1 whose ``critical_path`` is within
+    ``EFFICIENCY_GOAL``'s bound, those at the deepest such depth (exchange overlaps NS); of these, the one with the
+    most buckets (least memory, most overlap) whose ranks still send ``MIN_SEND_NUMEL`` per bucket on average, else the
+    fewest. ``reduce_bucket_size`` plays no part.
 
     Raises:
-        CapBelowFloor: no plan fits (``needed_numel``: every matrix alone at depth 1, the least any plan needs).
+        CapBelowFloor: no plan fits.
         ValueError: ``depth`` below 1; see ``plan_owners``.
     """
     if depth < 1:
@@ -582,8 +559,7 @@ def floor_numel(specs: Sequence[MatrixSpec],
 def plan_partition(specs: Sequence[MatrixSpec], pieces: Sequence[Sequence[int]], world_size: int, max_step_memory,
                    max_bucket_numel: int, depth: int, **plan_args) -> Tuple[OwnerPlan, int]:
     """``(plan, depth)`` of one partition under ``max_step_memory``: bytes (``plan_within_cap`` at ``bytes // 4``
-    elements) or ``STRICT`` (``plan_for_depth`` with buckets of at most ``max_bucket_numel``).
-    ``plan_args``: as for ``plan_for_depth``.
+    elements) or ``STRICT`` (``plan_for_depth``, buckets of at most ``max_bucket_numel``; ``plan_args`` as for it).
 
     Raises:
         CapBelowFloor, ValueError: see ``plan_within_cap``."""
@@ -594,16 +570,13 @@ def plan_partition(specs: Sequence[MatrixSpec], pieces: Sequence[Sequence[int]],
 
 @dataclass(frozen=True)
 class PlanFigures:
-    """What a set of partitions' plans mean for one step, every rank counted (the plan report's and the
-    initialization log's figures).
+    """One step's figures for a set of partitions' plans, every rank counted (the plan report's and init log's).
 
     Attributes:
-        world_size, buckets, depth: ranks, buckets over all partitions, the least pipeline depth among them (a
-            partition of one bucket counts as depth 1: nothing overlaps).
-        peak_bytes: the largest need of any rank in any partition (``rank_numels``; one partition's buffers live at
-            a time).
-        kept_bytes: the largest, over ranks, of what Muon keeps between steps: its fp32 momentum (the pieces it
-            holds) plus a variant's owner state.
+        world_size, buckets, depth: ranks; buckets over all partitions; the least pipeline depth among them (one
+            bucket counts as 1: nothing overlaps).
+        peak_bytes: largest ``rank_numels`` need of any rank and partition (one partition's buffers live at a time).
+        kept_bytes: the most any rank keeps between steps (fp32 momentum of its pieces plus a variant's owner state).
         ns_efficiency: ``ideal_path`` of every matrix over ``critical_path`` summed over partitions (1: every owner
             computes at once; 1 / buckets: one at a time).
     """
@@ -679,8 +652,7 @@ def plan_partitions(specs: Sequence,
                     ns_itemsize: int = 2,
                     variant=None) -> list:
     """Per partition ``(indices, plan, depth, pieces, ns_itemsize, state_numels, holders, floor)``, planned as
-    ``binding.MuonUpdate`` plans them (NS cost carried over from one partition to the next; ``floor``:
-    ``floor_numel``, what a cap below it is refused with).
+    ``binding.MuonUpdate`` does (NS cost carried over between partitions; ``floor``: ``floor_numel``).
 
     Raises:
         owner_plan.CapBelowFloor: ``max_step_memory`` below what a partition needs with every matrix alone.

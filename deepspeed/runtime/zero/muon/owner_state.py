@@ -14,9 +14,8 @@ per ``cols`` consecutive elements of the flattened parameter) and ``apply(update
 dtype). A variant's module registers it when imported; plain Muon (``"muon"``) has none, and nothing of this runs.
 
 Checkpoint form: per parameter, not per owner, so any owner plan takes it back: a tensor shaped like the flat
-partition, whose every element holds its row's state (NorMuon's V_t broadcast over the row), under ``state_key`` in the
-optimizer state, which every checkpoint path carries like the momentum (``OwnerState.to_partition`` /
-``from_partition``).
+partition, each element holding its row's state (NorMuon's V_t broadcast over the row), under ``state_key`` in the
+optimizer state, which every checkpoint path carries like the momentum.
 """
 
 from typing import Dict, Iterable, Sequence, Tuple
@@ -32,15 +31,11 @@ MUON = "muon"
 """The default ``variant``: plain Muon, no owner state."""
 
 _VARIANTS: Dict[str, type] = {}
-"""The registered variants by name (``register_variant``)."""
 
 
 def register_variant(variant: type) -> type:
-    """Make ``variant`` (a class as described in the module docstring) selectable by its ``name``.
-
-    Raises:
-        ValueError: the name is ``"muon"`` or already registered by another class.
-    """
+    """Make ``variant`` (a class as the module docstring describes) selectable by its ``name``; ``ValueError`` where
+    the name is ``"muon"`` or another class's."""
     if variant.name == MUON or _VARIANTS.get(variant.name, variant) is not variant:
         raise ValueError(f"A Muon variant named {variant.name!r} exists already.")
     _VARIANTS[variant.name] = variant
@@ -58,18 +53,12 @@ def variants() -> Tuple[str, ...]:
 
 
 def state_keys() -> Tuple[str, ...]:
-    """The optimizer-state keys of the registered variants."""
     return tuple(sorted(v.state_key for v in _VARIANTS.values()))
 
 
 def variant_of(param_group):
-    """The variant a Muon parameter group runs: ``None`` for plain Muon, else an instance of the
-    registered variant with the group's settings (checked at ``deepspeed.initialize``).
-
-    Raises:
-        ValueError: a ``variant`` that is not registered, or a setting its variant refuses
-            (``key_problems``), naming the key.
-    """
+    """``None`` for a plain Muon group, else an instance of its registered variant with the group's settings;
+    ``ValueError`` naming the key where ``variant`` is not registered or the variant refuses a setting."""
     name = param_group.get(VARIANT_KEY, MUON)
     if name == MUON:
         return None
@@ -83,8 +72,8 @@ def variant_of(param_group):
 
 
 def check_same_kind(built, group_variant, where: str) -> None:
-    """Refuse (``RuntimeError`` naming ``where`` and both) a group whose variant is not the one its
-    state was allocated for (a checkpoint's groups replace the engine's at ``load_checkpoint``)."""
+    """Refuse (``RuntimeError``) a group whose variant is not the one its state was allocated for (a checkpoint's
+    groups replace the engine's at ``load_checkpoint``)."""
     names = [MUON if v is None else v.name for v in (built, group_variant)]
     if names[0] != names[1]:
         raise RuntimeError(f"{where}: this engine was built with Muon variant '{names[0]}', but the parameter group "
@@ -93,9 +82,8 @@ def check_same_kind(built, group_variant, where: str) -> None:
 
 
 class OwnerState:
-    """A variant's state of the ``owned`` matrices (indices into ``specs``, the partition's
-    ``MatrixSpec``) in one zero-initialized flat fp32 tensor on ``device``; ``spans`` maps a matrix
-    to its ``(offset, numel)`` in ``flat``."""
+    """A variant's state of the ``owned`` matrices (indices into ``specs``, the partition's ``MatrixSpec``) in one
+    zero-initialized flat fp32 tensor on ``device``; ``spans`` maps a matrix to its ``(offset, numel)`` in ``flat``."""
 
     def __init__(self, variant, specs: Sequence, owned: Iterable[int], device):
         self.variant = variant
@@ -122,9 +110,8 @@ class OwnerState:
         return (variant or self.variant).apply(update, self.view(j), self.specs[j])
 
     def _pieces(self, pieces: Sequence[Sequence[int]], slices: Sequence[Tuple[int, int]], rank: int):
-        """Per matrix ``(j, offset, numel)`` of its state among all matrices' states, ``cols`` per row, and
-        ``(first, count, start)`` of this rank's piece: its first element in the matrix, its elements
-        (ZeRO-3's padding excluded) and its offset in the flat partition."""
+        """Per matrix ``(j, offset, numel, cols, first, count, start)``: its state's span among all matrices' (``cols``
+        per row), then this rank's piece's first element, elements (padding excluded) and offset in the partition."""
         offset = 0
         for j, (spec, piece, (start, _)) in enumerate(zip(self.specs, pieces, slices)):
             n, (_, cols) = self.variant.state_numel(spec), self.variant.state_rows(spec)
@@ -141,9 +128,8 @@ class OwnerState:
 
     def to_partition(self, pieces: Sequence[Sequence[int]], slices: Sequence[Tuple[int, int]], rank: int, numel: int,
                      group, world_size: int) -> torch.Tensor:
-        """The checkpoint form: a 1-D fp32 host tensor of the flat partition's ``numel`` elements,
-        each element of this rank's pieces holding its row's state, the rest zero. Collective over
-        ``group`` (this ``rank`` of ``world_size``); ``pieces`` and ``slices`` as ``MuonPartition``'s."""
+        """The checkpoint form: a 1-D fp32 host tensor of the flat partition's ``numel``, each element of this rank's
+        pieces (``MuonPartition``'s) holding its row's state, the rest zero; collective over ``group``."""
         full = torch.zeros(sum(self.variant.state_numel(s) for s in self.specs), device=self.flat.device)
         for j, offset, n, *_ in self._pieces(pieces, slices, rank):
             if j in self.spans:
@@ -157,13 +143,9 @@ class OwnerState:
 
     def from_partition(self, loaded: torch.Tensor, pieces: Sequence[Sequence[int]], slices: Sequence[Tuple[int, int]],
                        rank: int, group, world_size: int) -> None:
-        """Take a checkpoint form (shaped as ``to_partition``'s, any device or dtype; each rank its own
-        partition's) back into the owners' state; collective over ``group``.
-
-        Raises:
-            ValueError: on every rank, where some rank's form is not one value per row (another
-                variant's state, a damaged file), naming one such matrix.
-        """
+        """Take a checkpoint form (as ``to_partition``'s, any device or dtype; each rank its own) back into the owners'
+        state; collective over ``group``. ``ValueError`` on every rank where some rank's form is not one value per row
+        (another variant's state, a damaged file), naming one such matrix."""
         loaded = loaded.to(device=self.flat.device, dtype=torch.float32)
         full = torch.zeros(sum(self.variant.state_numel(s) for s in self.specs), device=self.flat.device)
         for j, offset, n, cols, first, count, start in self._pieces(pieces, slices, rank):
@@ -186,16 +168,13 @@ class OwnerState:
 
 
 def load_checkpoint_form(owner: "OwnerState", state: dict, part, exchange, group_variant: str) -> None:
-    """Take a loaded checkpoint form out of a partition's optimizer ``state`` into ``owner`` (None for
-    plain Muon); collective over the partition's process group (``exchange``: its ``OwnerExchange``).
-    Each rank checks its own ``state`` (its own file), then the ranks agree (``rank_agreement``), so
-    that every rank raises the same error.
+    """Take a loaded checkpoint form out of a partition's optimizer ``state`` into ``owner`` (None for plain Muon);
+    collective over ``exchange``'s group; the ranks agree on each one's own checks, so all raise the same error.
 
     Raises:
-        RankAgreedError (a RuntimeError), on every rank: some rank's ``state`` holds another variant's
-            state (it would be dropped), or a momentum but no state of ``owner``'s variant (a checkpoint
-            of plain Muon: it would restart at zero), or one of another size than the partition
-            (``part.numel``), or none where other ranks' hold one (a mixed or damaged checkpoint).
+        RankAgreedError (a RuntimeError), on every rank: some rank's ``state`` holds another variant's state (it would
+            be dropped), or a momentum but no state of ``owner``'s variant (plain Muon's: it would restart at zero),
+            or one of another size than ``part.numel``, or none where other ranks' hold one.
         ValueError: the form is not one value per row (``from_partition``).
     """
     own_key = owner.variant.state_key if owner is not None else None
@@ -230,15 +209,15 @@ def load_checkpoint_form(owner: "OwnerState", state: dict, part, exchange, group
 
 
 def expand_rows(rows: torch.Tensor, cols: int, start: int, count: int) -> torch.Tensor:
-    """Elements ``[start, start + count)`` of a flattened parameter's broadcast state: element ``e``
-    gets ``rows[e // cols]`` (``rows``: 1-D, one value per row of ``cols`` elements)."""
+    """Elements ``[start, start + count)`` of a flattened parameter's broadcast state: element ``e`` gets
+    ``rows[e // cols]`` (``rows``: 1-D, one value per row of ``cols`` elements)."""
     index = torch.arange(start, start + count, device=rows.device) // cols
     return rows.index_select(0, index)
 
 
 def rows_in_piece(piece: torch.Tensor, cols: int, start: int) -> Tuple[int, torch.Tensor]:
-    """``(first_row, values)``: the rows whose first element lies in ``piece`` (1-D, the broadcast
-    state of elements ``[start, start + piece.numel())``), ``expand_rows``' inverse."""
+    """``(first_row, values)``: the rows whose first element lies in ``piece`` (1-D, the broadcast state of elements
+    ``[start, start + piece.numel())``), ``expand_rows``' inverse."""
     end = start + piece.numel()
     first, stop = -(-start // cols), -(-end // cols)
     if stop <= first:

@@ -4,18 +4,16 @@
 # DeepSpeed Team
 """What DeepSpeed's Muon records about one parameter: one ``MuonRecord`` per parameter, read and written here only.
 
-A user steers Muon per parameter with three public attributes, set before ``deepspeed.initialize`` (the user guide
-documents them): ``use_muon`` (Muon or the auxiliary Adam), ``muon_num_heads`` (per-head Muon, upstream's) and
-``muon_split`` (the matrices a fused projection holds). What DeepSpeed decides itself travels in one private record,
-``param.ds_muon`` (``RECORD_ATTR``), so that its writers (``param_selection``, ``tensor_parallel``) and readers
-(``newton_schulz``, ``binding``, ``support``) share one definition instead of attributes of their own:
+A user steers Muon per parameter with three public attributes set before ``deepspeed.initialize`` (the user guide):
+``use_muon`` (Muon or the auxiliary Adam), ``muon_num_heads`` (upstream's per-head Muon) and ``muon_split`` (the
+matrices a fused projection holds). What DeepSpeed decides itself goes in one private record, ``param.ds_muon``,
+shared by writers (``param_selection``, ``tensor_parallel``) and readers (``newton_schulz``, ``binding``, ``support``):
 
-- ``choice``: ``(use_muon, reason)`` as the parameter selection set ``use_muon`` (a ``use_muon`` that
-  differs from it is the user's);
-- ``recognized_split``: the split the selection recognized in a Hugging Face layout (a ``muon_split``
-  without it is the user's own, which ``split_fused_muon: false`` does not undo);
-- ``tensor_parallel``: how AutoTP cut the weight (``tensor_parallel.TensorParallelLayout``: its map, or why
-  Muon cannot train it whole), for the binding to plan it over the tensor x data-parallel ranks.
+- ``choice``: ``(use_muon, reason)`` as the parameter selection set ``use_muon`` (another value is the user's);
+- ``recognized_split``: the split the selection recognized in a Hugging Face layout (a ``muon_split`` without it is the
+  user's own, which ``split_fused_muon: false`` does not undo);
+- ``tensor_parallel``: how AutoTP cut the weight (``tensor_parallel.TensorParallelLayout``: its map, or why Muon cannot
+  train it whole), for the binding to plan it over the tensor x data-parallel ranks.
 """
 
 from dataclasses import dataclass

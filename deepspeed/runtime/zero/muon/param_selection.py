@@ -4,37 +4,24 @@
 # DeepSpeed Team
 """Which parameters DeepSpeed's Muon optimizer orthogonalizes and which go to its auxiliary Adam.
 
-The rule (``select_muon_parameters``, which ``deepspeed.set_optimizer_flags`` calls when the
-config names ``"optimizer": {"type": "Muon"}``), per parameter of the model, first match wins:
+The rule (``select_muon_parameters``, from ``deepspeed.set_optimizer_flags``), per parameter, first match wins:
 
-1. ``param.use_muon`` set by the user before ``deepspeed.initialize``: kept (True on a tensor that
-   is not a matrix is a ``ValueError``).
-2. Fewer than 2 dimensions as a layer (``ds_shape`` under ``deepspeed.zero.Init``, where the
-   tensor itself is a flat placeholder): Adam.
-3. Owned by an ``nn.Embedding`` or ``nn.EmbeddingBag`` (or a subclass), or the same tensor as such
-   a weight (an output head tied to the input embedding: the same ``Parameter`` object, which is
-   also what ties under ``zero.Init``, or, outside ZeRO-3, the same storage): Adam. Muon's author
-   advises AdamW for the input embedding and the output layer.
-4. The name contains ``embed`` or ``lm_head`` (case-insensitive; DeepSpeed's rule before this
-   change, kept so that no model it sent to Adam moves to Muon): Adam.
+1. ``param.use_muon`` set by the user before ``deepspeed.initialize``: kept (True on a non-matrix: ``ValueError``).
+2. Fewer than 2 dimensions as a layer (``ds_shape`` under ``zero.Init``): Adam.
+3. Owned by an ``nn.Embedding`` / ``nn.EmbeddingBag``, or tied to one (same ``Parameter``, or outside ZeRO-3 same
+   storage): Adam, as Muon's author advises AdamW for the input embedding and the output layer.
+4. Name contains ``embed`` or ``lm_head`` (case-insensitive; upstream's rule, kept so nothing it sent to Adam moves to
+   Muon): Adam.
 5. Otherwise: Muon.
 
-A user's flag and DeepSpeed's are told apart by a record: whenever this module sets ``use_muon`` it also records
-``(use_muon, reason)`` (``param_record.MuonRecord.choice``). A ``use_muon`` without a record, or differing from it, or
-recorded as the user's, is the user's; one equal to DeepSpeed's recorded choice (left by an earlier ``initialize`` of
-the same model) is decided again, so a second ``initialize`` is not mistaken for user intent.
+Each choice made here is recorded (``MuonRecord.choice``); a ``use_muon`` equal to DeepSpeed's record is decided
+again, so a second ``initialize`` of the same model is not mistaken for user intent.
 
-At ``deepspeed.initialize`` (``resolve_optimizer_selection``, called by the engine where it
-configures the optimizer, before ZeRO replaces the parameter groups by flat partitions):
-
-- a client optimizer (``deepspeed.initialize(optimizer=...)``) that is DeepSpeed's
-  ``MuonWithAuxAdam`` has each tensor tagged from its group's ``use_muon``, which the ZeRO
-  optimizers read per tensor; an explicit user flag that contradicts its group is an error;
-- any other client Muon (a class name containing "Muon", or param groups carrying ``use_muon``)
-  is refused at ZeRO stage >= 1: it would run on flat partitions (1-D), where Newton-Schulz is
-  undefined; at stage 0 it sees whole tensors and is allowed;
-- with DeepSpeed's Muon, rank 0 logs the selection at WARNING (DeepSpeed's logger level by
-  default; INFO is not shown) and the engine keeps it as ``engine.muon_selection``.
+At ``deepspeed.initialize`` (``resolve_optimizer_selection``, before ZeRO flattens the groups), a client
+``MuonWithAuxAdam`` has each tensor tagged from its group (the ZeRO optimizers read ``use_muon`` per tensor); any other
+client Muon (a class name containing "Muon", or groups carrying ``use_muon``) is refused at ZeRO stage >= 1, where it
+would run Newton-Schulz on 1-D partitions; at stage 0 it sees whole tensors and is allowed. Rank 0 logs the selection
+at WARNING (INFO is hidden by default) and the engine keeps it as ``engine.muon_selection``.
 """
 
 import dataclasses
@@ -71,15 +58,11 @@ class MuonSelection:
     """What goes to Muon and what to the auxiliary Adam.
 
     Attributes:
-        muon: names of the trained parameters Muon orthogonalizes, in ``named_parameters`` order.
-        adam: names of the trained parameters the auxiliary Adam optimizes.
+        muon / adam: names of the trained parameters on Muon / the auxiliary Adam, in ``named_parameters`` order.
         muon_numel / adam_numel: their elements (layer sizes, also under ``zero.Init``).
-        adam_matrices: the names in ``adam`` whose layer is a matrix (>= 2 dimensions): the ones a reader may have
-            expected on Muon (embeddings, tied heads, user choices).
-        frozen: names of the model's parameters that are not trained (``requires_grad`` False, or in no parameter
-            group of the optimizer).
-        reasons: name -> why it went where it did (``set by the user``, ``not a matrix``,
-            ``embedding``, ``tied to an embedding``, ``name rule``, ``matrix``, ``param group``).
+        adam_matrices: names in ``adam`` whose layer has >= 2 dimensions (embeddings, tied heads, user choices).
+        frozen: names of parameters not trained (``requires_grad`` False, or in no optimizer group).
+        reasons: name -> why it went where it did (one of the reason constants above).
     """
     muon: Tuple[str, ...]
     adam: Tuple[str, ...]
@@ -91,8 +74,7 @@ class MuonSelection:
 
 
 def layer_shape(param: torch.Tensor) -> Tuple[int, ...]:
-    """The parameter's shape as a layer: ``ds_shape`` under ZeRO-3 (the tensor is a flat
-    placeholder there, ``torch.Size([0])`` on ranks not holding it), else ``param.shape``."""
+    """``ds_shape`` under ZeRO-3 (a placeholder, ``torch.Size([0])`` on ranks not holding it), else the shape."""
     ds_shape = getattr(param, "ds_shape", None)
     return tuple(param.shape) if ds_shape is None else tuple(ds_shape)
 
@@ -124,8 +106,7 @@ def _storage_key(param: torch.Tensor):
 
 
 def embedding_weights(model: torch.nn.Module):
-    """``(ids, storages)``: ``id()`` and storage keys of every parameter an ``nn.Embedding`` /
-    ``nn.EmbeddingBag`` (or subclass) of ``model`` owns directly."""
+    """``(ids, storages)`` of every parameter an ``nn.Embedding`` / ``nn.EmbeddingBag`` of ``model`` owns directly."""
     ids, storages = set(), set()
     for module in model.modules():
         if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
@@ -138,9 +119,7 @@ def embedding_weights(model: torch.nn.Module):
 
 
 def rule(name: str, param: torch.Tensor, embeddings=None) -> Tuple[bool, str]:
-    """DeepSpeed's choice for one parameter, ignoring any flag: ``(use_muon, reason)``.
-
-    ``embeddings`` is ``embedding_weights(model)`` (computed once per model by the caller)."""
+    """DeepSpeed's ``(use_muon, reason)`` for a parameter, ignoring flags; ``embeddings``: ``embedding_weights``."""
     if len(layer_shape(param)) < 2:
         return False, NOT_MATRIX
     ids, storages = embeddings or (set(), set())
@@ -155,14 +134,10 @@ def rule(name: str, param: torch.Tensor, embeddings=None) -> Tuple[bool, str]:
 
 
 def select_muon_parameters(model: torch.nn.Module) -> MuonSelection:
-    """Tag every parameter of ``model`` with ``use_muon`` by the rule of the module docstring.
-
-    Returns:
-        the ``MuonSelection`` of the model's trainable parameters.
+    """Tag every parameter with ``use_muon`` by the module docstring's rule; return the trainable ``MuonSelection``.
 
     Raises:
-        ValueError: the user set ``use_muon = True`` on a parameter that is not a matrix as a
-            layer (Muon orthogonalizes matrices; such a tensor would fail at the first step).
+        ValueError: the user set ``use_muon = True`` on a non-matrix (it would fail at the first step).
     """
     embeddings = embedding_weights(model)
     for name, param in model.named_parameters():
@@ -191,9 +166,8 @@ EXPERTS_GATE_UP_ROWS = frozenset(
      "MuseSparkExperts", "OlmoeExperts", "PhimoeExperts", "Qwen2MoeExperts", "Qwen3MoeExperts", "Qwen3NextExperts",
      "Qwen3OmniMoeTalkerTextExperts", "Qwen3OmniMoeThinkerTextExperts", "Qwen3VLMoeTextExperts", "Qwen3_5MoeExperts",
      "Qwen4ExpTextExperts", "SolarOpenExperts", "UnlimitedOcrTextExperts", "ZayaExperts"))
-"""transformers 5 experts modules whose ``gate_up_proj`` is ``(experts, 2 I, H)``, gate and up the two halves of its
-rows (their forward ``chunk(2, dim=-1)`` s the fused output): found in transformers 5.24's models by that forward.
-Layouts that interleave gate and up (GPT-OSS, ``[..., ::2]``) or pack them otherwise are not listed."""
+"""transformers 5 experts modules whose ``gate_up_proj`` is ``(experts, 2 I, H)``, gate and up the halves of its rows
+(found in transformers 5.24 by their forward's ``chunk(2, dim=-1)``). Interleaved layouts (GPT-OSS) are not listed."""
 EXPERTS_GATE_UP_COLUMNS = frozenset(("AriaExperts", "Llama4TextExperts"))
 """Experts modules whose ``gate_up_proj`` is ``(experts, H, 2 I)``, gate and up the two halves of its columns."""
 LINEAR_GATE_UP = frozenset(
@@ -201,18 +175,15 @@ LINEAR_GATE_UP = frozenset(
      "GlmOcrTextMLP", "MiniMaxM3VLDenseMLP", "Phi3MLP", "Phi4MultimodalAudioMLP", "Phi4MultimodalMLP"))
 """MLP modules whose ``gate_up_proj`` is a ``Linear`` of ``2 I`` outputs chunked into gate and up."""
 QKV_ROWS = frozenset(("Phi3Attention", "Phi4MultimodalAttention"))
-"""Attention modules whose ``qkv_proj`` ``Linear`` holds query, key and value rows (``num_attention_heads`` and
-``num_key_value_heads`` of ``head_dim``)."""
+"""Attention modules whose ``qkv_proj`` ``Linear`` holds query, key and value rows (``num_attention_heads``,
+``num_key_value_heads``, ``num_key_value_heads`` heads of ``head_dim``)."""
 C_ATTN_COLUMNS = frozenset(("GPT2Attention", "DecisionTransformerGPT2Attention", "ImageGPTAttention"))
-"""Attention modules whose ``c_attn`` ``Conv1D`` holds query, key and value (key and value under cross-attention)
-in runs of ``split_size`` columns."""
+"""Attention modules whose ``c_attn`` ``Conv1D`` holds q, k, v (k, v if cross-attention) in ``split_size`` columns."""
 
 
 def recognized_split(parent, path: Tuple[str, ...], shape: Sequence[int]) -> Optional[Split]:
-    """The split of parameter ``path`` of module ``parent`` (``("gate_up_proj",)``: its own;
-    ``("qkv_proj", "weight")``: a child's weight) of whole ``shape``, for the Hugging Face layouts recognized by the
-    class of ``parent`` (``EXPERTS_GATE_UP_ROWS``, ``EXPERTS_GATE_UP_COLUMNS``, ``LINEAR_GATE_UP``, ``QKV_ROWS``,
-    ``C_ATTN_COLUMNS``) and checked against ``shape``, else None: a layout not listed is orthogonalized whole."""
+    """The split of parameter ``path`` of ``parent`` (``("gate_up_proj",)``: its own; ``("qkv_proj", "weight")``: a
+    child's) of whole ``shape``, for the layouts listed above by ``parent``'s class; else None (kept whole)."""
     shape, kind = tuple(shape), type(parent).__name__
     if path == ("gate_up_proj", ) and len(shape) == 3:
         if kind in EXPERTS_GATE_UP_ROWS and shape[-2] % 2 == 0:
@@ -240,17 +211,14 @@ def recognized_split(parent, path: Tuple[str, ...], shape: Sequence[int]) -> Opt
 
 
 def whole_shape(param: torch.Tensor) -> Tuple[int, ...]:
-    """The shape of the matrix a parameter is part of: an AutoTP shard's whole (the map AutoTP records on it),
-    else ``layer_shape``."""
+    """An AutoTP shard's whole shape (from the map AutoTP records on it), else ``layer_shape``."""
     meta = getattr(param, "ds_autotp_universal_checkpoint_meta", None) or {}
     described = meta.get("conversion", {}).get("affine_map")
     return tuple(described["logical_shape"]) if described else layer_shape(param)
 
 
 def tag_fused_projections(model: torch.nn.Module) -> Dict[str, Split]:
-    """Set ``muon_split`` (and ``MuonRecord.recognized_split``) on every Muon parameter of ``model`` that
-    ``recognized_split`` knows (of its ``whole_shape``) and the user did not tag. Returns the tagged names and their
-    splits."""
+    """Set ``muon_split`` (and its record) on each recognized Muon parameter the user did not; return name -> split."""
     tagged = {}
     for module_name, parent in model.named_modules():
         found = [((leaf, ), p) for leaf, p in parent.named_parameters(recurse=False)]
@@ -270,11 +238,11 @@ def tag_fused_projections(model: torch.nn.Module) -> Dict[str, Split]:
 
 
 def check_split(split, shape: Sequence[int], where: str, num_heads=None) -> Split:
-    """``split`` as ``(dim, sizes)`` with ``dim`` -2 or -1 of ``shape`` (a 2-D or batched 3-D weight).
+    """``split`` as ``(dim, sizes)``, ``dim`` -2 or -1 of ``shape`` (2-D or 3-D).
 
     Raises:
-        ValueError: naming ``muon_split`` and ``where``: not ``(dim, sizes)``, a ``dim`` other than the last two, a
-            4-D convolution filter, sizes that are not positive or do not sum to that dimension, ``num_heads`` too.
+        ValueError: ``num_heads`` too, not ``(dim, sizes)``, ``shape`` not 2-D/3-D, another ``dim``, or sizes not
+            positive or not summing to ``shape[dim]``.
     """
     if num_heads is not None:
         raise ValueError(f"muon_split and muon_num_heads (per_head_muon) on {where}: orthogonalize it per head or "
@@ -336,8 +304,7 @@ def model_selection(model: torch.nn.Module) -> MuonSelection:
 
 
 def optimizer_selection(optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module]) -> MuonSelection:
-    """The selection an optimizer's parameter groups make (a group's ``use_muon`` decides), with
-    names from ``model`` (a parameter the model does not hold is named ``group<g>.param<i>``)."""
+    """The selection the groups' ``use_muon`` make, named from ``model`` (else ``group<g>.param<i>``)."""
     named = list(model.named_parameters()) if model is not None else []
     position = {id(p): (0, i, n) for i, (n, p) in enumerate(named)}
     entries, trained = [], set()
@@ -359,8 +326,7 @@ def _listed(names: Tuple[str, ...], limit: int) -> str:
 
 
 def format_report(selection: MuonSelection, limit: int = LISTED_NAMES) -> Tuple[str, ...]:
-    """The lines rank 0 logs at WARNING: the counts, the Muon names and the matrices on Adam with
-    their reasons (each list cut after ``limit`` names), then, if Muon got no parameter, a warning."""
+    """Rank 0's WARNING lines: counts, Muon names, Adam matrices with reasons (cut at ``limit``), all-Adam warning."""
     adam_matrices = tuple(f"{name} ({selection.reasons.get(name, UNKNOWN)})" for name in selection.adam_matrices)
     lines = [
         f"Muon optimizer: {len(selection.muon)} parameters ({selection.muon_numel:,} elements) on Muon, "
@@ -382,13 +348,11 @@ def _looks_like_muon(optimizer) -> bool:
 
 
 def tag_client_groups(optimizer, model: Optional[torch.nn.Module]) -> None:
-    """Tag each tensor of DeepSpeed's ``MuonWithAuxAdam`` passed as a client optimizer with its
-    group's ``use_muon``: the ZeRO optimizers decide Muon per tensor, and an untagged tensor in a
-    ``use_muon=True`` group is otherwise stepped as plain SGD on its flat partition.
+    """Tag each tensor of a client ``MuonWithAuxAdam`` with its group's ``use_muon``: the ZeRO optimizers decide per
+    tensor and would step an untagged one as plain SGD.
 
     Raises:
-        ValueError: a parameter's explicit user flag contradicts its group's ``use_muon``, or a
-            ``use_muon=True`` group holds a parameter that is not a matrix (names the parameter).
+        ValueError: a user flag contradicts its group's ``use_muon``, or a ``use_muon=True`` group holds a non-matrix.
     """
     names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
     for g, group in enumerate(optimizer.param_groups):
@@ -407,11 +371,8 @@ def tag_client_groups(optimizer, model: Optional[torch.nn.Module]) -> None:
 
 
 def refuse_flat_partition_muon(optimizer, zero_stage: int) -> None:
-    """Refuse a client Muon that is not DeepSpeed's ``MuonWithAuxAdam`` at ZeRO stage >= 1.
-
-    Such an optimizer (e.g. Keller Jordan's ``MuonWithAuxAdam``) calls Newton-Schulz on
-    ``p.grad``, which under ZeRO is a 1-D flat partition: it fails at the first step (an
-    assertion ``G.ndim >= 2``) or, without the assertion, trains something other than Muon.
+    """Refuse a client Muon other than ``MuonWithAuxAdam`` at ZeRO stage >= 1: it (e.g. Keller Jordan's) would run
+    Newton-Schulz on a 1-D flat partition, failing ``G.ndim >= 2`` or training something other than Muon.
 
     Raises:
         ValueError: naming the class and the config to use instead.
@@ -431,12 +392,9 @@ def resolve_optimizer_selection(optimizer,
                                 client: bool,
                                 zero_stage: int,
                                 log=None) -> Optional[MuonSelection]:
-    """The engine's hook, on the basic optimizer before any ZeRO wrapper replaces its groups.
-
-    For a client optimizer: refuses a flat-partition-incompatible Muon (``refuse_flat_partition_muon``)
-    and tags DeepSpeed's ``MuonWithAuxAdam``'s tensors from their groups (``tag_client_groups``).
-    For DeepSpeed's Muon (config-named or client) logs ``format_report`` at WARNING on rank 0
-    (``log``: a ``logging.Logger``, default DeepSpeed's) and returns the selection; otherwise None.
+    """The engine's hook on the basic optimizer, before any ZeRO wrapper replaces its groups: checks and tags a
+    client's groups, checks ``muon_split``s; for DeepSpeed's Muon logs the selection on rank 0 (to ``log``, default
+    DeepSpeed's logger) and returns it, else None.
     """
     if not _looks_like_muon(optimizer):
         return None

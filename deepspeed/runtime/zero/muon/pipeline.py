@@ -9,11 +9,10 @@ send buffer and starts the forward all-to-all; **compute** rebuilds the owner's 
 a variant's rule (``owner_state``) on each, and starts the back all-to-all; **finalize** copies this rank's pieces of
 the update into the gradient. ``depth`` buckets are prepared ahead of the one being computed, so communication overlaps
 Newton-Schulz (depth 1: serial); every rank issues the same collectives in the same order, with at most ``2 depth - 1``
-buffer slots busy. Beyond the exchange buffers an owner holds one call's tensors: results overwrite, as each call
-returns, the pieces it has read (half-precision results wait for the bucket's calls). After torchtitan's
-DistributedMuon (prepare/compute/finalize over a reserved layout) and microsoft/dion (one batch's exchange overlapping
-another's compute). A matrix that stays home (``stays_home``) skips the exchange. Terms: docs/design.md, "Where a
-matrix lives".
+buffer slots busy. Beyond the exchange buffers an owner holds one call's tensors: each call's results overwrite the
+pieces it read (half-precision results wait for the bucket's calls). A matrix that ``stays_home`` skips the exchange
+(docs/design.md, "Where a matrix lives"). After torchtitan's DistributedMuon (prepare/compute/finalize over a reserved
+layout) and microsoft/dion (one batch's exchange overlapping another's compute).
 """
 
 from collections import deque
@@ -40,13 +39,12 @@ class MuonPipeline:
     Args:
         plan, specs: the owner plan and each matrix's ``MatrixSpec``. pieces, slices: as ``binding.MuonPartition``'s.
         exchange: the group's ``OwnerExchange``. device: where Newton-Schulz runs and the buffers are; piece_device:
-            where the pieces are. depth: at least 1. batch_ns: for ``orthogonalize_each``. variant: a Muon variant, or
+            where the pieces are. depth: at least 1. batch_ns: for ``orthogonalize_each``. variant: a Muon variant or
             None.
-        placements, assemblies: per matrix, None, or its tensor-parallel layout: where each holder's piece lies in
-            the shards' storage, and the ``tensor_parallel.ShardAssembly`` that makes the whole matrix of it.
-        result_itemsize, state_numels: the terms ``plan`` was made with (``owner_plan.rank_numels``), kept for the
-            plan's figures: bytes per element of the Newton-Schulz result, and per matrix the variant's owner-state
-            elements (None: plain Muon).
+        placements, assemblies: per matrix, None or its tensor-parallel layout (where each holder's piece lies in the
+            shards' storage) and the ``tensor_parallel.ShardAssembly`` that makes the whole matrix of it.
+        result_itemsize, state_numels: the ``owner_plan.rank_numels`` terms ``plan`` was made with, for its figures:
+            bytes per element of the NS result; per matrix the variant's owner-state elements (None: plain Muon).
 
     Attributes:
         layouts: per bucket with a matrix that travels, the ``BucketLayout`` of those matrices.
@@ -87,8 +85,7 @@ class MuonPipeline:
         home = [stays_home(p, self.piece_device, device, a) for p, a in zip(pieces, self.assemblies)]
 
         def layout(bucket, at_home: bool) -> Optional[BucketLayout]:
-            """The bucket's matrices that travel (``at_home`` False) or that stay home with this rank, their owner
-            (True); None where there are none."""
+            """The bucket's matrices that travel, or (``at_home``) stay home with this rank as owner; None if none."""
             b = [j for j in bucket if home[j] == at_home and (not at_home or plan.owners[j] == exchange.rank)]
             if not b:
                 return None
@@ -124,11 +121,10 @@ class MuonPipeline:
             update_dtype: torch.dtype,
             buffers: ExchangeBuffers,
             variant=None) -> None:
-        """Replace this rank's pieces of ``grad_flat`` (the flat fp32 gradient partition, unscaled and clipped) with
-        its pieces of the Muon update, advancing ``momentum_flat`` (same layout) in place; once per step on every rank
-        of the group. ``update_dtype``: the back exchange's (the kernel's compute dtype); ``buffers``: at least
-        ``buffer_demand``; ``variant``: the group's settings of the kind built with (None: plain Muon; else
-        ``RuntimeError``)."""
+        """Replace this rank's pieces of ``grad_flat`` (the flat fp32 gradient partition, unscaled, clipped) with its
+        pieces of the Muon update, advancing ``momentum_flat`` (same layout) in place; once per step on every rank of
+        the group. ``update_dtype``: the back exchange's (the kernel's compute dtype); ``buffers``: at least
+        ``buffer_demand``; ``variant``: None (plain Muon) or the group's settings, as built (else ``RuntimeError``)."""
         if (variant is None) != (self.owner_state is None):
             raise RuntimeError(f"MuonPipeline built {'with' if self.owner_state is not None else 'without'} "
                                f"owner state, run with variant {variant!r}.")
@@ -155,8 +151,7 @@ class MuonPipeline:
             self._finalize(*returning.popleft(), grad_flat, update_dtype, buffers)
 
     def _run_home(self, grad_flat, momentum_flat, settings: StepSettings, update_dtype: torch.dtype) -> None:
-        """The matrices that stay home with this rank: the NS input and each call's results are written over
-        the gradient in place."""
+        """The matrices that stay home with this rank: NS input and results are written over the gradient in place."""
         for layout in self.in_place:
             slices = [self.slices[layout.matrices[k]] for k in layout.owned]
             specs = [self.specs[layout.matrices[k]] for k in layout.owned]
@@ -247,7 +242,6 @@ class MuonPipeline:
 
 
 def stays_home(pieces: Sequence[int], piece_device, device, assembly=None) -> bool:
-    """Whether a matrix of ``pieces`` (elements per rank) stays home: one holder, its piece on the NS ``device``
-    (``piece_device`` is), no tensor-parallel ``assembly``; its holder then owns it and orthogonalizes it where it
-    lies, and it takes no exchange buffer."""
+    """Whether a matrix of ``pieces`` (elements per rank) stays home: one holder, its piece on the NS ``device``, no
+    tensor-parallel ``assembly``; its holder then owns it and orthogonalizes it where it lies (no exchange buffer)."""
     return sum(map(bool, pieces)) == 1 and torch.device(piece_device) == torch.device(device) and assembly is None

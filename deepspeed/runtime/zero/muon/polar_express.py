@@ -4,27 +4,18 @@
 # DeepSpeed Team
 """Polar Express: Muon's orthogonalization with a new quintic polynomial at every iteration.
 
-Source: Amsel, Persson, Musco, Gower, 2025, "The Polar Express: Optimal Matrix Sign Methods and
-Their Application to the Muon Algorithm", arXiv:2505.16932, Algorithm 1. Coefficients,
-safety factor and normalization are the authors' code's, NoahAmsel/PolarExpress,
-``polar_express/basic.py`` (commit 7f0fb5730e3d5946f96b07404bbe476515f2caec), which is the
-paper's listing: ``optimal_composition(l=1e-3, num_iters=8, safety_factor_eps=1e-2,
-cushion=0.02)``, i.e. each polynomial is the minimax-optimal odd quintic approximation of
-``sign`` on the interval the previous ones leave, for singular values down to 1e-3 of the
-normalized matrix's largest. More iterations than the 8 published repeat the last tuple, as the
-authors' code does; Muon's 5 (``ns_steps``) use the first 5. (modded-nanogpt and nanochat ship a
-different 5-tuple schedule, first tuple ``(8.156554524902461, -22.48329292557795,
-15.878769915207462)``, not used here.)
+Source: Amsel, Persson, Musco, Gower, 2025, "The Polar Express: Optimal Matrix Sign Methods and Their Application to
+the Muon Algorithm", arXiv:2505.16932, Algorithm 1. Coefficients, safety factor and normalization are the authors'
+code's (NoahAmsel/PolarExpress ``polar_express/basic.py``, commit 7f0fb5730e3d5946f96b07404bbe476515f2caec):
+``optimal_composition(l=1e-3, num_iters=8, safety_factor_eps=1e-2, cushion=0.02)``, each polynomial the minimax-optimal
+odd quintic approximation of ``sign`` on the interval the previous ones leave, for singular values down to 1e-3 of the
+normalized matrix's largest. (modded-nanogpt and nanochat ship a different 5-tuple schedule, first tuple
+``(8.156554524902461, -22.48329292557795, 15.878769915207462)``, not used here.)
 
-Like upstream's quintic Newton-Schulz (``original_muon.zeropower_via_newtonschulz5``), iteration
-``t`` maps ``X <- a_t X + b_t (X X^T) X + c_t (X X^T)^2 X`` on the wide orientation of the
-matrix, but where upstream repeats one ``(a, b, c)`` that stops short of 1 (its result's singular
-values spread over about [0.7, 1.2]), the schedule here is chosen iteration by iteration, so the
-singular values converge to 1. Everything else is as for "standard": the same number of matrix
-products per iteration, the same compute dtype (``original_muon.ns_compute_dtype``: bf16 where the
-accelerator supports it, as the authors' code runs it, else fp32), the same aspect-ratio scale
-applied by upstream's ``muon_orthogonalize`` (per head, per expert, convolution filters flattened),
-which dispatches ``ns_method == "polar_express"`` to ``zeropower_via_polar_express``.
+Like upstream's ``zeropower_via_newtonschulz5``, iteration ``t`` maps ``X <- a_t X + b_t (X X^T) X + c_t (X X^T)^2 X``
+on the wide orientation, but where upstream repeats one ``(a, b, c)`` that stops short of 1 (singular values in about
+[0.7, 1.2]), this schedule changes per iteration, so they converge to 1. Products, compute dtype (``ns_compute_dtype``:
+bf16 where supported, as the authors run it) and the aspect-ratio scale (``muon_orthogonalize``) are as "standard".
 """
 
 from typing import List, Tuple
@@ -46,32 +37,26 @@ PUBLISHED_COEFFICIENTS: Tuple[Tuple[float, float, float], ...] = (
     (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
     (1.875, -1.25, 0.375),
 )
-"""``(a, b, c)`` of iterations 1 to 8 before the safety factor, as published (see the module
-docstring). The last is the limit of the schedule (the optimal quintic on an interval shrunk to
-1), which every later iteration repeats."""
+"""``(a, b, c)`` of iterations 1 to 8 before the safety factor, as published. The last is the schedule's limit (the
+optimal quintic on an interval shrunk to 1), which every later iteration repeats."""
 
 SAFETY_FACTOR = 1.01
-"""Iteration ``t`` (all but the last published one) uses ``(a / f, b / f^3, c / f^5)``, i.e. the
-polynomial of ``x / f``: a singular value that rounding pushed up to ``f`` times the interval's top
-is still mapped into it (the authors' ``safety_factor_eps = 1e-2``, for bf16)."""
+"""All but the last published iteration use ``(a / f, b / f^3, c / f^5)``, i.e. ``p(x / f)``: a singular value that
+rounding pushed up to ``f`` times the interval's top still maps into it (``safety_factor_eps``, for bf16)."""
 
 NORMALIZATION_MARGIN = 1.01
 NORMALIZATION_EPS = 1e-7
-"""The input is divided by ``||G||_F * NORMALIZATION_MARGIN + NORMALIZATION_EPS`` (Frobenius norm
-per matrix of a batch), as in the authors' code: the spectral norm is then at most 1/1.01, with
-room for the rounding of the norm itself; an all-zero matrix stays zero."""
+"""The input is divided by ``||G||_F * NORMALIZATION_MARGIN + NORMALIZATION_EPS`` (per matrix of a batch), as in the
+authors' code: spectral norm at most 1/1.01, room for the norm's own rounding; an all-zero matrix stays zero."""
 
 
 def coefficients(steps: int) -> List[Tuple[float, float, float]]:
-    """The ``(a, b, c)`` the iteration uses at each of ``steps`` iterations.
+    """The ``(a, b, c)`` of each of ``steps`` iterations.
 
-    The first ``len(PUBLISHED_COEFFICIENTS) - 1`` published tuples with the safety factor, then the
-    last published tuple (without it) for every further iteration, as the authors' code repeats
-    it: beyond 8 iterations the schedule is the fixed quintic ``(15/8, -10/8, 3/8)``, the one with
-    ``p(1) = 1`` and ``p'(1) = p''(1) = 0``, which converges cubically once the singular values are
-    near 1. Fewer steps use the first ``steps`` tuples: the schedule is
-    greedy, each tuple optimal given the ones before it, so a prefix is the authors' method at that
-    step count (Muon runs 5).
+    All but the last published tuple with the safety factor, then the last (without it) for every further iteration, as
+    the authors' code repeats it: the fixed quintic ``(15/8, -10/8, 3/8)`` with ``p(1) = 1``, ``p'(1) = p''(1) = 0``,
+    cubically convergent near 1. Fewer steps take a prefix: the schedule is greedy (each tuple optimal given the ones
+    before), so a prefix is the authors' method at that step count (Muon runs 5).
 
     Raises:
         ValueError: ``steps`` is negative or not an integer.
@@ -88,16 +73,13 @@ def zeropower_via_polar_express(G: torch.Tensor, steps: int) -> torch.Tensor:
     """Polar Express orthogonalization of ``G`` (each matrix of a batch on its own).
 
     Args:
-        G: ``(..., rows, cols)``, any float dtype, at least 2-D; not modified. A tall matrix
-            (``rows > cols``) is iterated transposed, so the products are ``min x min``.
-        steps: iterations (``coefficients(steps)``; Muon's ``ns_steps``, 5).
+        G: ``(..., rows, cols)``, any float dtype; not modified; a tall one is iterated transposed (``min x min``).
+        steps: iterations (Muon's ``ns_steps``, 5).
 
     Returns:
-        torch.Tensor: same shape as ``G``, in ``original_muon.ns_compute_dtype("polar_express")``
-        (the dtype the iteration runs in): approximately ``U V^T`` for ``G = U S V^T``, its
-        singular values near 1 (those of ``G`` below 1e-3 of ``||G||_F``, the bottom of the interval
-        the schedule is designed for, converge more slowly);
-        zero where ``G`` is zero. Without the aspect-ratio scale (``muon_orthogonalize`` applies it).
+        torch.Tensor: ``G``'s shape, in ``ns_compute_dtype("polar_express")``: about ``U V^T`` for ``G = U S V^T``
+        (singular values of ``G`` below 1e-3 of ``||G||_F`` converge more slowly); zero where ``G`` is zero. Without
+        the aspect-ratio scale (``muon_orthogonalize`` applies it).
 
     Raises:
         ValueError: ``G`` has fewer than 2 dimensions, or ``steps`` is not a non-negative integer.
@@ -111,7 +93,6 @@ def zeropower_via_polar_express(G: torch.Tensor, steps: int) -> torch.Tensor:
 
 @compiler.compile()
 def _iterate(G, schedule, compute_dtype):
-    """The iteration of ``zeropower_via_polar_express`` with the schedule and dtype resolved."""
     X = G.to(compute_dtype)
     tall = G.size(-2) > G.size(-1)
     if tall:

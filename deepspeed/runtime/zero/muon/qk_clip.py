@@ -4,13 +4,11 @@
 # DeepSpeed Team
 """MuonClip's QK-clip under ZeRO-1/2/3 (``"qk_clip_threshold": tau`` in the Muon block): the clip itself.
 
-Source: Kimi K2 (arXiv 2507.20534), 2.1. After each step, every head whose largest pre-softmax logit ``S_h`` of the
-step exceeded ``tau`` gets its query and key weights scaled by ``gamma_h = tau / S_h`` (rules: ``HeadSpan``; the
-user guide gives their sources). An attention layer is described by ``AttentionHeads`` (``mark_attention`` for a
-model of one's own; ``hf_attention`` describes Hugging Face layers and records their logits) and reports its
-per-head maxima with ``record_max_logits``; ``QKClip`` reduces them with one MAX all-reduce per step and scales
-each rank's pieces of the fp32 partitions right after the inner optimizer step (``QKClip.apply``, on the ZeRO
-stage's ``binding.MuonPartition``); no state. Design: docs/design.md.
+Source: Kimi K2 (arXiv 2507.20534), 2.1: after each step, every head whose largest pre-softmax logit ``S_h`` exceeded
+``tau`` gets its query and key weights scaled by ``gamma_h = tau / S_h`` (rules: ``HeadSpan``, sources in the user
+guide). Layers described by ``AttentionHeads`` (``mark_attention`` for a model of one's own; ``hf_attention`` for
+Hugging Face layers) report per-head maxima (``record_max_logits``); ``QKClip`` MAX-all-reduces them once per step and
+scales each rank's fp32 partition pieces after the inner step; no state. Design: docs/design.md.
 """
 
 import math
@@ -33,9 +31,9 @@ SQRT, FULL, LAYER_MIN = "sqrt", "full", "layer_min"
 
 @dataclass(frozen=True)
 class HeadSpan:
-    """Heads of ``head_dim`` elements along dimension ``dim`` (0: rows, 1: columns) of ``param`` (a 2-D weight, a
-    bias or norm weight), head 0 at index ``start``; scaled by ``sqrt(gamma_h)`` (``SQRT``), ``gamma_h``
-    (``FULL``) or, one block, the layer's smallest ``gamma`` (``LAYER_MIN``)."""
+    """Heads of ``head_dim`` elements along ``dim`` (0: rows, 1: columns) of ``param`` (2-D weight, bias or norm
+    weight) from index ``start``; scaled by ``sqrt(gamma_h)`` (``SQRT``), ``gamma_h`` (``FULL``) or, as one block,
+    the layer's smallest ``gamma`` (``LAYER_MIN``)."""
     param: torch.nn.Parameter
     dim: int
     start: int
@@ -43,8 +41,7 @@ class HeadSpan:
     rule: str
 
     def scale_line(self, gamma: torch.Tensor, length: int) -> torch.Tensor:
-        """The fp32 scale of each of ``length`` indices along ``dim`` (1 outside the heads), for the layer's
-        ``gamma`` (fp32, ``(heads,)``)."""
+        """fp32 scale per index along ``dim`` (``length``; 1 outside the heads) for ``gamma`` (fp32, ``(heads,)``)."""
         blocks = {SQRT: gamma.sqrt, FULL: lambda: gamma, LAYER_MIN: lambda: gamma.min().reshape(1)}[self.rule]()
         line = torch.ones(length, dtype=torch.float32, device=gamma.device)
         line[self.start:self.start + blocks.numel() * self.head_dim] = blocks.repeat_interleave(self.head_dim)
@@ -59,9 +56,8 @@ class AttentionHeads:
 
 
 def qk_spans(q_weight, k_weight, num_heads, num_kv_heads, head_dim, q_bias=None, k_bias=None, dim=0, starts=(0, 0)):
-    """The spans of a layer's query and key projections under the rules above (``SQRT`` on both for multi-head
-    attention, ``FULL`` on the query and nothing on a shared key for grouped-query attention). ``dim`` and
-    ``starts`` (query's, key's): as in ``HeadSpan``, for the weights; biases run along their only dimension."""
+    """Spans of a layer's query and key projections: ``SQRT`` on both for MHA; for GQA ``FULL`` on the query and
+    nothing on the shared key. ``dim`` and ``starts`` (query's, key's) as in ``HeadSpan``, for the weights."""
     rule = SQRT if num_kv_heads == num_heads else FULL
     scaled = [(q_weight, dim, starts[0]), (q_bias, 0, starts[0])]
     if rule == SQRT:
@@ -104,8 +100,7 @@ def check_threshold(value) -> Optional[float]:
 
 
 def check_runs_here(where: Optional[str], autotp_size: int) -> None:
-    """Refuse QK-clip where no owner rank runs the update (``where``: ``support.where_no_owner_runs``'s phrase) or
-    AutoTP splits the heads (``autotp_size`` > 1).
+    """Refuse QK-clip where no owner rank runs the update (``where_no_owner_runs``'s phrase) or AutoTP splits heads.
 
     Raises:
         ValueError: naming ``qk_clip_threshold`` and the configuration.
@@ -122,20 +117,17 @@ class QKClip:
     """The clip of one engine's attention layers.
 
     Args:
-        threshold: ``tau`` (``check_threshold``).
+        threshold: ``tau``.
         layers: ``(name, module, AttentionHeads)`` of each layer clipped (``hf_attention.find_attention``).
-        process_group: the data-parallel group the maxima are reduced over (the ZeRO stage's).
-        device: where the maxima live (the accelerator).
+        process_group / device: the data-parallel group the maxima are reduced over / where they live.
         steps_per_print: rank 0 logs the heads clipped every that many steps (0: never).
-        partitions: how many partitions the stage steps per optimizer step (its ``MuonUpdate.described``):
-            the step ends, and its maxima start over, once each was applied.
+        partitions: partitions the stage steps per optimizer step; the maxima start over once each was applied.
 
     Attributes:
         maxima: fp32 ``(heads,)`` (layer after layer, ``offsets``): this step's largest logit per head.
         last_max: the maxima of the last step taken; ``heads_clipped``, ``steps``: since rank 0's last log.
 
-    A step the loss scale skips runs no inner step, so its maxima carry into the next step (recorded with
-    the same weights).
+    A step the loss scale skips runs no inner step, so its maxima (same weights) carry into the next step.
     """
 
     def __init__(self, threshold, layers, process_group, device, steps_per_print=0, partitions=1):
@@ -157,8 +149,8 @@ class QKClip:
             _RECORDING[module] = (weakref.ref(self), index)
 
     def _reduce(self) -> torch.Tensor:
-        """Every head's fp32 ``gamma`` from one MAX all-reduce of the maxima (one copy to the host). A head no rank
-        recorded (its layer in eval mode or skipped), or whose logit overflowed, is not clipped; rank 0 warns."""
+        """Every head's fp32 ``gamma`` from one MAX all-reduce (one host copy). A head no rank recorded (eval mode,
+        skipped) or whose logit overflowed is not clipped; rank 0 warns."""
         dist.all_reduce(self.maxima, op=dist.ReduceOp.MAX, group=self.process_group)
         tops = self.maxima.tolist()
         unseen = [
@@ -180,9 +172,8 @@ class QKClip:
 
     @torch.no_grad()
     def apply(self, partition) -> None:
-        """Scale this rank's pieces of the clipped heads' parameters in ``partition`` (a ``binding.MuonPartition``:
-        its fp32 ``flat`` right after the inner optimizer step). The step's first call, on every rank in the same
-        order, reduces the maxima; its last starts the next step's."""
+        """Scale this rank's pieces of the clipped heads in ``partition``'s fp32 ``flat`` after the inner step. The
+        step's first call (same order on every rank) reduces the maxima; its last starts the next step's."""
         if self.gamma is None:
             self.gamma, self._lines = self._reduce(), {}
         if partition.key not in self._held:
@@ -213,8 +204,7 @@ class QKClip:
         return self._lines[cache_key]
 
     def _piece_scale(self, param, start: int, numel: int, device) -> Optional[torch.Tensor]:
-        """The fp32 scale of each of the elements ``[start, start + numel)`` of flattened ``param``, read off the
-        rows they cover."""
+        """fp32 scale of elements ``[start, start + numel)`` of flattened ``param``, from the rows they cover."""
         if numel == 0:
             return None
         entry = self._line(param, device)

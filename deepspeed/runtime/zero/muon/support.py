@@ -4,22 +4,18 @@
 # DeepSpeed Team
 """What runs where: the configurations Muon's owner-centric update cannot serve, and why.
 
-Kept apart from ``config`` (which checks keys and values only, and imports no engine-side module)
-because these questions need the engine, the ZeRO optimizer or the accelerator's op builders.
-Every function imports what it reads when called, so importing this module loads no other Muon module.
+Kept apart from ``config`` (keys and values only) because these checks need the engine, the ZeRO optimizer or the
+accelerator's op builders; every function imports what it reads when called, so this module loads no other Muon module.
 """
 
 from typing import Optional, Sequence
 
 
 def where_no_owner_runs(engine) -> Optional[str]:
-    """Why ``engine``'s Muon update runs outside the owner-centric update (the config keys that choose
-    that path, as a phrase for messages), or None where it runs there.
-
-    Stage 0 runs upstream's ``MuonWithAuxAdam.step`` on whole weights; ZeRO stage 1 with bf16
-    parameters, fp32 gradient accumulation and no optimizer offload runs DeepSpeed's
-    ``BF16_Optimizer`` (the engine's optimizer-wrapper choice), whose Muon is upstream's too.
-    """
+    """Why ``engine``'s Muon update runs outside the owner-centric update (the config keys choosing that path, as a
+    phrase for messages), or None. Stage 0 runs upstream's ``MuonWithAuxAdam.step`` on whole weights; ZeRO stage 1 with
+    bf16 parameters, fp32 gradient accumulation and no optimizer offload runs DeepSpeed's ``BF16_Optimizer``, whose
+    Muon is upstream's too."""
     import torch
     stage = engine.zero_optimization_stage()
     if stage == 0:
@@ -33,9 +29,8 @@ def where_no_owner_runs(engine) -> Optional[str]:
 
 
 def spread_problem(muon_groups: Sequence[dict], engine) -> Optional[str]:
-    """Why the weights AutoTP split in ``muon_groups`` (``param_record.tensor_parallel_layout``) cannot be
-    orthogonalized whole with ``engine``'s configuration (``where_no_owner_runs``), naming the
-    tensor-parallel key; None where there are none or an owner rank runs them."""
+    """Why the AutoTP-split weights of ``muon_groups`` cannot be orthogonalized whole under ``engine``'s configuration,
+    naming the tensor-parallel key; None where there are none or an owner rank runs them."""
     from deepspeed.runtime.zero.muon.param_record import tensor_parallel_layout
     spread = [p for g in muon_groups for p in g["params"] if tensor_parallel_layout(p) is not None]
     where = where_no_owner_runs(engine) if spread else None
@@ -47,14 +42,12 @@ def spread_problem(muon_groups: Sequence[dict], engine) -> Optional[str]:
 
 
 def refuse_unsupported_zero3(optimizer) -> None:
-    """Refuse the ZeRO-3 configurations the Muon boundary update cannot serve, before anything is
-    allocated (called from ``DeepSpeedZeroOptimizer_Stage3.__init__`` once it knows ``use_muon`` and
-    its offloading); nothing without Muon.
+    """Refuse, before anything is allocated, the ZeRO-3 configurations the Muon boundary update cannot serve (called
+    from ``DeepSpeedZeroOptimizer_Stage3.__init__``); nothing without Muon.
 
     Raises:
-        ValueError: naming every offending config key and why: ZenFlow, torch autocast with fp16,
-            quantized gradients without the quantizer op, NVMe offload without async I/O, bf16/fp16
-            master weights.
+        ValueError: naming every offending config key and why: ZenFlow, torch autocast with fp16, quantized gradients
+            without the quantizer op, NVMe offload without async I/O, bf16/fp16 master weights.
     """
     import torch
     from deepspeed.accelerator import get_accelerator
@@ -95,11 +88,8 @@ def async_io_available() -> bool:
 
 
 def quantized_reduce_unavailable() -> bool:
-    """Whether ZeRO-3's quantized all-to-all gradient reduction would run and fail here.
-
-    Stage 3 only takes that path with more than one node (``world_size / device_count() > 1``,
-    as ``__avg_scatter_grads`` decides); it then loads the accelerator's ``QuantizerBuilder``.
-    """
+    """Whether ZeRO-3's quantized all-to-all gradient reduction would run and fail here: stage 3 takes it only across
+    nodes (``world_size / device_count() > 1``, as ``__avg_scatter_grads``), loading the ``QuantizerBuilder``."""
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
     accelerator = get_accelerator()

@@ -4,15 +4,12 @@
 # DeepSpeed Team
 """Muon matrices that AutoTP (``"tensor_parallel": {"autotp_size": N}``) split into shards: one matrix each.
 
-Muon is defined on a layer's whole weight; orthogonalizing each tensor-parallel shard on its own is another optimizer,
-one that changes with the tensor-parallel degree. AutoTP records on every weight it splits how its shard maps into
-the whole (``deepspeed.checkpoint.affine.ParamAffineMap``, the universal checkpoint's description: rows for
-``LinearLayer``, columns for ``LinearAllreduce``, a slice of each fused part for ``SubParamColumnParallel`` and
-``fused_LinearLayer``, any uneven split). ZeRO then partitions each shard over the data-parallel ranks, so a matrix
-lies in pieces over all tensor x data-parallel ranks: the owner plan runs over that group, the owner receives every
-rank's piece, places each in the shards' storage (shards back to back in tensor-parallel rank order, each
-flattened), rebuilds the whole matrix through the map (``ShardAssembly``), runs Newton-Schulz once and returns the
-pieces through the inverse. A weight AutoTP replicated is an ordinary matrix of the data-parallel group.
+Muon is defined on a layer's whole weight; orthogonalizing each shard alone would change with the tensor-parallel
+degree. AutoTP records how each shard maps into the whole (``deepspeed.checkpoint.affine.ParamAffineMap``), and ZeRO
+partitions each shard over the data-parallel ranks, so the owner plan runs over all tensor x data-parallel ranks: the
+owner gathers the pieces into the shards' storage (shards flattened, in tensor-parallel rank order), rebuilds the
+matrix through the map (``ShardAssembly``), runs Newton-Schulz once and returns the pieces. Replicated weights are
+ordinary matrices of the data-parallel group.
 """
 
 from dataclasses import dataclass
@@ -29,12 +26,10 @@ _TP_FLAG = "tensor_model_parallel"  # deepspeed.module_inject.layers.DS_TENSOR_M
 
 
 def shard_map(param, name: str):
-    """The ``ParamAffineMap`` of a Muon parameter AutoTP split over two or more ranks, or None for one it did not
-    split (not tensor-parallel, or replicated on every rank).
+    """The ``ParamAffineMap`` of a parameter AutoTP split over two or more ranks, else None.
 
     Raises:
-        ValueError: naming ``tensor_parallel.autotp_size`` and ``name``, for a split AutoTP did not describe
-            (its ``unsupported_reason``) or a shard that holds the weight scaled.
+        ValueError: a split AutoTP did not describe, an empty shard, or a shard holding the weight scaled.
     """
     meta = getattr(param, _UC_META, None)
     if meta is None:
@@ -68,9 +63,9 @@ def shard_map(param, name: str):
 
 
 def splits_whole_heads(param, amap) -> bool:
-    """Whether per-head Muon (``muon_num_heads``) on each shard is exactly per-head Muon on the whole matrix: the
-    shards split it by rows only, each into whole heads (upstream ``resolve_per_head_muon_after_sharding`` re-counts
-    the heads per shard then; without ``muon_head_dim`` the release did not, and the whole matrix is needed)."""
+    """Whether per-head Muon on each shard equals it on the whole: rows-only shards of whole heads (upstream
+    ``resolve_per_head_muon_after_sharding`` re-counts heads per shard; without ``muon_head_dim`` the release did not,
+    and the whole matrix is needed)."""
     head_dim = getattr(param, "muon_head_dim", None)
     if head_dim is None or getattr(param, "muon_num_heads", None) is None:
         return False
@@ -81,8 +76,7 @@ def splits_whole_heads(param, amap) -> bool:
 
 
 def whole_num_heads(param, amap) -> Optional[int]:
-    """``muon_num_heads`` of the whole matrix: its rows over ``muon_head_dim`` where upstream re-counted the heads
-    per shard, else the model's count as tagged (or None)."""
+    """The whole matrix's heads: rows over ``muon_head_dim`` where upstream re-counted per shard, else as tagged."""
     head_dim = getattr(param, "muon_head_dim", None)
     if head_dim:
         return amap.logical_shape[0] // head_dim
@@ -101,8 +95,8 @@ class ShardAssembly:
     """Whole matrix <-> its shards' storage (every shard flattened, back to back in tensor-parallel rank order).
 
     Attributes:
-        logical_shape: the whole matrix's shape. shard_shapes: per tensor-parallel rank, its shard's.
-        pieces: per tensor-parallel rank, upstream ``AffinePiece`` s: where blocks of its shard lie in the whole.
+        logical_shape / shard_shapes / pieces: the whole's shape / per tensor-parallel rank, its shard's shape and
+            the ``AffinePiece``s placing the shard's blocks in the whole.
     """
     logical_shape: Tuple[int, ...]
     shard_shapes: Tuple[Tuple[int, ...], ...]
@@ -153,11 +147,11 @@ class ShardedMatrices:
     """The tensor-parallel matrices of one partition over the tensor x data-parallel ranks (the world).
 
     Attributes:
-        indices: their positions in the partition. shapes: their whole shapes.
-        pieces: per matrix, the elements every rank of ``process_group`` holds (in its rank order).
-        placements: per matrix and holding rank (those with a nonzero piece, rank order), ``(offset, numel)``
-            of the piece's elements in the shards' storage (the rest of the piece is ZeRO-3's padding).
-        assemblies: per matrix its ``ShardAssembly``. num_heads: per matrix, ``whole_num_heads``.
+        indices / shapes: their positions in the partition / whole shapes.
+        pieces: per matrix, the elements every rank of ``process_group`` holds (in rank order).
+        placements: per matrix and rank with a nonzero piece, ``(offset, numel)`` of its elements in the shards'
+            storage (the rest is ZeRO-3's padding).
+        assemblies / num_heads: per matrix, its ``ShardAssembly`` / ``whole_num_heads``.
         process_group: the exchange's group (None: the world).
     """
     indices: Tuple[int, ...]
@@ -174,16 +168,14 @@ def _local_shape(param) -> Tuple[int, ...]:
 
 
 def shard_matrices(requests: Dict[int, tuple]) -> Dict[int, ShardedMatrices]:
-    """``ShardedMatrices`` of every partition's tensor-parallel matrices: ``requests`` maps a partition key to
-    ``(part, {index: TensorParallelLayout})`` (a ``binding.MuonPartition`` and its marked matrices). One all-gather
-    of a small object over the world, at initialization, on every rank, whatever its partitions; every check after
-    it reads what every rank gathered, so the ranks raise together.
+    """``ShardedMatrices`` per key of ``requests`` (key -> ``(MuonPartition, {index: TensorParallelLayout})``), from
+    one small all-gather over the world on every rank; the checks read what all ranks gathered, so all raise together.
 
     Raises:
-        ValueError: naming ``tensor_parallel.autotp_size``: a marked matrix Muon cannot train whole; tensor and
-            data-parallel ranks that are not all ranks (pipeline or sequence parallelism, MiCS or hpZ besides);
-            ranks whose tensor-parallel matrices differ (``zero_optimization.sub_group_size`` grouping uneven
-            shards differently), whose ranks in the mesh repeat, or whose shard is not the one AutoTP's map says.
+        ValueError: a marked matrix Muon cannot train whole; tensor x data-parallel ranks that are not the world
+            (pipeline or sequence parallelism, MiCS or hpZ besides); ranks whose tensor-parallel matrices differ
+            (``zero_optimization.sub_group_size`` grouping uneven shards differently), whose mesh positions repeat, or
+            whose shard is not AutoTP's.
     """
     from deepspeed.utils import groups
     tp_size, tp_rank = groups.get_tensor_model_parallel_world_size(), groups.get_tensor_model_parallel_rank()
@@ -249,8 +241,8 @@ def shard_matrices(requests: Dict[int, tuple]) -> Dict[int, ShardedMatrices]:
 
 
 class TensorParallelLayout:
-    """``param_record.MuonRecord.tensor_parallel`` of a weight AutoTP split: its name and map, or why Muon cannot
-    train it whole (raised if it is a Muon matrix). ``spread``: ``shard_matrices``."""
+    """``MuonRecord.tensor_parallel`` of a weight AutoTP split: its name and map, or why Muon cannot train it whole
+    (raised if it is a Muon matrix)."""
     config_key = TP_KEY
     spread = staticmethod(shard_matrices)
 
@@ -259,9 +251,8 @@ class TensorParallelLayout:
 
 
 def mark_tensor_parallel_matrices(model) -> int:
-    """After AutoTP sharded ``model`` (and, where the release has it, re-counted per-head Muon's heads per shard):
-    mark every weight it split with a ``TensorParallelLayout`` (``param_record.MuonRecord.tensor_parallel``), except
-    projections split into whole heads (``splits_whole_heads``: exact on each shard). Returns how many were marked."""
+    """After AutoTP sharded ``model``, mark every split weight with a ``TensorParallelLayout``, except projections
+    split into whole heads (``splits_whole_heads``); return how many were marked."""
     marked = 0
     for name, param in model.named_parameters():
         try:

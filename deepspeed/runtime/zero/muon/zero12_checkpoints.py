@@ -4,15 +4,13 @@
 # DeepSpeed Team
 """ZeRO-1/2 checkpoints of Muon runs: the layout mark, and checkpoints saved before it taken apart.
 
-ZeRO-1/2 keep Muon's state in the layout of the flat fp32 partition (``binding``), as Adam's
-``exp_avg``, and mark their checkpoints with ``STATE_LAYOUT_KEY``. Checkpoints without the mark
-come from stock DeepSpeed or from older builds of this patch, which without optimizer offload kept
-a Muon group's momentum as the whole momentum of every parameter touching the rank's partition,
-concatenated in order (a matrix straddling a boundary whole on each rank holding a piece; stock
-DeepSpeed in the gradients' dtype), and kept a Muon variant's per-row state (NorMuon) for those
-whole matrices too, or with offload for the matrices the rank owned, their indices under
-``<state_key>_matrices``. ``from_older_layout`` rewrites such a state in place into this build's
-layout before the Muon update takes it over (``MuonUpdate.load_state_dict``).
+ZeRO-1/2 keep Muon's state in the flat fp32 partition's layout (``binding``), like Adam's ``exp_avg``, and mark their
+checkpoints with ``STATE_LAYOUT_KEY``. Unmarked ones come from stock DeepSpeed or older builds of this patch, which
+without optimizer offload kept a Muon group's momentum as the whole momentum of every parameter touching the rank's
+partition, concatenated in order (a matrix straddling a boundary whole on each rank holding a piece; stock DeepSpeed
+in the gradients' dtype), and a variant's per-row state (NorMuon) for those whole matrices too, or with offload for
+the matrices the rank owned, their indices under ``<state_key>_matrices``. ``from_older_layout`` rewrites such state
+in place into this build's layout before ``MuonUpdate.load_saved_state`` takes it over.
 """
 
 import torch
@@ -22,29 +20,28 @@ from deepspeed.runtime.rank_agreement import agreed_errors
 from deepspeed.runtime.zero.muon.momentum import MOMENTUM_KEY
 
 STATE_LAYOUT_KEY = "muon_state_layout"
-"""Key of a ZeRO-1/2 checkpoint (the stage's ``state_dict``) whose Muon state is in the partition's
-layout; its value is ``PARTITION_LAYOUT``."""
+"""Key of a ZeRO-1/2 checkpoint (the stage's ``state_dict``) whose Muon state is in the partition's layout; its
+value is ``PARTITION_LAYOUT``."""
 PARTITION_LAYOUT = "partition"
 
 
 @torch.no_grad()
 def from_older_layout(update, cpu_offload: bool) -> None:
-    """Rewrite the Muon state a ZeRO-1/2 checkpoint without ``STATE_LAYOUT_KEY`` loaded into the
-    optimizer state, partition by partition, into the partition's layout.
+    """Rewrite, partition by partition, the Muon state loaded from a ZeRO-1/2 checkpoint without
+    ``STATE_LAYOUT_KEY`` into the partition's layout.
 
-    Call on every rank right after the stage loaded such a checkpoint (collective over a variant
-    partition's process group), before ``update.load_saved_state()``.
+    Call on every rank right after the stage loaded such a checkpoint (collective over a variant partition's process
+    group), before ``update.load_saved_state()``.
 
     Args:
         update: the stage's ``binding.MuonUpdate``.
-        cpu_offload: the loading stage keeps its partitions under optimizer offload (then the
-            checkpoint's momentum is in the partition's layout already: older builds and stock
-            DeepSpeed kept it so there).
+        cpu_offload: the stage uses optimizer offload (then the momentum is in the partition's layout already: older
+            builds and stock DeepSpeed kept it so there).
 
     Raises:
-        RankAgreedError (a RuntimeError), on every rank: some rank's momentum has another size than that
-            layout has here (saved at another world size or ``offload_optimizer`` setting), or its variant's
-            state was kept for matrices other than the ones it owns (another owner plan).
+        RankAgreedError (a RuntimeError), on every rank: some rank's momentum has another size than that layout has
+            here (another world size or ``offload_optimizer`` setting), or its variant's state was kept for other
+            matrices than the ones it owns (another owner plan).
     """
     for key, pipeline in update.pipelines.items():
         part, owner, exchange = update.partitions[key], pipeline.owner_state, pipeline.exchange
@@ -76,8 +73,8 @@ def from_older_layout(update, cpu_offload: bool) -> None:
 
 
 def _any_rank(value: bool, device, exchange) -> bool:
-    """Whether ``value`` is true on some rank of ``exchange.group`` (its ``world_size`` ranks): one
-    all-reduce (MAX) of one element on ``device``; collective over the group, none at one rank."""
+    """Whether ``value`` is true on some rank of ``exchange.group``: one MAX all-reduce on ``device`` (collective,
+    skipped at one rank)."""
     flag = torch.tensor([value], dtype=torch.int32, device=device)
     if exchange.world_size > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=exchange.group)

@@ -4,13 +4,10 @@
 # DeepSpeed Team
 """Muon under AutoTP (``"tensor_parallel": {"autotp_size": 2}``) orthogonalizes each whole matrix, not its shards.
 
-A small Hugging Face Llama trained at ZeRO-1, 2 and 3 with tensor parallelism 2 over data parallelism 1 and 2
-(W=2 and 4), gas 1 and 4, must hold on every rank the shards of the single-process reference's weights (whole-matrix
-Muon, one process, every step's whole batch) to the fp32 floor (``FLOOR``); Newton-Schulz runs once per whole matrix
-summed over all ranks. Orthogonalizing each shard instead is 2e-2 away after 2 steps (MEASURED line; the rows and
-columns AutoTP splits q/k/v/gate/up and o/down along each get Newton-Schulz of their own). Also: clipping by the
-global norm of the whole matrices, a checkpoint resumed bit-identically at the same tensor-parallel size, and the
-refusals that name ``tensor_parallel.autotp_size``.
+A small Llama at ZeRO-1, 2, 3, TP 2 over DP 1 and 2, gas 1 and 4, must hold on every rank the shards of a
+single-process whole-matrix reference to ``FLOOR``, with Newton-Schulz once per whole matrix over all ranks;
+per-shard orthogonalization is 2e-2 away after 2 steps (MEASURED line). Also: clipping by the whole matrices' global
+norm, a bit-identical resume at the same TP size, and refusals naming ``tensor_parallel.autotp_size``.
 """
 
 import copy
@@ -83,8 +80,7 @@ def _ns_calls(engine) -> int:
 
 
 def _whole_heads(engine) -> dict:
-    """Per projection tagged for per-head Muon, its head count in the whole matrix (upstream re-counts
-    ``muon_num_heads`` per shard after AutoTP and keeps the head width)."""
+    """Per per-head projection, its head count in the whole matrix (upstream re-counts it per shard after AutoTP)."""
     whole = {n: p.shape[0] for n, p in tiny_llama().named_parameters()}
     return {
         n: whole[n] // p.muon_head_dim
@@ -112,10 +108,8 @@ def _check_whole_matrix_muon(stage, gas, world_size, clip=0.0, splits=None, **mu
 
 
 def _own_autotp_state(test):
-    """``test`` and then a reset of AutoTP's process-wide state: the groups ``_init_tp_mesh_device`` keeps once set
-    (destroyed), the engine's ``mpu``, the AutoTP mode. Upstream's AutoTP tests start fresh processes instead
-    (``reuse_dist_env`` False); these ranks serve the next test of their world size, another file's too, so every
-    other global of ``groups``, AutoTP's ``layers`` and ``TensorParallel_Layer`` must be back as it was."""
+    """``test``, then AutoTP's process-wide state reset (mesh groups, ``mpu``, mode, ``layers`` and
+    ``TensorParallel_Layer`` globals): unlike upstream's fresh processes, these ranks serve later tests."""
 
     def state():
         items = [((m.__name__, k), v) for m in (groups, autotp_layers, autotp_layers.TensorParallel_Layer)
@@ -165,9 +159,8 @@ class TestMuonAutoTPOneReplica(WholeMatrixMuon):
     @pytest.mark.parametrize("stage", [1, 3])
     @_own_autotp_state
     def test_fused_parts_of_the_whole_matrix(self, stage):
-        """A fused projection split by AutoTP: its parts are cut from the whole matrix on the owner (here the
-        user's ``muon_split`` of each MLP up projection into 32 and 64 of its rows, and of each down projection,
-        which AutoTP splits by columns, into 32 and 64 of its columns: parts across AutoTP's shards of 48)."""
+        """``muon_split`` parts (up: rows 32 + 64; down, split by columns: 32 + 64) crossing AutoTP's shards of 48
+        are cut from the whole matrix on the owner."""
         splits = {f"model.layers.{i}.mlp.up_proj.weight": (-2, (32, 64)) for i in (0, 1)}
         splits |= {f"model.layers.{i}.mlp.down_proj.weight": (-1, (32, 64)) for i in (0, 1)}
         _check_whole_matrix_muon(stage, 1, self.world_size, splits=splits)
@@ -241,8 +234,7 @@ class TestMuonAutoTPTwoReplicas(WholeMatrixMuon):
     @pytest.mark.parametrize("stage", [1, 3])
     @_own_autotp_state
     def test_universal_checkpoint_resumes(self, stage, tmpdir):
-        """``ds_to_universal`` of an AutoTP checkpoint, loaded at the same tensor-parallel size: every shard's
-        weights and optimizer state, the Muon momentum included, come back."""
+        """AutoTP checkpoint via ``ds_to_universal``, same TP size: every shard's weights and state (momentum too)."""
         straight = _saved_then_trained_on(stage, self.world_size, str(tmpdir))
         folder = convert_to_universal(str(tmpdir), "tp", inject_missing_state=stage < 3)
         config = dict(_config(stage, 1, self.world_size), checkpoint={"load_universal": True})
@@ -265,8 +257,7 @@ class TestMuonAutoTPTwoReplicas(WholeMatrixMuon):
 
     @_own_autotp_state
     def test_stage_0_refused(self):
-        """ZeRO stage 0 runs upstream's Muon on each shard: refused rather than trained per shard, also for
-        DeepSpeed's Muon passed as the client optimizer."""
+        """ZeRO stage 0 would run Muon per shard: refused, also with DeepSpeed's Muon as client optimizer."""
         from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
         with pytest.raises(ValueError, match=r"tensor_parallel\.autotp_size: .*stage 0"):
             _engine(_config(0, 1, self.world_size))

@@ -2,19 +2,15 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Every key of the Muon block is checked (``deepspeed.runtime.zero.muon.config``), and each accepted key changes the
-update of the half it is documented to reach.
+"""Every Muon config key is checked, and each accepted key changes the update of the half it is documented to reach.
 
-- A key of ``optimizer.params`` or of a parameter group that the engine would drop (``muon_momentum``, ``lr_muon``,
-  ``amsgrad``, ``ns_steps``; ``use_muon`` or ``muon_lr`` in a group) is refused at ``deepspeed.initialize`` with a
-  ``ValueError`` naming it and the accepted keys.
-- Per accepted key, MixedMLP at ZeRO-3 on 1 rank, fp32, 2 optimizer steps, the key changed from the baseline: the
-  weights equal a single-process reference with that setting (upstream ``muon_update`` for the matrices, torch's AdamW
-  or Adam for the rest) to the fp32 floor and are far from the baseline's; after the first step the half the key does
-  not reach is bit for bit the baseline's (after that the halves interact through the forward pass).
-- The precedence of ``lr``, ``muon_lr``, ``adam_lr`` and a group's own ``lr``.
-- The distributed update's settings (``pipeline_depth``, ``batch_ns``) reach the update the engine builds, and values
-  it cannot use are refused naming the key.
+- A key the engine would drop (``muon_momentum``, ``amsgrad``, ``ns_steps``; ``use_muon`` or ``muon_lr`` in a group)
+  is refused at ``deepspeed.initialize`` (``ValueError``) naming it and the accepted keys.
+- Per accepted key (MixedMLP, ZeRO-3, 1 rank, fp32, 2 steps): the weights equal a single-process reference with that
+  setting (upstream ``muon_update``; torch's AdamW or Adam) to the fp32 floor and are far from the baseline's; after
+  the first step the half the key does not reach is the baseline's bit for bit (later the halves interact).
+- The precedence of ``lr``, ``muon_lr``, ``adam_lr`` and a group's own ``lr``; ``pipeline_depth`` and ``batch_ns``
+  reach the update the engine builds, and values it cannot use are refused naming the key.
 """
 
 import re
@@ -32,17 +28,14 @@ from unit.runtime.zero.zero3_muon_helpers import ds_config
 STEPS = 2
 
 NS_STANDARD_FLOOR = 1e-3
-"""``ns_method: standard`` computes Newton-Schulz in bf16 on the CPU, so the run and its reference
-differ by bf16 roundings that fall differently (measured 4.9e-4 after 2 steps; ``BF16_NS_FLOOR``
-explains the mechanism), while "standard" and "gram" differ by 4.9e-3."""
+"""``ns_method: standard`` computes Newton-Schulz in bf16 on the CPU: run and reference differ by bf16 roundings
+(4.9e-4 measured after 2 steps; see ``BF16_NS_FLOOR``), while "standard" and "gram" differ by 4.9e-3."""
 
 
 def reference(steps=STEPS, muon=None, adam=None, adam_w_mode=True, rates=None):
-    """Single-process training, the whole batch of a step at once, returning the weights after
-    each step: upstream ``muon_update`` on the matrices with ``muon`` settings (lr, momentum,
-    weight_decay, ns_method), torch's AdamW (Adam with L2 weight decay if not ``adam_w_mode``) on
-    the rest with ``adam`` settings (lr, betas, eps, weight_decay); ``rates``: per step
-    ``[muon lr, adam lr]`` instead of the settings' lr."""
+    """Single-process training, a step's whole batch at once; returns the weights after each step. Upstream
+    ``muon_update`` on the matrices with ``muon`` settings, torch's AdamW (Adam with L2 weight decay if not
+    ``adam_w_mode``) on the rest with ``adam`` settings; ``rates``: per step ``[muon lr, adam lr]`` overriding lr."""
     m = dict(lr=HYPER["muon_lr"], momentum=HYPER["momentum"], weight_decay=HYPER["weight_decay"], ns_method="gram")
     a = dict(lr=HYPER["adam_lr"], betas=HYPER["betas"], eps=HYPER["eps"], weight_decay=HYPER["weight_decay"])
     m.update(muon or {})
@@ -74,9 +67,8 @@ def reference(steps=STEPS, muon=None, adam=None, adam_w_mode=True, rates=None):
 
 
 def train_config(config, steps=STEPS, model_parameters=None):
-    """MixedMLP trained on every rank under ``config``; micro-step m of rank r takes samples
-    [(m * W + r) * mb, ... + mb). Returns the full weights after each step, per step the groups'
-    ``lr`` the optimizer step used, and the group names."""
+    """MixedMLP trained on every rank under ``config`` (micro-step m of rank r: samples [(m * W + r) * mb, ... + mb)).
+    Returns the full weights after each step, per step the groups' ``lr`` of that step, and the group names."""
     world_size, rank = deepspeed.comm.get_world_size(), deepspeed.comm.get_rank()
     gas, micro = config["gradient_accumulation_steps"], config["train_micro_batch_size_per_gpu"]
     with fp32_newton_schulz():
@@ -100,8 +92,7 @@ def train_config(config, steps=STEPS, model_parameters=None):
 
 
 def train(params, stage=3, steps=STEPS, model_parameters=None, zero=None):
-    """ZeRO ``stage`` on the current ranks (gas 1) with ``optimizer.params`` replaced by ``params`` (and
-    ``zero`` added to ``zero_optimization``); returns the full weights after each step."""
+    """ZeRO ``stage``, gas 1, ``params`` as ``optimizer.params``, ``zero`` added: the full weights after each step."""
     config = ds_config(stage, 1, deepspeed.comm.get_world_size())
     config["optimizer"]["params"] = params
     config["zero_optimization"].update(zero or {})
@@ -119,9 +110,7 @@ SHARED = {k: HYPER[k] for k in ("momentum", "weight_decay", "eps")} | {"betas": 
 BASELINE = dict(muon_lr=HYPER["muon_lr"], adam_lr=HYPER["adam_lr"], **SHARED)
 """``ds_config``'s Muon block: the tests' hyper-parameters."""
 
-# key -> (the params with it changed, the reference's settings (muon, adam, adam_w_mode), the halves it reaches,
-# the floor: ``ns_method: standard`` computes in bf16 on the CPU, ``NS_STANDARD_FLOOR``). The user guide's key
-# table cites these cases.
+# key -> (params, the reference's (muon, adam, adam_w_mode), the halves it reaches, floor); the user guide cites these.
 CASES = {
     "lr": (SHARED | dict(lr=0.005), (dict(lr=0.005), dict(lr=0.005), True), ("muon", "adam"), FLOOR),
     "muon_lr": (BASELINE | dict(muon_lr=0.05), (dict(lr=0.05), None, True), ("muon", ), FLOOR),
@@ -152,18 +141,16 @@ class TestEachKeyReachesItsHalf(DistributedTest):
         print(f"MEASURED {key}: {diff:.2e} from its reference, "
               f"{relative_difference(baseline[-1], ours[-1]):.2e} from the baseline")
         assert diff <= floor, key
-        # the key changes the update: the baseline is far from the run, at least 4x its floor
+        # the key changes the update: the baseline is at least 4x the floor from the run
         assert relative_difference(baseline[-1], ours[-1]) > 4 * floor, key
-        # after the first step, each half the key does not reach is the baseline's exactly
-        # (the reference's: the first step sees the same gradients whatever the key)
+        # after step 1 a half the key does not reach is the baseline's (exactly in the reference: same gradients)
         for half, ref_half, base_half in zip(("muon", "adam"), _halves(expected[0]), _halves(baseline[0])):
             if half not in reaches:
                 assert relative_difference(base_half, ref_half) == 0.0, (key, half)
                 assert relative_difference(base_half, _halves(ours[0])[("muon", "adam").index(half)]) <= FLOOR
 
     def test_adam_implementation_keys_keep_the_update(self):
-        """``torch_adam`` (torch's AdamW for the auxiliary Adam, with or without ``foreach``) and
-        ``fp32_optimizer_states`` pick an implementation, not the math: the baseline's weights."""
+        """``torch_adam`` (with or without ``foreach``), ``fp32_optimizer_states``: an implementation, not the math."""
         baseline = reference()[-1]
         for extra in ({"torch_adam": True}, {"torch_adam": True, "foreach": False}, {"fp32_optimizer_states": True}):
             diff = relative_difference(baseline, train(BASELINE | extra)[-1])
@@ -219,8 +206,7 @@ class TestEachKeyReachesItsHalf(DistributedTest):
 
 
 def test_check_muon_keys_accepts_every_key_it_lists():
-    """Every key ``config_keys`` / ``group_keys`` lists is accepted with a value its field accepts (its default, or
-    one set here where the default is unset)."""
+    """Every key ``config_keys`` / ``group_keys`` lists is accepted with a valid value (default, or one set here)."""
     from deepspeed.runtime.zero.muon import config
     valid = {"ns_method": "gram", "pipeline_depth": 2, "batch_ns": None, "variant": "muon", "lr": 0.01}
     fields = config.MuonConfig.model_fields | config.MuonGroupConfig.model_fields
@@ -265,8 +251,8 @@ def test_check_muon_keys_refusals():
 
 
 def test_check_muon_keys_suggests_the_key_meant():
-    """A misspelled key or value gets the closest accepted one, lower-cased first; a key far from
-    every accepted one, or with a reason of its own, gets none."""
+    """A misspelled key or value gets the closest accepted one, lower-cased first; a key far from every accepted one,
+    or with a reason of its own, gets none."""
     from deepspeed.runtime.zero.muon import config
     for key, meant in (("muon_momentum", "momentum"), ("weight_decy", "weight_decay"), ("Momentum", "momentum"),
                        ("adamlr", "adam_lr"), ("ns_methods", "ns_method")):
@@ -290,9 +276,8 @@ def test_check_muon_keys_suggests_the_key_meant():
 
 
 def test_check_muon_keys_ns_method_values():
-    """Every Newton-Schulz method of upstream's Muon is accepted, in the config and in a group
-    ("polar_express" where patch 0017 adds it); anything else is refused naming the key, the value
-    and the accepted methods, after the unknown keys."""
+    """Every Newton-Schulz method of upstream's Muon is accepted in the config and in a group; anything else is
+    refused naming the key, the value and the accepted methods, after the unknown keys."""
     from deepspeed.runtime.zero.muon import config, original_muon
     assert config.ns_methods() == set(original_muon.NS_METHODS) >= {"gram", "standard"}
     for method in config.ns_methods():
@@ -345,9 +330,8 @@ def test_learning_rate_precedence():
 
 
 class TestUpdateSettingsReachTheUpdate(DistributedTest):
-    """``pipeline_depth`` and ``batch_ns`` set like any Muon key reach each pipeline of the update the
-    engine builds, at ZeRO-2 and ZeRO-3 (``binding.MuonUpdate``). The depth is an upper bound: the
-    plan lowers it where the exchange buffers would not fit the momentum's memory (``owner_plan``)."""
+    """``pipeline_depth`` and ``batch_ns`` reach each pipeline of the update the engine builds (ZeRO-2/3). The depth is
+    an upper bound: ``owner_plan`` lowers it where the exchange buffers would not fit the momentum's memory."""
     world_size = 2
     reuse_dist_env = True
 
@@ -409,14 +393,12 @@ BAD_VALUES = {
     "split_fused_muon": ("yes", 0),
     "variant": (5, None),
 }
-"""Per key of ``MuonConfig``: values its field refuses (a string where a number or a bool belongs, out of range);
-the update's settings are in the tests below."""
+"""Per ``MuonConfig`` key: values its field refuses (wrong type, out of range); the update's settings: below."""
 
 
 def _check_values(key, bad, good=(), described=""):
-    """Each ``bad`` value is refused naming the block and the key, repeating the value and saying what the key
-    accepts (the field's description, which starts ``described``), in a parameter group too where the key is a
-    group key; each ``good`` value is accepted in both."""
+    """Each ``bad`` value is refused naming the block and key, repeating the value and giving the field's description
+    (which starts ``described``), in a parameter group too for a group key; each ``good`` value is accepted in both."""
     from deepspeed.runtime.zero.muon import config
     description = config.MuonConfig.model_fields[key].description
     assert description.startswith(described), description
@@ -513,9 +495,9 @@ def _module_imports(module) -> set:
 
 
 def test_config_imports_only_modules_below_it():
-    """``config`` imports, of Muon's modules, only ``momentum``, ``owner_plan``, ``owner_state`` (the variant
-    registry) and ``support``, none of which imports ``config``, directly or through another: the binding, the
-    stages and the features may import it without a cycle. ``support`` imports none at import time."""
+    """Of Muon's modules ``config`` imports only ``momentum``, ``owner_plan``, ``owner_state`` and ``support``, none
+    of which reaches ``config`` (the binding, stages and features import it without a cycle); ``support`` none."""
+
     import importlib
     from deepspeed.runtime.zero.muon import config, support
     package = "deepspeed.runtime.zero.muon"

@@ -2,14 +2,11 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Configurations ZeRO-3 with Muon cannot serve fail at ``deepspeed.initialize``, naming the key
-(``deepspeed.runtime.zero.muon.support.refuse_unsupported_zero3``).
+"""Configurations ZeRO-3 with Muon cannot serve fail at ``deepspeed.initialize``, naming the key.
 
-Each of these would otherwise train wrongly or fail later: ZenFlow's selective step skips the Muon boundary update;
-torch autocast's fp16 GradScaler unscales gradients after Muon has fed them to the momentum; quantized gradients fail
-at the first backward on an accelerator without the quantizer op (the CPU here); NVMe offload fails deep in its setup
-with an opaque message when the async I/O op cannot be built. MiCS (``mics_shard_size``) is gone from both bases:
-upstream refuses the key itself, which is checked here too.
+Each would otherwise train wrongly or fail later: ZenFlow's selective step skips the boundary update; autocast's fp16
+GradScaler unscales after Muon fed the momentum; quantized gradients fail at the first backward without the quantizer
+op (CPU); NVMe offload fails opaquely without async I/O. ``mics_shard_size`` is refused by upstream itself.
 """
 
 import os
@@ -42,10 +39,8 @@ class TestZero3MuonErrors(DistributedTest):
         """The error names the offending key, and no other case's key."""
         from deepspeed.runtime import torch_autocast
         run, key = CASES[name]
-        # An engine with torch_autocast turns it on for the whole process (module globals): restored, these processes
-        # run later tests. ZeRO-3 reduces gradients with the quantized all-to-all only across nodes (W / devices per
-        # node > 1): the ranks pose as W nodes of one CPU device each (LOCAL_SIZE, which the CPU accelerator's
-        # device_count() reads). patch.multiple sets the two globals to their own values and puts them back on exit.
+        # torch_autocast sets process-wide module globals: patch.multiple restores them for later tests. The quantized
+        # all-to-all runs only across nodes, so the ranks pose as W one-device nodes (LOCAL_SIZE: device_count()).
         saved = {k: getattr(torch_autocast, k) for k in ("TORCH_AUTOCAST_INITIALIZED", "TORCH_AUTOCAST_DTYPE")}
         env = {"LOCAL_SIZE": "1"} if name == "quantized_gradients" else {}
         with mock.patch.multiple(torch_autocast, **saved), mock.patch.dict(os.environ, env):

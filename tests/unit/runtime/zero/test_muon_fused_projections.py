@@ -4,12 +4,10 @@
 # DeepSpeed Team
 """Fused projections orthogonalized part by part (``muon_split``, ``split_fused_muon``).
 
-The Hugging Face layouts recognized (transformers 5 MoE ``gate_up_proj``, GPT-2 ``c_attn``, Phi-3 ``qkv_proj`` with
-grouped-query attention and ``gate_up_proj``) are tagged with their parts; ``orthogonalize_parts`` is upstream's
-Newton-Schulz on each part; GPT-2 and a Qwen3-MoE model trained at ZeRO-1, 2 and 3 equal the single-process
-reference that runs upstream's ``muon_update`` on each part as a separate layer (``FLOOR``), and are far from the
-fused update (MEASURED lines), which ``"split_fused_muon": false`` gives at the floor; a bad ``muon_split`` and a bad
-key value are refused by name.
+Recognized Hugging Face layouts (transformers 5 MoE ``gate_up_proj``, GPT-2 ``c_attn``, Phi-3 ``qkv_proj`` with GQA
+and ``gate_up_proj``) are tagged with their parts; ``orthogonalize_parts`` is upstream's NS per part; GPT-2 and
+Qwen3-MoE at ZeRO-1, 2, 3 equal a reference running ``muon_update`` per part as separate layers (``FLOOR``), far from
+the fused update (MEASURED), which ``"split_fused_muon": false`` gives; a bad ``muon_split`` or key value is refused.
 """
 
 import pytest
@@ -125,8 +123,7 @@ def _reference(name, splits=None):
 
 @pytest.mark.parametrize("split", [True, False])
 def test_report_names_what_is_split_and_what_kept(split):
-    """The initialization warning lists the fused projections split, or those kept whole with
-    ``split_fused_muon`` false, and nothing empty."""
+    """The init warning lists the fused projections split (or kept whole when ``split_fused_muon`` is false)."""
     model = MODELS["gpt2"]()
     select_muon_parameters(model)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -2,16 +2,13 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Muon's two learning rates under DeepSpeed's schedulers, and the progress log that names them
-(``deepspeed.runtime.zero.muon.lr_groups``).
+"""Muon's two learning rates under DeepSpeed's schedulers, and the progress log naming them (``muon.lr_groups``).
 
-Per scheduler (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest) and ZeRO stage (1, 2, 3), on 2 gloo
-ranks, fp32, MixedMLP (3 Muon matrices, 4 Adam tensors), 5 optimizer steps of 16 samples, ``muon_lr`` 0.02 and
-``adam_lr`` 0.003: the rate each group trains with at every step is the one the schedule's formula gives from that
-group's own configured rate (written out below, not taken from the scheduler), and the weights equal a single-process
-reference at those rates (upstream ``muon_update`` for the matrices, ``torch.optim.AdamW`` for the rest) to the fp32
-floor. A scalar rate that would overwrite both rates is refused at ``deepspeed.initialize`` at every stage; the
-resolution rules are checked on a bare optimizer.
+Per scheduler (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest) and ZeRO stage 1-3, 2 gloo ranks, fp32
+MixedMLP, 5 steps, ``muon_lr`` 0.02, ``adam_lr`` 0.003: each group's rate at every step is the schedule's formula
+(written out below) applied to its own configured rate, and the weights match a single-process reference (upstream
+``muon_update``, ``torch.optim.AdamW``) to the fp32 floor. A scalar rate that would overwrite both is refused at
+``deepspeed.initialize``; the resolution rules are checked on a bare optimizer.
 """
 
 import math
@@ -41,7 +38,7 @@ def _cosine(i):  # WarmupCosineLR's ratio at iteration i: warmup from 0.1 over 2
 
 WARMUP_2_OF_4 = dict(total_num_steps=4, warmup_num_steps=2, warmup_type="linear")
 SCHEDULES = {
-    # warmup_min_lr 0 given as a scalar (0 overwrites no rate), warmup_max_lr unset: each group's own
+    # scalar warmup_min_lr 0 overwrites no rate; warmup_max_lr unset: each group's own
     "WarmupLR": dict(warmup_min_lr=0, warmup_num_steps=3, warmup_type="linear"),
     # warmup_max_lr unset: upstream's default would be 0.001 for both groups
     "WarmupDecayLR": WARMUP_2_OF_4,
@@ -52,8 +49,8 @@ SCHEDULES = {
     # lr_range_test_min_lr unset: upstream's default would be 0.001 for both groups
     "LRRangeTest": dict(lr_range_test_step_size=2, lr_range_test_step_rate=1.0),
 }
-# name -> rate(configured rate of a group, its index, optimizer step k). The rate at step k is the schedule at
-# iteration k - 1: the scheduler sets iteration -1's rate when it is built and steps after every optimizer step.
+# name -> rate(group's configured rate, group index, optimizer step k): the schedule at iteration k - 1 (the scheduler
+# sets iteration -1's rate when built and steps after every optimizer step).
 RATES = {
     "WarmupLR": lambda c, g, k: 0.0 if k == 0 else c * _warmup(k - 1, 3),
     "WarmupDecayLR": lambda c, g, k: 0.0 if k == 0 else c * (_warmup(k - 1, 2) if k < 3 else max(0.0, (5 - k) / 2)),
@@ -70,7 +67,7 @@ def expected_rates(name):
 
 
 def reference(rates):
-    """The single-process reference's weights after training at the given per-step ``[muon_lr, adam_lr]``."""
+    """Single-process reference weights after training at per-step ``[muon_lr, adam_lr]``."""
     return config_keys_reference(len(rates), rates=rates)[-1]
 
 
@@ -98,8 +95,7 @@ def init_error(config):
 
 
 def test_expected_rates_keep_both_groups_apart():
-    """The expectations themselves: at every step after the first, each schedule gives the two
-    groups rates in the ratio of their configured rates (OneCycle: of its list), never one value."""
+    """After the first step each schedule keeps the groups' configured ratio (OneCycle: its list's), never one rate."""
     for name in SCHEDULES:
         rates = expected_rates(name)
         assert any(m > 0 for m, _ in rates), name
@@ -129,8 +125,8 @@ class TestSchedulerRatesPerGroup(DistributedTest):
 
     @pytest.mark.parametrize("stage", [1, 2, 3])
     def test_scalar_rate_refused(self, stage):
-        """WarmupDecayLR with ``warmup_max_lr: 0.001`` (the issue's case: Muon at 1/20 of its rate, Adam
-        at 3.3x) is refused, naming the key, both groups with their rates and the list to write."""
+        """WarmupDecayLR ``warmup_max_lr: 0.001`` (Muon at 1/20 of its rate, Adam at 3.3x) is refused, naming the
+        key, both groups' rates and the list to write."""
         params = dict(total_num_steps=4, warmup_max_lr=0.001)
         error = init_error(scheduled_config(stage, dist.get_world_size(), "WarmupDecayLR", params))
         assert error is not None and error.startswith("ValueError: scheduler.params.warmup_max_lr: one value, 0.001,")
@@ -155,8 +151,7 @@ class TestProgressLog(DistributedTest):
     world_size = 1
 
     def test_log_names_each_rate(self):
-        """At initialize and every steps_per_print steps, the logged rates carry their group names;
-        ``engine.get_lr()`` stays a list, in the groups' order."""
+        """Logged rates carry their group names; ``engine.get_lr()`` stays a list in the groups' order."""
         from deepspeed.runtime import engine as engine_module
         lines = []
         original = engine_module.log_dist
@@ -245,8 +240,7 @@ def test_list_of_wrong_length_refused():
 
 
 def test_rates_and_momenta_by_group_labels():
-    """The progress log's ``lr=`` and ``mom=`` (a Muon group's beta, an Adam group's betas) by group name; a
-    repeated name is numbered; not Muon, the list as it was."""
+    """Progress log ``lr=``/``mom=`` (Muon beta, Adam betas) by group name, repeats numbered; not Muon: the list."""
     from deepspeed.runtime.zero.muon.lr_groups import momenta_by_group, rates_by_group
     assert rates_by_group(_muon_like(names=("x", "x")), [1, 2]) == {"x#0": 1, "x#1": 2}
     assert rates_by_group(_plain(), [0.1]) == [0.1]

@@ -2,16 +2,14 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The distributed Muon core's two halves, single process: the momentum step on partitions and
-Newton-Schulz on the owner.
+"""The distributed Muon core's halves, single process: the momentum step on partitions and Newton-Schulz on the owner.
 
-- ``momentum.momentum_step`` on each rank's partition of a matrix (into a send buffer, the
-  gradient untouched), the NS input reassembled as the owner does and ``muon_orthogonalize`` on it,
-  give bit for bit what upstream ``muon_update`` gives on the whole matrix, for W up to 4; in place
-  it leaves what upstream's in-place step leaves;
-- upstream's ``muon_ns_problem`` (patch 0004) is the problem its kernel sees;
-- ``newton_schulz.orthogonalize_each`` batches same-shape problems (as accurate as one by one) where it
-  pays, and ``newton_schulz_problem`` refuses what Muon cannot orthogonalize, naming the key;
+- ``momentum.momentum_step`` on each rank's partition of a matrix (into a send buffer, the gradient untouched), the NS
+  input reassembled as the owner does and ``muon_orthogonalize`` on it, give bit for bit what upstream ``muon_update``
+  gives on the whole matrix, for W up to 4; in place it leaves what upstream's in-place step leaves;
+- upstream's ``muon_ns_problem`` is the problem its kernel sees;
+- ``newton_schulz.orthogonalize_each`` batches same-shape problems (as accurate as one by one) where it pays, and
+  ``newton_schulz_problem`` refuses what Muon cannot orthogonalize, naming the key.
 """
 
 import math
@@ -31,8 +29,7 @@ HAS_PER_HEAD = hasattr(original_muon, "_per_head_orthogonalize")
 
 
 def orthogonalize_all(matrices, specs, ns_steps, ns_method, dtype, batch=None, max_call_numel=None):
-    """``newton_schulz.orthogonalize_each`` over matrices in hand: their updates as a list, in order
-    (``test_muon_polar_express`` uses it too)."""
+    """``orthogonalize_each`` over matrices in hand: their updates in order (``test_muon_polar_express`` too)."""
     updates = [None] * len(matrices)
     device = matrices[0].device if matrices else "cpu"
     for members, results in orthogonalize_each(matrices.__getitem__, specs, ns_steps, ns_method, dtype, device, batch,
@@ -103,8 +100,8 @@ def test_partitioned_equals_muon_update(shape, kwargs, world_size):
 
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_momentum_step_in_place_equals_upstream(nesterov):
-    """``out=grad`` (the ZeRO-1/2 whole-matrix path) leaves in the gradient what upstream's
-    in-place ``muon_momentum_step_`` leaves there, and the same momentum, bit for bit."""
+    """``out=grad`` (the ZeRO-1/2 whole-matrix path) leaves in the gradient what upstream's in-place
+    ``muon_momentum_step_`` leaves there, and the same momentum, bit for bit."""
     grad, momentum = _inputs((17, 33), seed=5)
     settings = StepSettings(momentum=0.95, nesterov=nesterov, ns_method="gram", ns_steps=5)
     g, m = grad.clone(), momentum.clone()
@@ -115,8 +112,8 @@ def test_momentum_step_in_place_equals_upstream(nesterov):
     assert torch.equal(g, x), "the NS input: the blend (Nesterov) or the momentum"
 
 
-# An owner's matrices in one bucket: same-shape groups (2-D both ways round, conv filters, an expert
-# group whose problems match the 2-D ones) and matrices alone in their group.
+# An owner's matrices in one bucket: same-shape groups (2-D both ways round, conv filters, an expert group whose
+# problems match the 2-D ones) and matrices alone in their group.
 OWNED = [((40, 24), {}), ((40, 24), {}), ((24, 40), {}), ((40, 24), {}), ((2, 40, 24), dict(is_expert_group=True)),
          ((8, 3, 3, 3), {}), ((8, 3, 3, 3), {}), ((16, 4, 1, 1), {}), ((16, 4, 1, 1), {}), ((16, 4), {}),
          ((24, 40), {}), ((96, 96), {}), ((96, 96), {}), ((17, 5), {})]
@@ -125,8 +122,7 @@ if HAS_PER_HEAD:
 
 
 def matrix_specs(owned, ns_method="gram"):
-    """The owner's ``MatrixSpec`` of each ``(shape, muon_orthogonalize keywords)`` (``test_muon_polar_express``
-    too)."""
+    """The owner's ``MatrixSpec`` of each ``(shape, muon_orthogonalize keywords)`` (``test_muon_polar_express``)."""
     problems = [(shape, kw.get("is_expert_group", False), kw.get("num_heads")) for shape, kw in owned]
     return [MatrixSpec(s, ns_method, e, h, newton_schulz_problem(s, e, h)) for s, e, h in problems]
 
@@ -141,14 +137,12 @@ def _fp64_orthogonalize(matrix, ns_method, kw, monkeypatch):
 @pytest.mark.parametrize("ns_method", ["gram", "standard", "polar_express"])
 def test_batched_orthogonalize_equals_one_by_one(ns_method, monkeypatch):
     """The owner's batched Newton-Schulz: a matrix alone in its group is bit-identical to upstream's
-    ``muon_orthogonalize``; a batched one is as close to the fp64 result as the one-by-one call
-    (measured: bit-identical for some shapes, 1.5e-6 relative in fp32 where the matmul blocking
-    changes, a bf16 rounding apart with "standard" and "polar_express", both sides equally far from
-    fp64). A 4-D conv filter is never batched, not even with a 2-D matrix of its problem's shape:
-    upstream scales it by its kernel's (kh, kw) (a (16, 4, 1, 1) filter by 1, where its 16x4
-    problem would take 2)."""
+    ``muon_orthogonalize``; a batched one is as close to fp64 as the one-by-one call (measured: bit-identical for some
+    shapes, 1.5e-6 relative in fp32 where the matmul blocking changes, a bf16 rounding apart with "standard" and
+    "polar_express", both equally far from fp64). A 4-D conv filter is never batched, not even with a 2-D matrix of its
+    problem's shape: upstream scales it by its kernel's (kh, kw) (a (16, 4, 1, 1) filter by 1; 16x4 would take 2)."""
     if ns_method not in original_muon.NS_METHODS:
-        pytest.skip(f"this DeepSpeed's Muon has no {ns_method} (patch 0017)")
+        pytest.skip(f"this DeepSpeed's Muon has no {ns_method}")
     gen = torch.Generator().manual_seed(5)
     matrices = [torch.randn(shape, generator=gen) for shape, _ in OWNED]
     specs = matrix_specs(OWNED)
@@ -208,9 +202,8 @@ def test_non_matrix_is_refused():
 
 
 def test_batched_calls_stay_within_the_working_set_bound():
-    """``max_call_numel`` splits a same-shape group into calls whose working sets
-    (``MatrixSpec.ns_workspace_numel``) fit it, one matrix at least; the results do not change
-    (one-by-one calls of a 2-D matrix are upstream's call)."""
+    """``max_call_numel`` splits a same-shape group into calls whose working sets (``MatrixSpec.ns_workspace_numel``)
+    fit it, one matrix at least; the results do not change (one-by-one calls of a 2-D matrix are upstream's call)."""
     matrices = [torch.randn(16, 24) for _ in range(5)]
     specs = matrix_specs([((16, 24), {})] * 5)
     one = specs[0].ns_workspace_numel
@@ -226,19 +219,17 @@ def test_batched_calls_stay_within_the_working_set_bound():
 
 @pytest.mark.parametrize("fp32", [False, True], ids=["as-run", "fp32"])
 def test_working_set_estimate_covers_upstreams_kernels(fp32, monkeypatch):
-    """``MatrixSpec.ns_workspace_numel`` against the CPU allocator's peak above the input of the
-    eager kernels: in the dtypes they run in here (``as-run``: ``ns_compute_dtype``, "standard" and
-    "polar_express" in bf16 and "gram" in fp16 where DeepSpeed's CPU accelerator reports them
-    supported) an upper bound, and in fp32 (what they run in on an accelerator without them, the
-    largest) exactly ("gram": ``2 m n + 4 m^2``; "standard" and
-    "polar_express": ``4 m n + 2 m^2``, which ``2 m n + 4 m^2`` fell short of for rectangular
-    matrices: 1.4e5 elements measured against 1.0e5 at 300x100). Shapes large enough that the
-    matrices, not the allocator's small blocks, make the peak."""
+    """``MatrixSpec.ns_workspace_numel`` against the CPU allocator's peak above the eager kernels' input: an upper
+    bound in the dtypes they run in here (``as-run``: ``ns_compute_dtype``; "standard" and "polar_express" in bf16,
+    "gram" in fp16 where DeepSpeed's CPU accelerator reports them supported), exact in fp32 (on an accelerator without
+    them; the largest): "gram" ``2 m n + 4 m^2``, "standard" and "polar_express" ``4 m n + 2 m^2`` (``2 m n + 4 m^2``
+    fell short of it for rectangular matrices: 1.4e5 elements measured vs 1.0e5 at 300x100). Shapes large enough that
+    the matrices, not the allocator's small blocks, make the peak."""
     from torch.profiler import ProfilerActivity, profile
     if fp32:
         monkeypatch.setattr(original_muon, "ns_compute_dtype", lambda *_: torch.float32)
-    # one thread: with more, the CPU matmul allocates scratch per thread (measured: +17,584 elements
-    # at 300x100 "gram" in fp32 on 2 threads), which an accelerator's kernels do not
+    # one thread: with more, the CPU matmul allocates scratch per thread (measured: +17,584 elements at 300x100 "gram"
+    # in fp32 on 2 threads), which an accelerator's kernels do not
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

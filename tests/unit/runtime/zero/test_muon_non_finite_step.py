@@ -4,18 +4,13 @@
 # DeepSpeed Team
 """A step whose gradients are not finite never moves Muon's momentum, at ZeRO-3 and at ZeRO-1/2.
 
-ZeRO-3: the distributed core carries no per-matrix finite flag; the stage skips such a step before
-the sub-group loop (0.19.8 counts an invalid norm as an overflow; the patch gives 0.19.7's ZeRO-3
-the same rule for Muon), so the update is never reached: the weights stay and the step counts as
-skipped. ZeRO-1/2: the Muon binding does not rely on the stage's overflow check: it agrees one flag
-per group and holds the update back where a gradient is not finite (the momentum stays; the Muon
-matrices take no step but their weight decay, never the raw gradient): each rank's pieces of the
-Muon matrices keep their values where the stage skipped the step (0.19.8 does in every case here)
-or take their weight-decayed values where it stepped.
+ZeRO-3: the stage skips the step before the sub-group loop (an invalid norm counts as an overflow, on 0.19.7 too for
+Muon): the weights stay and the step counts as skipped. ZeRO-1/2: the Muon binding agrees one finite flag per group
+and holds the update back (momentum stays, matrices take only weight decay, never the raw gradient), so pieces keep
+their values where the stage skipped (0.19.8 always here) or take weight-decayed values where it stepped.
 
-Here, on W gloo ranks, fp32, with and without clipping and offload: one good step, then a step
-whose inputs hold a nan; the momentum after it must equal the momentum before it exactly, the
-weights as above; the next step trains on.
+W gloo ranks, fp32, with and without clipping and offload: a good step, then one with a nan input; the momentum must
+stay exactly, the weights as above; the next step trains on.
 """
 import pytest
 import torch

@@ -2,16 +2,13 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""NorMuon (``normuon``) on the owner-state extension point of the distributed core, W ranks
-simulated by threads (``muon_testing.threaded_exchange``), against the paper's algorithm.
+"""NorMuon (``normuon``) on the core's owner-state extension point, W threads, against the paper's algorithm.
 
-- NorMuon through the pipeline, ZeRO-3 and ZeRO-1/2 layouts, W = 1 to 4, several bucket sizes:
-  every rank's pieces are its pieces of whole-matrix NorMuon (written here from arXiv:2510.05491,
-  Algorithm 1, with the authors' norm-preserving rescale, on upstream ``muon_update``), to
-  ``RULE_FLOOR``.
-- The state lives on the owner only: each matrix's rows on exactly one rank, none for plain Muon,
-  and the plan's budget counts its rows (``test_muon_owner_state``'s checks).
-- Its settings from a parameter group (``variant_of``), and refusals naming the key.
+- Pipeline, ZeRO-3 and ZeRO-1/2 layouts, W = 1 to 4, several bucket sizes: each rank's pieces are those of
+  whole-matrix NorMuon (arXiv:2510.05491, Algorithm 1, with the authors' norm-preserving rescale, on upstream
+  ``muon_update``) to ``RULE_FLOOR``.
+- The state lives on the owner only (none for plain Muon), and the plan's budget counts its rows.
+- Settings from a parameter group (``variant_of``), and refusals naming the key.
 """
 
 import pytest
@@ -26,10 +23,9 @@ from unit.runtime.zero.test_muon_owner_state import (SETTINGS, check_budget_coun
 
 VARIANT = NorMuon(beta2=0.9, eps=1e-8)
 RULE_FLOOR = 5e-7
-"""Relative difference allowed between the pipeline's NorMuon and the test's formula on the same
-Newton-Schulz results (bit-identical to upstream's, ``test_muon_pipeline``): both fp32, they differ
-in how the row means and norms are summed (``vector_norm`` vs ``mean`` of squares): measured at
-most 9.5e-8 over 3 steps (printed, MEASURED), so 5x that."""
+"""Allowed relative difference between the pipeline's NorMuon and the formula on the same NS results: both fp32, they
+sum row means and norms differently (``vector_norm`` vs ``mean`` of squares): measured <= 9.5e-8 over 3 steps; the
+bound is 5x that."""
 
 
 def _reference(specs, grads, variant):

@@ -2,12 +2,10 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The owner plan: every matrix owned exactly once, deterministic, buckets bounded, cost balanced (the heap LPT equals
-a scan over the bins); where even every matrix alone exceeds the momentum budget, buckets chosen against that floor;
-under ``max_step_memory`` (``plan_within_cap``) every owner computes at once within the cap, at the deepest pipeline it
-allows, and a cap below the least need is refused with it; ``Uniform`` pieces give the needs of the lists they stand
-for; ``plan_figures`` (``test_muon_owner_plan_configs``: the cost model, the buffer budget, sub-groups, ZeRO-1/2
-holders)."""
+"""The owner plan: every matrix owned exactly once, deterministic, buckets bounded, cost balanced (heap LPT equals a
+scan over the bins); buckets chosen against the floor where every matrix alone exceeds the momentum budget; under
+``max_step_memory`` every owner computes at once within the cap at the deepest pipeline it allows, a cap below the
+least need refused; ``Uniform`` pieces give the needs of the lists they stand for."""
 
 import math
 import random
@@ -36,13 +34,11 @@ def llama_like(layers=4, hidden=256, kv=64, ffn=688):
 
 
 def llama3(layers, hidden, kv, mlp):
-    """Llama-3's Muon matrices (``llama_like``) in the optimizer's order: upstream ``MuonWithAuxAdam`` sorts a group's
-    parameters by ``size()``, descending."""
+    """Llama-3's Muon matrices, sorted by ``size()`` descending as upstream ``MuonWithAuxAdam`` orders a group."""
     return sorted(llama_like(layers, hidden, kv, mlp), reverse=True)
 
 
-# Llama-3's Muon matrices at ZeRO-3 in the optimizer's order; 8B: per layer gate and up 14336x4096, down 4096x14336, q
-# and o 4096x4096, k and v 1024x4096; 32 layers.
+# 8B, 32 layers: per layer gate, up 14336x4096, down 4096x14336, q, o 4096x4096, k, v 1024x4096.
 LLAMA3_8B = llama3(32, 4096, 1024, 14336)
 LLAMA3_70B = llama3(80, 8192, 1024, 28672)
 
@@ -115,17 +111,15 @@ def test_bad_inputs_are_refused_with_the_key():
 
 
 def _zero3(shapes, world_size, uniform=False):
-    """Specs and ZeRO-3 pieces (``ceil(numel / W)`` on every rank, as ``Uniform`` or tuples) of ``shapes``, in the
-    given order."""
+    """Specs and ZeRO-3 pieces (``ceil(numel / W)`` per rank, as ``Uniform`` or tuples) of ``shapes``, in order."""
     specs = [_spec(s) for s in shapes]
     make = (lambda n: Uniform(n, world_size)) if uniform else (lambda n: (n, ) * world_size)
     return specs, [make(math.ceil(s.numel / world_size)) for s in specs]
 
 
 def _floor_checks(specs, pieces, world_size, result_itemsize):
-    """``plan_for_depth`` at depth 2 where every matrix alone exceeds the budget: depth 1, and no rank needs more than
-    ``max(budget, alone)`` (the every-matrix-alone plan's need on it), so the peak is the floor's: the largest matrix's
-    piece, whole matrix, NS working set and held narrow result. Returns the plan."""
+    """``plan_for_depth`` at depth 2 where every matrix alone exceeds the budget: depth 1, no rank above
+    ``max(budget, alone)``: the floor's peak (largest matrix's piece, whole, NS working set, narrow result)."""
     plan, depth = plan_for_depth(specs, pieces, world_size, 10**9, 2, result_itemsize=result_itemsize)
     alone_plan = plan_owners(specs, world_size, 1, ns_itemsize=result_itemsize)
     alone, budget = rank_numels(alone_plan, pieces, 1, result_itemsize)
@@ -141,12 +135,9 @@ def _floor_checks(specs, pieces, world_size, result_itemsize):
 
 @pytest.mark.parametrize("result_itemsize", [4, 2])
 def test_over_budget_buckets_are_chosen_against_the_floor(result_itemsize):
-    """One 64x64 matrix and twelve 8x64 at W=8: a rank holds 1280 elements, but the 64x64's owner needs its piece, the
-    whole matrix and ``6 * 64^2`` of working set even alone, and every other rank its outgoing 512 (the 64x64's piece),
-    an 8x64 and its working set. Instead of every matrix alone (thirteen buckets, one owner busy at a time), the small
-    ones share buckets of 8 and 4 (up to 4096 elements, the large matrix's), one owner each: no rank needs more than
-    that fallback. The large one stays alone (with another matrix every rank's outgoing buffer, the floor's owner's
-    included, would grow)."""
+    """One 64x64 and twelve 8x64 at W=8 (1280 elements a rank): the 64x64's owner exceeds the budget even alone. Rather
+    than thirteen single buckets, the small ones share buckets of 8 and 4 (up to the large one's 4096 elements) within
+    that floor; the large one stays alone (a companion would grow every rank's outgoing buffer)."""
     specs, pieces = _zero3([(64, 64)] + [(8, 64)] * 12, 8)
     plan = _floor_checks(specs, pieces, 8, result_itemsize)
     assert plan.buckets == ((0, ), tuple(range(1, 9)), tuple(range(9, 13)))
@@ -155,12 +146,9 @@ def test_over_budget_buckets_are_chosen_against_the_floor(result_itemsize):
 
 @pytest.mark.parametrize("result_itemsize", [4, 2])
 def test_llama3_8b_at_w32_keeps_buckets_of_several_matrices_within_the_floor(result_itemsize):
-    """At W=32 a rank holds 218.1M elements; the 14336x4096's owner needs 1.8M + 58.7M + 184.5M
-    (+ 29.4M of fp16 result) even alone, so no bucket size fits the budget. The plan used to be
-    every matrix alone (224 buckets, depth 1); against the floor the 96 matrices of 58.7M stay
-    alone but the 4096x4096 share buckets of three and the 1024x4096 of fourteen (122 buckets), at
-    the floor's peak. With NS in fp16 (a GPU's "gram") the working set is half as large (92.3M), and
-    every matrix alone fits the budget. At W=16 (436M a rank) depth 2 fits the budget, as before."""
+    """W=32 (218.1M a rank): the 14336x4096's owner needs 1.8M + 58.7M + 184.5M (+ 29.4M fp16 result) even alone.
+    Against that floor the 96 of 58.7M stay alone, 4096x4096 share buckets of three, 1024x4096 of fourteen (122
+    buckets). With fp16 NS ("gram") the working set halves and every matrix alone fits; W=16 fits at depth 2."""
     specs, pieces = _zero3(LLAMA3_8B, 32)
     if result_itemsize == 4:
         plan = _floor_checks(specs, pieces, 32, result_itemsize)
@@ -178,7 +166,7 @@ def test_llama3_8b_at_w32_keeps_buckets_of_several_matrices_within_the_floor(res
 
 
 def _scan_lpt_plan(specs, world_size, buckets, initial_load=None):
-    """The LPT of ``plan_owners`` by scans over the W bins and ranks (the least ``(load, index)`` each time)."""
+    """``plan_owners``' LPT by scanning the W bins for the least ``(load, index)`` each time."""
     costs = [newton_schulz_cost(s) for s in specs]
     owners, total = [0] * len(specs), list(initial_load or [0.0] * world_size)
     for bucket in buckets:
@@ -237,8 +225,7 @@ def test_uniform_pieces_give_the_needs_of_their_lists(world_size):
                                                (LLAMA3_70B, 256), (LLAMA3_70B, 4096)],
                          ids=["8b-w8", "8b-w32", "8b-w1024", "70b-w32", "70b-w256", "70b-w4096"])
 def test_default_cap_every_owner_computes_at_once(shapes, world_size):
-    """Under the default cap (NS in fp16, a GPU's "gram"): every rank within it, NS parallel efficiency at least 0.75
-    (the strict rule's plan serializes there: one matrix per bucket or close to it), pipeline depth 2."""
+    """Default cap, fp16 NS: every rank within it, NS parallel efficiency >= 0.75 (strict rule: serial), depth 2."""
     specs, pieces = _zero3(shapes, world_size, uniform=True)
     plan, depth = plan_within_cap(specs, pieces, world_size, DEFAULT_MAX_STEP_MEMORY // 4, 2, result_itemsize=2)
     need, _ = rank_numels(plan, pieces, slots_for_depth(depth), 2)
@@ -263,8 +250,7 @@ def test_a_cap_below_the_floor_is_refused_with_the_least_need():
 
 
 def test_matrices_that_stay_home_take_no_buffer():
-    """A matrix one holder orthogonalizes in place (``travels`` False) adds no exchange buffer, only its working set:
-    at W = 1 the plan needs the largest working set alone."""
+    """A matrix orthogonalized in place (``travels`` False) adds only its working set: at W = 1 the largest one."""
     specs = [MatrixSpec(s, travels=False) for s in LLAMA3_8B[:7]]
     pieces = [(s.numel, ) for s in specs]
     plan, depth = plan_within_cap(specs, pieces, 1, DEFAULT_MAX_STEP_MEMORY // 4, 2, result_itemsize=2)
@@ -303,8 +289,8 @@ def test_plan_figures_count_every_rank():
 
 @pytest.mark.parametrize("stage,world_size", [(3, 1), (3, 4), (2, 2), (1, 4)])
 def test_the_least_need_reported_is_the_refusals(stage, world_size):
-    """``plan_partitions``' least need per partition (what the plan report prints) is the figure a cap below it is
-    refused with, and that cap fits: ZeRO-3 and the ZeRO-1/2 flat partition, matrices held whole (no buffer) too."""
+    """``plan_partitions``' least need per partition is what a lower cap is refused with, and it fits: ZeRO-3, the
+    ZeRO-1/2 flat partition, and matrices held whole."""
     specs = [MatrixSpec(s) for s in llama3(2, 96, 32, 160)]
     parts = plan_partitions(specs, world_size, stage, 10**9, 10**9, DEFAULT_MAX_STEP_MEMORY, 2, 2)
     least = max(entry[-1] for entry in parts)

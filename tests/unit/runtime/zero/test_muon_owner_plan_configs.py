@@ -2,10 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The owner plan under the configurations around it: the Newton-Schulz cost of each method, head
-and expert layout; exchange buffers within the momentum's memory at every pipeline depth
-(``plan_within_budget``); several sub-groups (Muon parameter groups) balanced together; ZeRO-1/2
-partitions (owners among a matrix's holders); large matrices; the problem a spec defaults to."""
+"""The owner plan under surrounding configurations: NS cost per method, head and expert layout; exchange buffers within
+the momentum's memory at every depth (``plan_within_budget``); sub-groups balanced together; ZeRO-1/2 partitions
+(owners among a matrix's holders); large matrices; the problem a spec defaults to."""
 
 import math
 
@@ -28,8 +27,7 @@ def test_large_single_matrices_spread_over_ranks():
 
 
 def test_sub_groups_balance_together():
-    """Sub-groups planned one after another, each starting from the load the earlier ones left,
-    spread single matrices over the ranks instead of giving each sub-group's first one to rank 0."""
+    """Sub-groups planned in turn from the load the earlier left spread single matrices over the ranks."""
     load = [0.0] * 4
     owners = []
     for _ in range(8):  # eight one-matrix sub-groups, as several Muon parameter groups give
@@ -42,8 +40,7 @@ def test_sub_groups_balance_together():
 
 
 def test_ns_problem_defaults_to_the_matrix_itself():
-    # The dispatch (heads, experts, conv) is upstream's muon_ns_problem, tested with the math;
-    # the plan only takes its answer.
+    # The dispatch (heads, experts, conv) is upstream's muon_ns_problem; the plan only takes its answer.
     assert _spec((64, 32)).ns_problem == (1, 64, 32)
     assert _spec((4, 16, 32), ns_problem=(4, 16, 32)).ns_problem == (4, 16, 32)
     for shape, kwargs in [((4, 16, 32), {}), ((10, ), {}), ((24, 8), dict(num_heads=3))]:
@@ -55,10 +52,8 @@ def test_ns_problem_defaults_to_the_matrix_itself():
 @pytest.mark.parametrize("slots", [1, 3, 5])
 @pytest.mark.parametrize("shapes", [llama_like(), random_shapes(2), [(64, 64)] * 12], ids=["llama", "rand", "same"])
 def test_buffers_within_the_momentum_budget(shapes, world_size, slots):
-    """``plan_within_budget``: every rank's reserved exchange buffers and its Newton-Schulz working
-    set as owner (its largest owned matrix's ``ns_workspace_numel``) fit the elements it holds
-    (its momentum partition) whenever one matrix per bucket fits; the bucket size is the largest
-    candidate that fits, so one more matrix in the first bucket would not."""
+    """``plan_within_budget``: each rank's exchange buffers plus its largest owned ``ns_workspace_numel`` fit its
+    momentum partition whenever one matrix per bucket fits; the bucket size is the largest candidate that fits."""
     specs = [_spec(s) for s in shapes]
     pieces = _zero3_pieces(specs, world_size)
 
@@ -78,10 +73,8 @@ def test_buffers_within_the_momentum_budget(shapes, world_size, slots):
 
 
 def test_budget_with_one_large_matrix_chooses_against_the_floor():
-    """Nothing fits the budget (the 512x512's owner holds it whole plus its working set), so the
-    bucket size is chosen against the every-matrix-alone plan's needs: one bucket of all four fills
-    one slot of three, so it needs less on every rank than four buckets of one (which used to be the
-    plan), and no rank more than that fallback."""
+    """Nothing fits (the 512x512's owner holds it whole plus working set): against the every-matrix-alone floor, one
+    bucket of all four fills one slot of three, needing less on every rank than four buckets of one."""
     specs = [_spec((512, 512))] + [_spec((8, 8))] * 3
     pieces = _zero3_pieces(specs, 2)
     plan = plan_within_budget(specs, pieces, 2, 10**9, 3)
@@ -92,8 +85,7 @@ def test_budget_with_one_large_matrix_chooses_against_the_floor():
 
 
 def test_holders_restrict_owners():
-    """ZeRO-1/2 layout: a matrix one rank holds whole is owned by it (never travels); one that
-    straddles a boundary goes to the least loaded of its holders."""
+    """ZeRO-1/2: a matrix held whole is owned by its rank; a straddling one by its least loaded holder."""
     specs = [_spec((16, 16))] * 5
     holders = [[0], [0], [0, 1], [1], [1]]
     plan = plan_owners(specs, 2, 10**9, holders=holders)

@@ -2,15 +2,13 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The owner-state extension point (``owner_state``) of the distributed core, with a variant
-defined here (``RowSum``), W ranks simulated by threads (``muon_testing.threaded_exchange``).
+"""The distributed core's owner-state extension point (``owner_state``), with a test variant ``RowSum``, W threads.
 
-- A registered variant runs through the pipeline, ZeRO-3 and ZeRO-1/2 layouts, W = 1 to 4, several
-  bucket sizes: every rank's pieces are its pieces of the rule applied to whole matrices, and each
-  matrix's state lives on its owner only; plain Muon allocates none and runs the same as before.
-- The registry: names resolve to the variant with the group's settings; an unknown name, a
-  clashing registration and a setting the variant refuses are errors naming the key.
-- The plan's budget counts the state (``within_budget(state_numels=)``); NorMuon's in ``test_muon_normuon``.
+- A registered variant through the pipeline, ZeRO-3 and ZeRO-1/2 layouts, W = 1 to 4, several bucket sizes: each
+  rank's pieces are those of the rule on whole matrices, each state on its owner only; plain Muon allocates none.
+- Registry: names resolve with the group's settings; an unknown name, a clashing registration and a refused setting
+  are errors naming the key.
+- The plan's budget counts the state (``within_budget(state_numels=)``).
 - The checkpoint form (``expand_rows`` / ``rows_in_piece``) round-trips over ragged partitions.
 """
 
@@ -65,10 +63,8 @@ class RowSum:
 
 VARIANT = RowSum(scale=0.5)
 RULE_FLOOR = 1e-6
-"""Relative difference allowed between the pipeline's pieces and the rule applied here to whole
-matrices of upstream ``muon_update``: the same fp32 operations on the same Newton-Schulz results
-(bit-identical to upstream's, ``test_muon_pipeline``); measured 0.0 (printed, MEASURED), bounded
-at the fp32 floor."""
+"""Allowed relative difference between the pipeline's pieces and the rule on whole upstream ``muon_update`` matrices:
+the same fp32 operations on bit-identical NS results; measured 0.0 (MEASURED), bounded at the fp32 floor."""
 
 
 @pytest.fixture
@@ -97,8 +93,7 @@ def _relative(a, b):
 
 
 def check_through_the_pipeline(layout, world_size, bucket_numel, variant, reference, floor):
-    """Each rank's pieces are its pieces of ``reference``'s whole-matrix updates, and each matrix's state (its rows)
-    lives on its owner only, equal to the reference's (``test_muon_normuon`` uses it too)."""
+    """Each rank's pieces are those of ``reference``'s whole-matrix updates; each state only on its owner, equal."""
     run = _run(LAYOUTS[layout], world_size, bucket_numel, 2, steps=3, variant=variant)
     specs, pieces, slices, plan, grads, _, results, *_, pipelines, _ = run
     updates, states = reference(specs, grads, variant)
@@ -117,8 +112,7 @@ def check_through_the_pipeline(layout, world_size, bucket_numel, variant, refere
 
 
 def check_no_state_without_variant(variant):
-    """Plain Muon's pipelines keep no owner state and refuse a variant; ``variant`` changes the update (also
-    ``test_muon_normuon``'s)."""
+    """Plain Muon's pipelines keep no owner state and refuse a variant; ``variant`` changes the update."""
     *_, results, _, _, pipelines, _ = _run(LAYOUTS["zero3"], 2, 100, 2, steps=2)
     assert all(p.owner_state is None for p in pipelines)
     *_, varied, _, _, _, _ = _run(LAYOUTS["zero3"], 2, 100, 2, steps=2, variant=variant)
@@ -129,9 +123,8 @@ def check_no_state_without_variant(variant):
 
 
 def check_budget_counts_the_state(variant):
-    """Tall matrices (many rows, a small Newton-Schulz working set): one bucket of 1000 elements in flight fits each
-    rank's momentum partition, until the owners' per-row states of ``variant`` are counted too (also
-    ``test_muon_normuon``'s)."""
+    """Tall matrices (small NS working set): a 1000-element bucket fits each momentum partition until ``variant``'s
+    per-row owner states are counted too."""
     specs = [MatrixSpec((256, 8)) for _ in range(8)]
     pieces, _ = LAYOUTS["zero3"](specs, 2)
     plan = plan_owners(specs, 2, 1000)

@@ -4,20 +4,16 @@
 # DeepSpeed Team
 """Which parameters DeepSpeed's Muon puts on Muon (``deepspeed.runtime.zero.muon.param_selection``).
 
-- The rule, on plain modules (no processes): the name rule still sends ``*embed*`` / ``lm_head`` to Adam; a weight
-  sharing an embedding's storage goes to Adam; a flag the user set is kept, one DeepSpeed set in an earlier selection
-  is not mistaken for the user's; the report's lists are cut after 20 names; a Muon optimizer with nothing on Muon
-  warns.
-- Tiny GPT-2 (``wte``, ``wpe``, head tied to ``wte``), T5 (``shared``, relative-attention-bias embeddings) and Llama
-  models from ``transformers`` configs, at ZeRO stages 1, 2, 3 and under ``zero.Init``, W=2: embeddings and tied heads
-  on Adam, the other matrices on Muon, user flags kept; the tags the ZeRO optimizers read agree with
-  ``engine.muon_selection``; rank 0 (only) logs the selection at WARNING; one step trains, and at stage 3 Newton-Schulz
-  runs once per Muon matrix.
-- Client optimizers: DeepSpeed's ``MuonWithAuxAdam`` built from groups with ``use_muon`` and untagged tensors trains as
-  the config-named ``"type": "Muon"`` run does (same weights to the fp32 floor, 2.9e-7 measured; untagged, stock runs
-  no Newton-Schulz and ends 5.2e-2 away after 3 steps), at ZeRO-2 and ZeRO-3; a user flag contradicting its group is an
-  error naming the parameter; a Keller-Jordan-style Muon is refused at stages 1-3 with a message naming the class and
-  the config, and runs at stage 0.
+- Plain modules: ``*embed*`` / ``lm_head`` and weights sharing an embedding's storage go to Adam; user flags are kept,
+  DeepSpeed's own from an earlier selection are not taken for the user's; report lists cut after 20 names; a Muon
+  optimizer with nothing on Muon warns.
+- Tiny GPT-2 (head tied to ``wte``), T5 and Llama at ZeRO 1, 2, 3 and under ``zero.Init``, W=2: embeddings and tied
+  heads on Adam, other matrices on Muon, user flags kept, tags agree with ``engine.muon_selection``; only rank 0 logs
+  at WARNING; one step trains, at stage 3 Newton-Schulz once per Muon matrix.
+- Client optimizers: DeepSpeed's ``MuonWithAuxAdam`` from ``use_muon`` groups with untagged tensors trains as
+  ``"type": "Muon"`` does to the fp32 floor (stock runs no Newton-Schulz, 5.2e-2 away after 3 steps), at ZeRO-2 and 3;
+  a user flag contradicting its group is an error naming the parameter; a Keller-Jordan-style Muon is refused at stages
+  1-3 naming the class and the config, and runs at stage 0.
 """
 
 import contextlib
@@ -35,9 +31,8 @@ from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun, ds_config
 
 VOCAB, SEQ, MICRO = 96, 8, 2
 
-# Per model: the matrices DeepSpeed's Muon must leave to Adam (embeddings; a tied head has no name
-# of its own in named_parameters), and the two parameters the test sets use_muon on before
-# deepspeed.initialize: a matrix the rule would put on Muon (set False) and one on Adam (set True).
+# Per model: the matrices left to Adam (embeddings; a tied head has no name of its own), and two the test flags before
+# deepspeed.initialize: one the rule would put on Muon (set False) and one on Adam (set True).
 MODELS = {
     "gpt2":
     dict(adam_matrices={"transformer.wte.weight", "transformer.wpe.weight"},
@@ -94,8 +89,7 @@ def selection_log():
 
 
 class NamedLayers(torch.nn.Module):
-    """A Linear named ``embed_proj`` (no nn.Embedding), an untied ``lm_head`` Linear, a hidden
-    Linear ``proj`` and an nn.Embedding called ``table``."""
+    """Linears ``embed_proj`` (no nn.Embedding), untied ``lm_head`` and ``proj``; an nn.Embedding ``table``."""
 
     def __init__(self):
         super().__init__()
@@ -260,8 +254,7 @@ class TestMuonSelectionModels(DistributedTest):
 
 
 class KellerStyleMuon(torch.optim.Optimizer):
-    """The shape of Keller Jordan's ``MuonWithAuxAdam``: groups carry ``use_muon``, and a Muon
-    group's step needs whole matrices (here a normalized momentum step instead of Newton-Schulz)."""
+    """Shaped like Keller Jordan's ``MuonWithAuxAdam``: ``use_muon`` groups whose step needs whole matrices."""
 
     def __init__(self, param_groups):
         super().__init__(param_groups, dict(lr=0.02))

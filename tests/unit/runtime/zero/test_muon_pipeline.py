@@ -2,11 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The distributed Muon core (``pipeline.MuonPipeline``), W ranks simulated by threads
-(``muon_testing.threaded_exchange``), on pieces of ZeRO-3's layout (``ceil(numel / W)`` of each matrix, zero padded)
-or ZeRO-1/2's (the flat buffer cut in W). Every rank's pieces must become its pieces of upstream ``muon_update`` of
-the whole matrix, update and momentum, bit for bit, at depths 1 to 3 (three buckets in flight: five slots), on the
-CPU and on the accelerator.
+"""The distributed Muon core (``pipeline.MuonPipeline``), W threads, on ZeRO-3 pieces (``ceil(numel / W)``, zero
+padded) or ZeRO-1/2's (the flat buffer cut in W): each rank's pieces must be those of upstream ``muon_update`` of the
+whole matrix, update and momentum, bit for bit, at depths 1 to 3, on the CPU and the accelerator.
 """
 
 import pytest
@@ -25,11 +23,9 @@ def test_every_rank_gets_its_pieces_of_upstreams_update(layout, world_size, buck
 
 
 def test_the_exchange_on_the_accelerator_up_to_eight_ranks():
-    """The GPU check's run (``device_check``) on this accelerator's device: W = 2..8, both layouts, depths 1 and 2,
-    three bucket sizes. On the CPU every piece is upstream's bit for bit; elsewhere the owner's matrices are views at
-    other offsets than the reference's, which may pick other kernels, so the bound is one unit in the last place of
-    the Newton-Schulz compute dtype, relative to the largest element. On the CPU one depth and bucket size (the
-    test above covers the rest at W up to 4); the GPU check runs them all."""
+    """``device_check`` on this device: W = 2..8, both layouts, depths 1, 2, three bucket sizes (one each on the
+    CPU). Bit for bit on the CPU; elsewhere views at other offsets may pick other kernels, so the bound is one ulp of
+    the NS compute dtype relative to the largest element."""
     import torch
     device = get_accelerator().current_device_name()
     cpu = torch.device(device).type == "cpu"

@@ -2,11 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The distributed Muon core's exchange in detail, W ranks simulated by threads
-(``muon_testing.threaded_exchange``; upstream's update at every depth: ``test_muon_pipeline``): the collectives in
-the documented order; the traffic (the owner-centric bound under ZeRO-3, only straddling matrices under
-ZeRO-1/2); the buffers reserved, and the depth lowered where they would not fit the momentum's
-memory; the owner's reassembly, in-place views, bf16 back exchange and batched Newton-Schulz calls.
+"""The distributed Muon core's exchange in detail, W ranks simulated by threads (``muon_testing.threaded_exchange``):
+collective order; traffic (owner-centric bound at ZeRO-3, only straddling matrices at ZeRO-1/2); buffers reserved and
+the depth lowered where they would not fit; the owner's reassembly, in-place views, bf16 back exchange, batched NS.
 """
 
 import pytest
@@ -27,9 +25,7 @@ SETTINGS = settings()
 @pytest.mark.parametrize("depth", [1, 2, 3])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_collectives_in_the_documented_order(world_size, depth, monkeypatch):
-    """Every rank issues 2 asynchronous all-to-alls per bucket, forward of bucket k+depth after
-    the back exchange of bucket k (``pipeline`` docstring), and its buffers never exceed the
-    ``2 * depth - 1`` slots reserved at construction."""
+    """2 async all-to-alls per bucket, forward k+depth after back k, within ``2 * depth - 1`` reserved slots."""
     orders = {}  # per pipeline, the collective each stage issued: F<b> (prepare) and B<b> (compute) of bucket b
     for stage, tag in (("_prepare", "F"), ("_compute", "B")):
 
@@ -53,8 +49,8 @@ def test_collectives_in_the_documented_order(world_size, depth, monkeypatch):
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_zero3_traffic_meets_the_owner_centric_bound(world_size):
-    """Summed over ranks, each matrix's pieces cross ranks twice except the owner's own:
-    ``2 (W - 1) p`` per matrix, i.e. ``2 P (W - 1) / W^2`` per rank on average."""
+    """Summed over ranks, each matrix's pieces but the owner's cross twice: ``2 (W - 1) p`` per matrix, i.e.
+    ``2 P (W - 1) / W^2`` per rank on average."""
     specs, pieces, _, _, _, _, _, _, stats, *_ = _run(_zero3_layout, world_size, 10**9, 2, steps=1)
     received = sum(s.elements_received for s in stats)
     assert received == sum(2 * (world_size - 1) * p[0] for p in pieces)
@@ -64,8 +60,7 @@ def test_zero3_traffic_meets_the_owner_centric_bound(world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_zero12_only_straddling_matrices_travel(world_size):
-    """ZeRO-1/2 layout: a matrix one rank holds whole never leaves it; a straddling one goes to
-    one of its holders and back, so a rank receives at most twice the straddling elements."""
+    """ZeRO-1/2: whole matrices stay; a rank receives at most twice the straddling elements (to one holder, back)."""
     specs, pieces, _, plan, _, _, _, _, stats, *_ = _run(_zero12_layout, world_size, 10**9, 2, steps=1)
     straddling = [j for j, p in enumerate(pieces) if sum(1 for n in p if n) > 1]
     assert straddling, "the layout must have matrices on partition boundaries"
@@ -77,8 +72,7 @@ def test_zero12_only_straddling_matrices_travel(world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_zero12_buffers_hold_only_straddling_matrices(world_size):
-    """A matrix held whole is orthogonalized in place on its holder: each rank's exchange buffers
-    cover only the buckets' straddling matrices, and a rank issues no all-to-all where none straddles."""
+    """Buffers cover only straddling matrices; no all-to-all where none straddles (whole ones stay in place)."""
     specs, pieces, _, plan, _, _, _, fake, stats, pipelines, buffers = _run(_zero12_layout,
                                                                             world_size,
                                                                             10**9,
@@ -127,8 +121,7 @@ def test_reserved_buffers_are_what_the_plan_says():
 
 
 def test_layout_reassembles_and_splits_with_padding():
-    """One bucket, ZeRO-3 pieces with padding: what the owner reassembles is the matrix, and the
-    results it writes come back as each rank's piece with zero padding."""
+    """ZeRO-3 pieces with padding: the owner reassembles the matrix; results return as pieces, padding zero."""
     matrix = torch.arange(10.)
     layout = BucketLayout(matrices=(0, ), owners=(0, ), numels=(10, ), pieces=((4, 4, 4), ), rank=0)
     recv = torch.cat([torch.cat([matrix, torch.zeros(2)])])
@@ -149,11 +142,9 @@ def test_depth_below_one_is_refused():
 
 
 def test_depth_lowered_where_even_one_matrix_per_bucket_exceeds_the_budget():
-    """Twelve 16x256 matrices at W=2: a rank holds 12 x 2048 elements of momentum, less the owner's
-    Newton-Schulz working set (2 x 4096 + 4 x 256 for one matrix) leaves 15360. At depth 2 (three
-    slots) one matrix per bucket already reserves 3 x (2048 + 4096) on its owner; depth 1 fits,
-    with buckets as large as fit. Where nothing fits (W=4, one large matrix), depth 1 is the least
-    reserved."""
+    """Twelve 16x256 at W=2: 12 x 2048 momentum less one NS working set (2 x 4096 + 4 x 256) leaves 15360; depth 2
+    needs 3 x (2048 + 4096) even with one matrix per bucket, so depth 1 with buckets as large as fit. Where nothing
+    fits (W=4, one large matrix), depth 1 reserves least."""
     specs = [MatrixSpec((16, 256))] * 12
     assert specs[0].ns_workspace_numel == 9216
     pieces = [(2048, 2048)] * 12
@@ -167,8 +158,7 @@ def test_depth_lowered_where_even_one_matrix_per_bucket_exceeds_the_budget():
 
 
 def test_one_owned_matrix_is_a_view_of_the_receive_buffer():
-    """Where a rank owns one matrix of a bucket, its pieces lie back to back in the receive buffer:
-    the owner reads them in place (no copy); with two owned matrices they are interleaved and copied."""
+    """One owned matrix in a bucket is read in place from the receive buffer; two are interleaved and copied."""
     one = BucketLayout(matrices=(0, 1), owners=(0, 1), numels=(10, 10), pieces=((5, 5), (5, 5)), rank=0)
     recv = torch.arange(10.)
     matrix = one.owned_matrix(recv, 0, (2, 5))
@@ -186,9 +176,8 @@ def test_one_owned_matrix_is_a_view_of_the_receive_buffer():
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_results_narrower_than_the_exchange_are_written_after_the_buckets_calls(layout, world_size, bucket_numel,
                                                                                 offload):
-    """A bf16 back exchange views the receive buffer's bytes at other offsets, so the owner writes
-    its results once the bucket's Newton-Schulz calls are done: every rank still gets upstream's
-    update, rounded to bf16 once; under offload through the staging buffer's bytes viewed as bf16."""
+    """A bf16 back exchange views the receive buffer at other offsets, so results are written after the bucket's NS:
+    every rank gets upstream's update rounded to bf16 once (under offload via the staging buffer)."""
     specs, pieces, slices, _, grads, momenta, results, *_ = _run(LAYOUTS[layout],
                                                                  world_size,
                                                                  bucket_numel,
@@ -207,10 +196,8 @@ def test_results_narrower_than_the_exchange_are_written_after_the_buckets_calls(
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_batched_owner_calls_write_their_results_in_place(layout, world_size):
-    """Batched Newton-Schulz on the owner: each call's results go into the receive buffer over
-    the inputs it stacked, without disturbing the matrices still to come. The owner's calls equal
-    ``orthogonalize_each`` with ``batch=True`` over the matrices it owns, in its order, with calls
-    bounded by its largest matrix's working set (``OwnerPlan.workspace``), bit for bit."""
+    """Batched NS writes each call's results over its own stacked inputs, leaving later matrices intact; bit-equal to
+    ``orthogonalize_each(batch=True)`` over the owned matrices, calls bounded by ``OwnerPlan.workspace``."""
     specs = _specs([(8, 12)] * 5 + [(5, 7)] * 3 + [(8, 12)])
     got = _run(LAYOUTS[layout], world_size, 10**9, 2, steps=1, specs=specs, batch_ns=True)
     _, pieces, slices, plan, grads, momenta, results, *_ = got
@@ -233,9 +220,8 @@ def test_batched_owner_calls_write_their_results_in_place(layout, world_size):
 
 
 def test_one_set_of_buffers_covers_every_sub_group():
-    """The stage bindings reserve one ``ExchangeBuffers`` for all their sub-groups (they run one
-    after the other): the most slots and the largest buffers any pipeline asks for, not their sum,
-    with host staging only for pipelines whose pieces live off the device."""
+    """One ``ExchangeBuffers`` for all sub-groups (they run in turn): the max of their needs, not the sum; host
+    staging only for pipelines whose pieces live off the device."""
     buffers = ExchangeBuffers.covering([(3, 10, 40, torch.device("cpu")), (1, 30, 20, torch.device("cpu"))], "cpu")
     assert buffers.slots == 3
     assert buffers.outgoing(2, 30, torch.float32).numel() == 30 and buffers.incoming(2, 40,

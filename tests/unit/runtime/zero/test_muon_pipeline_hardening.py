@@ -3,9 +3,8 @@
 
 # DeepSpeed Team
 """The owner exchange where all-to-alls failed in the field (dion #74, #83; prime-rl #3490; nanochat #843), on the
-process group's backend: a rank holding nothing of a bucket (it joins with empty splits), more ranks than matrices,
-ragged pieces; the warm-up all-to-all; handles holding their tensors until ``wait``. Every rank's pieces must be
-upstream ``muon_update``'s of the whole matrix (bit for bit on the CPU)."""
+real backend: a rank holding nothing of a bucket, more ranks than matrices, ragged pieces; the warm-up all-to-all;
+handles keeping tensors alive until ``wait``. Pieces must be upstream ``muon_update``'s (bit for bit on the CPU)."""
 
 import gc
 import weakref
@@ -22,8 +21,7 @@ TWO_MATRICES = [(6, 10), (9, 4)]
 
 
 def ragged(specs, world_size):
-    """Hand-made uneven pieces of two matrices over 4 ranks: none, one element, most of it; each rank's pieces back
-    to back in its flat partition."""
+    """Uneven pieces of two matrices over 4 ranks (none, one element, most), back to back in each flat partition."""
     assert world_size == 4 and [s.numel for s in specs] == [60, 36]
     pieces = [(0, 1, 52, 7), (20, 0, 0, 16)]
     slices = [[(0, pieces[0][r]), (pieces[0][r], pieces[1][r])] for r in range(4)]
@@ -31,7 +29,7 @@ def ragged(specs, world_size):
 
 
 def _eps():
-    """Off the CPU: one unit in the last place of the NS compute dtype, as ``test_muon_pipeline``'s accelerator test."""
+    """Off the CPU: one ulp of the NS compute dtype, as ``test_muon_pipeline``'s accelerator test."""
     from deepspeed.runtime.zero.muon import original_muon
     return torch.finfo(original_muon.ns_compute_dtype("gram")).eps
 
@@ -44,8 +42,7 @@ CASES = {
 
 
 def _on_ranks(layout, shapes, bucket_numel, depth):
-    """``run_pipelines``' steps with this process group's ``all_to_all_single`` instead of the threads', on the
-    accelerator's device (NCCL where DeepSpeed's tests run on GPUs, gloo on the CPU)."""
+    """``run_pipelines``' steps with the process group's ``all_to_all_single`` (NCCL on GPUs, gloo on the CPU)."""
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero.muon.owner_exchange import ExchangeBuffers
@@ -119,8 +116,7 @@ def test_warm_up_checks_what_comes_back():
 
 
 def test_handles_hold_their_tensors_until_waited_for():
-    """An asynchronous all-to-all's input and output stay alive while its handle is pending, however the caller lets
-    go of them, and are released by ``wait``."""
+    """An async all-to-all's tensors stay alive while its handle is pending, whatever the caller drops, to ``wait``."""
     waited = []
 
     class Handle:

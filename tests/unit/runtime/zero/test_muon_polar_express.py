@@ -2,20 +2,17 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Polar Express (``ns_method: "polar_express"``, ``deepspeed.runtime.zero.muon.polar_express``),
-single process.
+"""Polar Express (``ns_method: "polar_express"``, ``deepspeed.runtime.zero.muon.polar_express``), single process.
 
 - The schedule is the published one (Amsel et al. 2025, arXiv:2505.16932, Algorithm 1; the authors'
-  ``polar_express/basic.py``), restated here digit for digit: the safety factor on all tuples but
-  the last, the last repeated beyond 8 iterations.
-- The kernel equals a plain fp64 implementation of the published iteration (``published``, below):
-  in fp64 to the last bits, in fp32 to the measured floor, in bf16 (what the CPU accelerator runs)
-  to bf16's; upstream's ``muon_orthogonalize`` dispatches every branch to it (2-D both ways round,
-  per head on bases that have it, expert groups, convolution filters) with upstream's aspect-ratio
-  scale, and the owner's batched calls give what one-by-one calls give.
+  ``polar_express/basic.py``), restated digit for digit: the safety factor on all tuples but the last, the last
+  repeated beyond 8 iterations.
+- The kernel equals a plain fp64 implementation of the published iteration (``published``): in fp64 to the last bits,
+  in fp32 to the measured floor, in bf16 (what the CPU accelerator runs) to bf16's; upstream's ``muon_orthogonalize``
+  dispatches every branch to it (2-D both ways round, per head where the base has it, expert groups, conv filters)
+  with upstream's aspect-ratio scale, and the owner's batched calls give what one-by-one calls give.
 - At equal iteration counts its result is closer to orthogonal than upstream's quintic.
-- The owner plan's working-set estimate covers it (``test_muon_newton_schulz.py`` measures the
-  allocator's peak for every method).
+- The owner plan's working-set estimate covers it (``test_muon_newton_schulz.py`` measures every method's peak).
 """
 
 import pytest
@@ -41,22 +38,20 @@ PUBLISHED = [
 PUBLISHED_SCHEDULE = [(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in PUBLISHED[:-1]] + [PUBLISHED[-1]]
 
 FP64_FLOOR = 1e-12
-"""fp64 kernel vs fp64 reference: measured 0.0 (the same operations in the same order); the bound
-leaves room for another BLAS's blocking."""
+"""fp64 kernel vs fp64 reference: measured 0.0 (same operations, same order); room for another BLAS's blocking."""
 
 FP32_FLOOR = 1e-5
-"""fp32 kernel vs fp64 reference, relative Frobenius: measured 6.6e-8 (1 step) to 3.2e-6 (5 steps,
-200x100) over the shapes and step counts below; the first polynomials' large coefficients (slope
-8.2 at 0) amplify the rounding of each step, so the floor is ~10x the quintic's."""
+"""fp32 kernel vs fp64 reference, relative Frobenius: measured 6.6e-8 (1 step) to 3.2e-6 (5 steps, 200x100) over the
+shapes and step counts below; the first polynomials' large coefficients (slope 8.2 at 0) amplify each step's
+rounding, so the floor is ~10x the quintic's."""
 
 BF16_FLOOR = 0.1
-"""bf16 kernel vs fp64 reference, relative Frobenius: measured 3.5e-3 (1 step) to 5.6e-2 (5
-steps); bf16's 2^-8 rounding amplified as for FP32_FLOOR."""
+"""bf16 kernel vs fp64 reference: measured 3.5e-3 (1 step) to 5.6e-2 (5 steps); 2^-8 rounding amplified as above."""
 
 
 def published(G, steps):
-    """The published iteration, written out in fp64: tall matrices transposed, normalized by
-    ``||G||_F * 1.01 + 1e-7``, then ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``."""
+    """The published iteration in fp64: tall matrices transposed, normalized by ``||G||_F * 1.01 + 1e-7``, then
+    ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``."""
     tall = G.size(-2) > G.size(-1)
     X = G.double().mT if tall else G.double()
     X = X / (torch.linalg.matrix_norm(X, keepdim=True) * 1.01 + 1e-7)
@@ -93,10 +88,9 @@ def test_schedule_is_the_published_one():
 
 
 def test_schedule_maps_the_design_interval_to_one():
-    """The scalar composition of the scheduled polynomials takes every singular value of the
-    normalized matrix in [1e-3, 1/1.01] (the interval the schedule is designed for) to 1: within
-    1e-12 after 8 iterations (measured 3.1e-15), 1e-4 after 7 (1.1e-5), 0.2 after Muon's 5 (0.160);
-    the quintic's 8 iterations leave 0.318."""
+    """The composed scheduled polynomials take every singular value in the design interval [1e-3, 1/1.01] to 1: within
+    1e-12 after 8 iterations (measured 3.1e-15), 1e-4 after 7 (1.1e-5), 0.2 after Muon's 5 (0.160); the quintic's 8
+    iterations leave 0.318."""
     x = torch.logspace(-3, 0, 2001, dtype=torch.float64) / 1.01
     for steps, bound in ((8, 1e-12), (7, 1e-4), (5, 0.2)):
         y = x.clone()
@@ -114,8 +108,7 @@ SHAPES = [(33, 21), (17, 33), (24, 24), (3, 12, 20), (64, 172), (200, 100)]
 
 @pytest.mark.parametrize("steps", [1, 2, 5, 8, 10])
 def test_kernel_equals_the_published_iteration(steps, compute_in):
-    """fp64 to the last bits, fp32 to FP32_FLOOR; shape, dtype kept; more steps than the schedule
-    repeat its last tuple (10)."""
+    """fp64 to the last bits, fp32 to FP32_FLOOR; shape, dtype kept; past the schedule (10) its last tuple repeats."""
     gen = torch.Generator().manual_seed(steps)
     for dtype, floor in ((torch.float64, FP64_FLOOR), (torch.float32, FP32_FLOOR)):
         compute_in(dtype)
@@ -127,8 +120,8 @@ def test_kernel_equals_the_published_iteration(steps, compute_in):
 
 
 def test_kernel_in_the_dtype_of_standard():
-    """Unpatched, the kernel computes in the dtype ``ns_compute_dtype`` gives "polar_express", the
-    one "standard" runs in (bf16 on DeepSpeed's CPU accelerator), within bf16's floor."""
+    """Unpatched, the kernel computes in ``ns_compute_dtype("polar_express")``, the dtype of "standard" (bf16 on
+    DeepSpeed's CPU accelerator), within its floor."""
     dtype = original_muon.ns_compute_dtype("polar_express")
     assert dtype == original_muon.ns_compute_dtype("standard")
     gen = torch.Generator().manual_seed(1)
@@ -173,8 +166,7 @@ def _expected(G, kwargs):
 
 @pytest.mark.parametrize("shape,kwargs", CASES, ids=[f"{'x'.join(map(str, s))}-{k}" for s, k in CASES])
 def test_muon_orthogonalize_dispatches_to_it(shape, kwargs, compute_in):
-    """Upstream's ``muon_orthogonalize`` (patch 0017) runs Polar Express, and only it, on every
-    branch, with upstream's aspect-ratio scale; in fp64 to FP64_FLOOR."""
+    """``muon_orthogonalize`` runs only Polar Express on every branch, with upstream's scale, in fp64 to FP64_FLOOR."""
     compute_in(torch.float64)
     G = torch.randn(shape, generator=torch.Generator().manual_seed(2))
     with NSCounter() as counter:
@@ -189,8 +181,7 @@ def test_muon_orthogonalize_dispatches_to_it(shape, kwargs, compute_in):
 
 
 def test_muon_update_and_the_optimizers_accept_it():
-    """``muon_update`` (stage 0 and the bf16 optimizer call it) and upstream's optimizer classes
-    take "polar_express": it is one of ``NS_METHODS``."""
+    """``muon_update`` (stage 0 and the bf16 optimizer call it) and upstream's optimizers take "polar_express"."""
     assert "polar_express" in original_muon.NS_METHODS
     grad, momentum = torch.randn(17, 33), torch.zeros(17, 33)
     with NSCounter() as counter:
@@ -205,8 +196,7 @@ def test_muon_update_and_the_optimizers_accept_it():
 
 
 def _orthogonality(result):
-    """``(max|1-s|, ||U U^T - I||_F / sqrt(m))`` of the wide orientation ``U`` of each matrix, worst
-    over a batch, in fp64."""
+    """``(max|1-s|, ||U U^T - I||_F / sqrt(m))`` of each matrix's wide orientation ``U``, worst over a batch, fp64."""
     u = result.double().mT if result.size(-2) > result.size(-1) else result.double()
     s = torch.linalg.svdvals(u)
     rms = torch.linalg.matrix_norm(u @ u.mT - torch.eye(u.size(-2), dtype=u.dtype)) / u.size(-2)**0.5
@@ -215,13 +205,11 @@ def _orthogonality(result):
 
 @pytest.mark.parametrize("steps", [5, 6, 8])
 def test_more_orthogonal_than_the_quintic(steps, compute_in):
-    """Gaussian matrices, fp32, Muon's 5 steps and beyond: Polar Express's rows are closer to
-    orthonormal than upstream's quintic's (``||UU^T-I||/sqrt(m)``: measured 0.43-0.56x the quintic's
-    at 5 steps, 1e-2x at 6, 1e-6x at 8, over 6 seeds; required below 0.7x), and on rectangular
-    matrices, where every singular value is inside the schedule's design interval, so is the worst
-    singular value (``max|1-s|``: measured 0.13 against the quintic's 0.32 at 5 steps, 2.6e-3 at 6;
-    required below 0.5x). A square Gaussian matrix can have singular values below that interval,
-    where the quintic's slope at 0 lifts them faster, so only the first holds there."""
+    """Gaussian matrices, fp32, 5 steps and beyond: Polar Express's rows are closer to orthonormal than the quintic's
+    (``||UU^T-I||/sqrt(m)``: measured 0.43-0.56x at 5 steps, 1e-2x at 6, 1e-6x at 8, over 6 seeds; required < 0.7x),
+    and on rectangular matrices (all singular values in the design interval) so is the worst singular value
+    (``max|1-s|``: 0.13 vs 0.32 at 5 steps, 2.6e-3 at 6; required < 0.5x). A square Gaussian matrix can have singular
+    values below the interval, where the quintic's slope at 0 lifts them faster: only the first holds there."""
     compute_in(torch.float32)
     gen = torch.Generator().manual_seed(0)
     for shape, rectangular in (((48, 48), False), ((96, 40), True), ((40, 96), True), ((3, 24, 60), True)):
@@ -234,9 +222,8 @@ def test_more_orthogonal_than_the_quintic(steps, compute_in):
 
 
 def test_owner_batches_it_like_one_by_one(compute_in):
-    """``orthogonalize_each`` with "polar_express": a batched call is as close to the fp64 result as
-    one-by-one calls (each problem is normalized and iterated on its own); one-by-one calls are
-    upstream's ``muon_orthogonalize`` bit for bit."""
+    """``orthogonalize_each``: a batched call is as close to fp64 as one-by-one calls (each problem normalized on its
+    own); one-by-one calls are upstream's ``muon_orthogonalize`` bit for bit."""
     owned = [((40, 24), {}), ((40, 24), {}), ((24, 40), {}), ((2, 40, 24), dict(is_expert_group=True)),
              ((8, 3, 3, 3), {}), ((17, 5), {})]
     specs = matrix_specs(owned, "polar_express")
@@ -246,8 +233,7 @@ def test_owner_batches_it_like_one_by_one(compute_in):
     with NSCounter() as counter:
         batched = orthogonalize_all(matrices, specs, 5, "polar_express", torch.float32, batch=True)
     assert counter.by_kernel["zeropower_via_polar_express"] == sum(s.ns_problem[0] for s in specs)
-    # the 40x24 matrices and the expert group's 40x24 problems in one call; 24x40, the conv filter
-    # and 17x5 alone
+    # the 40x24 matrices and the expert group's 40x24 problems in one call; 24x40, the conv filter and 17x5 alone
     assert counter.calls == 4
     single = orthogonalize_all(matrices, specs, 5, "polar_express", torch.float32, batch=False)
     alone = [

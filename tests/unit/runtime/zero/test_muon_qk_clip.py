@@ -2,10 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""MuonClip's QK-clip (``qk_clip_threshold``) under ZeRO-1/2/3 on unchanged Hugging Face models: recorded logits
-equal the reference's (``muon_testing.attention``); runs equal the whole-matrix reference (``FLOOR``); the cap is
-exact; far above every logit a run is plain Muon's bit for bit; the log counts; resumes are bit-identical; bad
-values and layouts are refused by name."""
+"""MuonClip's QK-clip (``qk_clip_threshold``) under ZeRO-1/2/3 on unchanged Hugging Face models: logits as recorded
+by ``muon_testing.attention``; runs equal the whole-matrix reference (``FLOOR``); the cap is exact; far above every
+logit plain Muon bit for bit; the log counts; bit-identical resumes; bad values and layouts refused by name."""
 
 import logging
 
@@ -186,8 +185,8 @@ def _train(engine, gas, world_size, steps=STEPS, first=0):
 
 
 def _reference(name, tau, initial=None):
-    """The single-process run from ``MODELS[name]``'s weights or ``initial``, QK-clip at ``tau`` after each step (or
-    plain Muon: None); its weights and each step's maxima before the step."""
+    """Single-process run from ``MODELS[name]`` or ``initial``, QK-clip at ``tau`` (None: plain Muon) after each
+    step: ``(weights, each step's maxima before it)``."""
     selected = MODELS[name]()
     muon_names = set(select_muon_parameters(selected).muon)
     splits = tag_fused_projections(selected)  # fused projections orthogonalized part by part, as DeepSpeed's
@@ -252,11 +251,9 @@ class TestQKClip(DistributedTest):
     @pytest.mark.parametrize("name,stage,bf16", [("llama", 1, False), ("llama", 3, False), ("llama", 2, True),
                                                  ("llama", 3, True), ("gpt2", 3, False), ("qwen3_moe", 2, False)])
     def test_logit_capped_at_threshold(self, name, stage, bf16):
-        """With the update held at zero, one step leaves the first layer's largest logit of each head on that batch
-        at min(S, tau) (Llama's grouped query, GPT-2's c_attn), or every head's times the smallest tau / S
-        (Qwen3-MoE's q_norm). The first layer only: a clipped layer changes the next one's inputs. bf16: the clip
-        reaches the weights the model runs with; tau at half the smallest logit clips every head, each lands on tau
-        up to the weights' bf16 rounding (2^-8 relative each, so 1e-2 on a logit)."""
+        """With a zero update, one step leaves the first layer's largest logit per head at min(S, tau) (Llama, GPT-2),
+        or every head's times the smallest tau / S (Qwen3-MoE's q_norm); first layer only, as clipping changes the next
+        layer's inputs. bf16: tau at half the smallest logit lands every head on tau to bf16 rounding (1e-2)."""
         before = next(iter(reference_max_logits(MODELS[name](), token_batch(0)).values()))
         tau = float(before.min()) / 2 if bf16 else float(before.median())
         config = _config(stage, 1, W, tau, muon_lr=0.0, adam_lr=0.0, weight_decay=0.0)

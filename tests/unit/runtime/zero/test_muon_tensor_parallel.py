@@ -2,9 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""``muon.tensor_parallel`` on one process: the owner's whole matrix from AutoTP's shard maps and back, the
-exchange's placement of ZeRO pieces in the shards' storage, and the refusals that name
-``tensor_parallel.autotp_size``."""
+"""``muon.tensor_parallel`` on one process: the whole matrix from AutoTP's shard maps and back, ZeRO pieces placed in
+the shards' storage, and refusals naming ``tensor_parallel.autotp_size``."""
 
 import pytest
 import torch
@@ -42,8 +41,7 @@ def test_assembly_round_trip(layout):
 
 
 def test_piece_of_padding_only_places_nothing():
-    """A shard of 2 elements ZeRO-3-partitioned over 3 ranks as pieces of 1: the last piece is padding only, and
-    its placement lies at the shard's end (a shard further on starts there)."""
+    """A 2-element shard over 3 ranks in pieces of 1: the padding-only last piece is placed at the shard's end."""
     storage = torch.arange(4, dtype=torch.float32)
     placements = ((0, 1), (1, 1), (2, 0), (2, 1), (3, 1), (4, 0))
     recv = torch.tensor([0.0, 1.0, -1.0, 2.0, 3.0, -1.0])
@@ -55,8 +53,8 @@ def test_piece_of_padding_only_places_nothing():
 
 
 def test_pieces_placed_in_storage_past_padding():
-    """Two shards of 6 elements, each ZeRO-3-partitioned over 2 ranks as pieces of 4 (2 of padding): world rank
-    order (shard 0: ranks 0, 1; shard 1: ranks 2, 3), owner rank 1."""
+    """Two 6-element shards, each over 2 ranks in pieces of 4 (2 padding): shard 0 on ranks 0, 1, shard 1 on 2, 3;
+    owner rank 1."""
     storage = torch.arange(12, dtype=torch.float32)
     placements = ((0, 4), (4, 2), (6, 4), (10, 2))
     pieces = (4, 4, 4, 4)

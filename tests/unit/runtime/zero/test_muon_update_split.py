@@ -2,13 +2,11 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Upstream ``muon_update`` split in two: ``muon_momentum_step_`` (elementwise) and
-``muon_orthogonalize`` (the whole matrix, on the problems ``muon_ns_problem`` describes). Checked:
-``muon_update`` is exactly that composition, bit for bit, for every dispatch branch, dtype, finite
-and non-finite gradients, Nesterov on and off (``muon_orthogonalize`` and ``muon_ns_problem`` alone:
-``test_muon_newton_schulz``); and with
-``DS_ZERO3MUON_SDIST`` set to the installed base's pristine sdist (tar.gz or unpacked; skipped
-otherwise) the patched ``muon_update`` is bit-identical to the release's own, loaded from it.
+"""Upstream ``muon_update`` split in two: ``muon_momentum_step_`` (elementwise) and ``muon_orthogonalize`` (the whole
+matrix, on the problems ``muon_ns_problem`` describes). Checked: ``muon_update`` is exactly that composition, bit for
+bit, for every dispatch branch, dtype, finite and non-finite gradients, Nesterov on and off (the halves alone:
+``test_muon_newton_schulz``); and with ``DS_ZERO3MUON_SDIST`` set to the installed base's pristine sdist (tar.gz or
+unpacked; skipped otherwise) the patched ``muon_update`` is bit-identical to the release's own.
 """
 
 import importlib.util
@@ -65,8 +63,8 @@ def _inputs(shape, dtype=torch.float32, seed=7, bad=None):
 
 
 def _composed(grad, momentum, beta, nesterov, grad_is_finite, **kwargs):
-    """``muon_update`` written as the composition of the two halves (per head, upstream returns
-    the NS output without selecting the gradient for a non-finite matrix)."""
+    """``muon_update`` as the composition of the two halves (per head, upstream returns the NS output without
+    selecting the gradient for a non-finite matrix)."""
     finite = torch.isfinite(grad).all() if grad_is_finite is None else grad_is_finite
     x = original_muon.muon_momentum_step_(grad, momentum, beta, nesterov, grad_is_finite)
     update = original_muon.muon_orthogonalize(x, **kwargs).to(grad.dtype)

@@ -2,30 +2,22 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""Gradient clipping with Muon is the same at ZeRO stages 1, 2 and 3, and is PyTorch's:
-``torch.nn.utils.clip_grad_norm_`` on the raw accumulated gradients, then Muon (upstream
-``muon_update``) on the clipped gradient, the orthogonalized update applied as it is
-(``deepspeed.runtime.zero.muon.binding``; upstream issues #8439, #7776).
+"""Gradient clipping with Muon is PyTorch's at ZeRO 1, 2 and 3: ``clip_grad_norm_``, then upstream ``muon_update``.
 
-On W = 2 and 3 gloo ranks (``DS_ACCELERATOR=cpu``), gas 1 and 4, 3 optimizer steps of 24 samples
-each (``Zero3MuonRun``), against the single-process reference (``train_reference``: the same
-samples per step, ``clip_grad_norm_``, ``muon_update`` for the matrices and AdamW for the rest):
+The raw accumulated gradients are clipped, the orthogonalized update applied as it is (``zero.muon.binding``; upstream
+issues #8439, #7776). On 2 and 3 gloo ranks, gas 1 and 4, 3 steps of 24 samples, against ``train_reference``:
 
-- a clip that bites: MixedMLP (Muon matrices and AdamW parameters), ``gradient_clipping`` 1% of
-  the smallest raw norm of the reference, so every step is divided by about 100;
-- DeepSpeed's default ``gradient_clipping: 1.0``, which the raw norm of CrossShapes (0.26-0.27)
-  never reaches but its orthogonalized update (Frobenius norm near sqrt(48 + 48) = 9.8) always
-  does: the run must equal the unclipped reference. Upstream's stages 1/2 divided every update
-  by about 10 here (the user's report: 4.9e-2 from the unclipped run after a few steps).
+- a clip that bites: MixedMLP, ``gradient_clipping`` 1% of the reference's smallest raw norm (every step / ~100);
+- DeepSpeed's default ``gradient_clipping: 1.0``, which the raw norm of CrossShapes (0.26-0.27) never reaches but its
+  orthogonalized update (Frobenius norm near sqrt(48 + 48) = 9.8) always does: the run must equal the unclipped
+  reference. Upstream's stages 1/2 divided every update by about 10 here (the user's report: 4.9e-2 from the unclipped
+  run after a few steps).
 
-fp32 runs match the reference to the fp32 floor (``FLOOR``, 2e-6, the floor of the ZeRO-3 tests:
-the runs differ only in the order of fp32 sums); ``get_global_grad_norm()`` equals the reference's
-raw norm to the same floor. bf16 runs (parameters and gradient reduction in bf16) cannot match an
-fp32 reference; their stages, and on 0.19.8 the BF16_Optimizer (bf16 with
-``data_types.grad_accum_dtype`` fp32 at stage 1), are compared with bf16 stage 3
-(``BF16_STAGE_FLOOR``), their norms with the reference's (``BF16_NORM_FLOOR``). ZeRO-1/2 with
-``offload_optimizer`` (its own Muon path) must match the reference too, and AdamW at stages 1/2
-(upstream's path, untouched) must still match its AdamW reference with a clip that bites.
+fp32 runs and ``get_global_grad_norm()`` match the reference to ``FLOOR``. bf16 runs cannot match an fp32 reference;
+their stages, and on 0.19.8 the BF16_Optimizer (bf16 with ``data_types.grad_accum_dtype`` fp32 at stage 1), are
+compared with bf16 stage 3 (``BF16_STAGE_FLOOR``), their norms with the reference's (``BF16_NORM_FLOOR``). ZeRO-1/2
+with ``offload_optimizer`` (its own Muon path) must match the reference too, and AdamW at stages 1/2 (upstream's path)
+its AdamW reference with a clip that bites.
 """
 
 import deepspeed
@@ -48,16 +40,15 @@ LOOSE = Zero3MuonRun(model="cross", steps=STEPS, samples=SAMPLES, clip=1.0)
 """CrossShapes' raw norms are 0.26-0.27: DeepSpeed's default clip of 1.0 never bites the gradient."""
 
 BF16_STAGE_FLOOR = 3e-2
-"""Relative weight difference allowed between two bf16 runs of the same config at different stages
-(their gradients are reduced and accumulated in bf16 in different orders, the weights rounded to
-bf16 after every step): measured up to 1.2e-2 (stage 1 vs stage 3 at W=2), each stage 7e-3 to
-9e-3 from the fp32 reference. Clipping the update instead, as stock stages 1/2 did, would divide
-every Muon step by about 375 here (update norm about 7.5, clip 0.02): the Muon matrices would
-hardly move."""
+"""Relative weight difference allowed between two bf16 runs of the same config at different stages (their gradients
+reduced and accumulated in bf16 in different orders, the weights rounded to bf16 after every step): measured up to
+1.2e-2 (stage 1 vs stage 3 at W=2), each stage 7e-3 to 9e-3 from the fp32 reference. Clipping the update instead, as
+stock stages 1/2 did, would divide every Muon step by about 375 here (update norm about 7.5, clip 0.02): the Muon
+matrices would hardly move."""
 
 BF16_NORM_FLOOR = 1e-2
-"""Relative difference allowed between a bf16 run's ``get_global_grad_norm()`` and the fp32
-reference's raw norm: measured up to 2.3e-3."""
+"""Relative difference allowed between a bf16 run's ``get_global_grad_norm()`` and the fp32 reference's raw norm:
+measured up to 2.3e-3."""
 
 RUNS = {"bites": BITES, "loose": LOOSE}
 
@@ -103,10 +94,10 @@ class TestZero12MuonUpdate(DistributedTest):
 
     @pytest.mark.parametrize("world_size", [2, 3])
     def test_bf16_stages_agree(self, world_size, references):
-        """bf16 at stages 1, 2 and 3 (gas 4, the clip that bites) agree with each other to
-        BF16_STAGE_FLOOR, and their norms with the fp32 reference's raw norms to BF16_NORM_FLOOR.
-        The BF16_Optimizer (stage 1 with grad_accum_dtype fp32) agrees with them too on 0.19.8,
-        where it clips before Muon already; 0.19.7 refuses Muon with it at initialize, naming the key."""
+        """bf16 at stages 1, 2 and 3 (gas 4, the clip that bites) agree with each other to BF16_STAGE_FLOOR, and their
+        norms with the fp32 reference's raw norms to BF16_NORM_FLOOR. The BF16_Optimizer (stage 1 with grad_accum_dtype
+        fp32) agrees with them too on 0.19.8, where it clips before Muon already; 0.19.7 refuses Muon with it at
+        initialize, naming the key."""
         ref_weights, ref_norms = _check_reference("bites", references)
         runs = {f"stage {stage}": BITES.with_(stage=stage, dtype="bf16") for stage in (1, 2, 3)}
         bf16_optimizer = BITES.with_(stage=1, dtype="bf16", extra=(("data_types", {"grad_accum_dtype": "fp32"}), ))
@@ -127,11 +118,10 @@ class TestZero12MuonUpdate(DistributedTest):
 
     @pytest.mark.parametrize("world_size", [2, 3])
     def test_offload_matches_reference(self, world_size, references):
-        """ZeRO-1/2 with offload_optimizer cpu, fp32, gas 4, the clip that bites: the reference to
-        the fp32 floor (momentum on the partition, the owner core: only matrices straddling a
-        partition boundary travel), with the default reduce_scatter (stock 0.19.7 refused Muon with
-        offload and reduce_scatter). Newton-Schulz runs once per matrix per step over the ranks
-        (``test_muon_pipeline.py`` checks the traffic: twice the straddling pieces at most)."""
+        """ZeRO-1/2 with offload_optimizer cpu, fp32, gas 4, the clip that bites: the reference to the fp32 floor
+        (momentum on the partition, the owner core: only matrices straddling a partition boundary travel), with the
+        default reduce_scatter (stock 0.19.7 refused Muon with offload and reduce_scatter). Newton-Schulz runs once per
+        matrix per step over the ranks (``test_muon_pipeline.py`` checks the traffic)."""
         ref_weights, ref_norms = _check_reference("bites", references)
         for stage in (1, 2):
             result = BITES.with_(stage=stage, offload="cpu").train()
@@ -147,8 +137,8 @@ class TestZero12MuonUpdate(DistributedTest):
 
     @pytest.mark.world_size(2)
     def test_adamw_unchanged(self):
-        """AdamW at stages 1 and 2 with the clip that bites (upstream's path, which this change does
-        not enter): torch's clip_grad_norm_ then AdamW, to the fp32 floor."""
+        """AdamW at stages 1 and 2 with the clip that bites (upstream's path, not entered here): torch's
+        clip_grad_norm_ then AdamW, to the fp32 floor."""
         run = BITES.with_(optimizer="AdamW")
         ref_weights, ref_norms = run.reference()
         assert min(ref_norms) > 50 * run.clip

@@ -2,14 +2,11 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""ZeRO-1/2 under fp16: the gradient entering Muon's momentum is divided by the loss scale its
-backward pass used, also on a step where the dynamic loss scale grows.
+"""ZeRO-1/2 fp16: Muon's momentum gets the gradient divided by its backward's loss scale, also when the scale grows.
 
-A power-of-two loss scale multiplies every fp16 gradient exactly, so a run whose dynamic scale
-doubles after every step (``loss_scale_window`` 1, from 2^8) and a run at the static scale 2^8
-see the same unscaled gradients: their Muon momenta and weights must be bit-identical. Dividing by
-the scale after its update (upstream ``stage_1_and_2.py`` divides by ``self.loss_scale`` once
-``_update_scale`` has run) halves the gradient of every step that grows the scale.
+A power-of-two scale is exact in fp16, so a dynamic scale doubling every step (``loss_scale_window`` 1, from 2^8) and
+static 2^8 must give bit-identical momenta and weights. Dividing after ``_update_scale`` (as upstream
+``stage_1_and_2.py`` does) halves the gradient of every growth step.
 """
 
 import pytest

@@ -4,9 +4,8 @@
 # DeepSpeed Team
 """ZeRO-1/2 Muon refuses a momentum of another size rather than dropping it.
 
-The stage keeps the momentum in the layout of its fp32 partition, so a state saved at another world
-size (or an older build's without ``offload_optimizer``: the whole parameters of the partition)
-has another size. Replacing such a momentum with zeros would train on silently without it.
+The momentum follows the fp32 partition's layout, so one saved at another world size (or an older build's whole
+parameters) has another size; zeroing it would silently train on without it.
 """
 import pytest
 

@@ -4,14 +4,10 @@
 # DeepSpeed Team
 """A ZeRO-1/2 checkpoint saved by stock DeepSpeed or an older build of the Muon patch still loads.
 
-Those kept a Muon group's momentum, without optimizer offload, as the whole momentum of every
-matrix the rank's partition touches (``to_older_layout``); this build keeps it in the partition's
-layout and marks its checkpoints (``zero12_checkpoints.STATE_LAYOUT_KEY``), and takes an unmarked
-one apart at load. Here a checkpoint of this build is rewritten into the older layout (W=3:
-MixedMLP's first two matrices straddle partition boundaries), loaded, and trained on: the weights
-after 5 steps equal the uninterrupted run's bit for bit, as a resume from this build's own layout
-does (the momentum is the same numbers, only placed otherwise). Loading it at another world size is
-refused with an error naming the setting.
+Without offload those kept the whole momentum of every matrix a partition touches; this build keeps the partition's
+layout, marks it (``zero12_checkpoints.STATE_LAYOUT_KEY``) and takes an unmarked one apart at load. A checkpoint
+rewritten into the older layout (W=3: two matrices straddle) loads and trains on bit-identically to the uninterrupted
+run after 5 steps. Loading it at another world size is refused naming the setting.
 """
 
 import numpy as np

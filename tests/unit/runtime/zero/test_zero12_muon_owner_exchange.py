@@ -2,20 +2,14 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""ZeRO-1/2 Muon on the owner core: Newton-Schulz once per matrix summed over ranks, and only the
-matrices that straddle a partition boundary travel.
+"""ZeRO-1/2 Muon on the owner core: Newton-Schulz once per matrix over all ranks; only straddling matrices travel.
 
-ZeRO-1/2 partition the flat buffer of a parameter group into W consecutive runs, so most matrices
-lie whole in one rank's partition. MixedMLP's Muon group (33x21, 17x33, 7x17: 1373 elements) is
-partitioned into runs of 688 elements at W=2 (alignment 4: the first matrix straddles ranks 0
-and 1) and of 458 at W=3 (alignment 6: the first two straddle). With and without optimizer
-offload, per optimizer step:
+ZeRO-1/2 cut a group's flat buffer into W consecutive runs, so most matrices lie whole in one partition. MixedMLP's
+Muon group (33x21, 17x33, 7x17: 1373 elements) splits into runs of 688 at W=2 (the first matrix straddles) and 458 at
+W=3 (the first two straddle). With and without offload, per step:
 
-- the Newton-Schulz calls summed over the ranks equal the number of Muon matrices (each matrix
-  is orthogonalized by one owner among the ranks holding a piece of it);
-- the Muon elements received summed over the ranks are at most twice the straddling matrices'
-  elements (a piece goes to the owner and its update comes back), and no all-to-all carries a
-  matrix one rank holds whole;
+- NS calls over all ranks equal the number of Muon matrices (one owner among each matrix's holders);
+- Muon elements received over all ranks are at most twice the straddling ones'; no all-to-all carries a whole matrix;
 - the momentum is one fp32 tensor of the partition's size, like Adam's ``exp_avg``.
 """
 
@@ -27,7 +21,7 @@ from muon_testing.compare import FLOOR, relative_difference
 from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
 STRADDLING = {2: 1, 3: 2}
-"""Muon matrices of MixedMLP that cross a partition boundary, by W (module docstring)."""
+"""MixedMLP's Muon matrices crossing a partition boundary, by W."""
 STEPS = 3
 RUN = Zero3MuonRun(model="mixed", steps=STEPS, samples=24, gas=2)
 

@@ -4,14 +4,10 @@
 # DeepSpeed Team
 """ZeRO-3 with fp16: gradients and their norm are unscaled by the loss scale of the step's backward.
 
-``step()`` first updates the dynamic scaler, then unscales: by the grown scale, twice the one the gradients (and the
-norm ``get_global_grad_norm()`` reports) were computed with, on every step where the scale grew.
-
-The same model (``MixedMLP``, DeepSpeed's ``AdamW``: the fix is ZeRO-3's own) is trained with a dynamic scale that
-grows on every step (``loss_scale_window: 1``, from 2^8) and with the static scale 2^8. A power-of-two loss scale
-multiplies every fp16 gradient exactly (no overflow or underflow at these magnitudes), so once unscaled both runs see
-the same gradients bit for bit: norms and weights must be equal (tolerance 0). Without the fix the norms on growth
-steps are half the static run's (checked: the norms differ). fp16 on the CPU: ``fp16_allowed_on_cpu``.
+Unfixed, ``step()`` updates the dynamic scaler first and unscales by the grown scale, halving gradients and
+``get_global_grad_norm()`` on every growth step. ``MixedMLP`` with DeepSpeed's ``AdamW`` (the fix is ZeRO-3's own)
+trains with a scale growing every step (``loss_scale_window: 1``, from 2^8) and with static 2^8: a power-of-two scale
+is exact in fp16, so norms and weights must be equal (tolerance 0). fp16 on CPU via ``fp16_allowed_on_cpu``.
 """
 
 import pytest

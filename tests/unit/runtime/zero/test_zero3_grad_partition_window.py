@@ -4,16 +4,13 @@
 # DeepSpeed Team
 """ZeRO-3: a parameter that gets no gradient in part of an accumulation window, or in all of it.
 
-``Routed`` (``muon_testing.models``) sends only some samples through its ``extra`` layer: at W=2 and gas=4 (micro-step
-``m`` is samples ``4m..4m+3``) ``extra`` gets a gradient only in the last micro-step of step 0, in none of step 1, in
-every micro-step of step 2 and in the first of step 3. Its gradient for the step is then the sum over the micro-steps
-that used it, zero for a step that never used it, as in ``train_reference`` (the whole batch at once). Without the fix,
-ZeRO-3 kept the previous window's gradient partition whenever a parameter's first gradient of a window did not arrive
-in micro-step 0, and fed a parameter without gradient in a window its last gradient again.
+``Routed``'s ``extra`` layer, at W=2 and gas=4, gets a gradient only in the last micro-step of step 0, none of step 1,
+every one of step 2 and the first of step 3: its step gradient must be the sum over the micro-steps that used it (zero
+if none), as in ``train_reference``. Unfixed ZeRO-3 kept the previous window's partition when a parameter's first
+gradient came after micro-step 0, and re-fed a parameter without gradient its last one (1.5e-2 off on 0.19.8).
 
-DeepSpeed's ``AdamW`` (the fix is ZeRO-3's own), with and without CPU offload (where the parameters it did not reduce
-in the boundary micro-step kept their previous gradient too). Tolerance: the runs differ only in the order of fp32
-sums, so ``FLOOR``; 0.19.8 without the fix leaves ``extra`` 1.5e-2 from the reference (measured without offload).
+DeepSpeed's ``AdamW`` (the fix is ZeRO-3's own), with and without CPU offload; runs differ only in fp32 sum order:
+``FLOOR``.
 """
 
 import pytest

@@ -2,12 +2,11 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""ZeRO-3 Muon end to end on W ranks, once per optimizer step: gas=4 equals gas=1 on the same 16
-samples per step (two Muon matrices, 9x13 and 5x9, that W = 2, 4 do not divide), Newton-Schulz runs
-once per matrix per step over the ranks, and a rank receives 2P(W-1)/W^2 Muon elements per step on
-average (P: the matrices' elements, each padded to W partitions), the owner-centric bound. At W=1
-one step is upstream ``muon_update`` applied by hand to the whole matrices. Under fp16, a dynamic loss
-scale that grows on every step trains the weights of the static scale it starts from, bit for bit.
+"""ZeRO-3 Muon end to end on W ranks: gas=4 equals gas=1 on the same 16 samples per step (Muon matrices 9x13 and 5x9,
+which W = 2, 4 do not divide), Newton-Schulz runs once per matrix per step over the ranks, and a rank receives on
+average 2P(W-1)/W^2 Muon elements per step (P: the matrices' elements, each padded to W partitions), the owner-centric
+bound. At W=1 one step is upstream ``muon_update`` by hand on the whole matrices. Under fp16 a dynamic loss scale
+growing every step trains the weights of the static scale it starts from, bit for bit.
 """
 
 import contextlib
@@ -27,8 +26,8 @@ SCALE_POWER = 8
 GROWING = dict(enabled=True, loss_scale=0, initial_scale_power=SCALE_POWER, loss_scale_window=1, hysteresis=2)
 STATIC = dict(enabled=True, loss_scale=2.0**SCALE_POWER)
 TOLERANCE = 2e-6
-"""The fp32 floor (``FLOOR``): gas 4 and 1 differ only in the order of fp32 sums, 1.1e-7 to 1.2e-7
-measured after 4 steps at W = 1, 2, 4, the hand-applied step 1.0e-8; stock 0.19.7 is off by 1e-1."""
+"""The fp32 floor (``FLOOR``): gas 4 and 1 differ only in the order of fp32 sums, 1.1e-7 to 1.2e-7 measured after 4
+steps at W = 1, 2, 4, the hand-applied step 1.0e-8; stock 0.19.7 is off by 1e-1."""
 
 
 def _model():
@@ -42,9 +41,8 @@ def _batch(step):
 
 
 def _train(gas, steps, fp16=None):
-    """Full weights after ``steps`` steps at ``gas`` (micro-step m of rank r: samples (m W + r) mb ...),
-    and ``[ns_calls, elements_received, optimizer_steps, loss_scale]`` (the loss scale at the end, 1 without
-    ``fp16``, the config's section) summed over the ranks."""
+    """Full weights after ``steps`` steps at ``gas``, and ``[ns_calls, elements_received, optimizer_steps,
+    loss_scale]`` summed over the ranks (the final loss scale; 1 without ``fp16``, the config's section)."""
     world_size, rank = dist.get_world_size(), dist.get_rank()
     micro = SAMPLES // (world_size * gas)
     zero = dict(stage=3, stage3_param_persistence_threshold=0)  # every matrix partitioned, as a large model's
@@ -88,9 +86,8 @@ def _relative(a, b):
 
 @contextlib.contextmanager
 def _fp16_supported(supported):
-    """Report fp16 as ``supported``. False: upstream's "gram" kernel computes in fp16 where the accelerator has
-    it, whose rounding would hide the fp32 floor. True: the engine refuses fp16 on the CPU accelerator, although
-    fp16 tensors work there."""
+    """Report fp16 as ``supported``. False: upstream's "gram" kernel would compute in fp16, hiding the fp32 floor.
+    True: the engine refuses fp16 on the CPU accelerator, although fp16 tensors work there."""
     accelerator = get_accelerator()
     original, accelerator.is_fp16_supported = accelerator.is_fp16_supported, lambda: supported
     try:
@@ -128,11 +125,9 @@ class TestZero3MuonBoundary(DistributedTest):
     @pytest.mark.world_size(2)
     @pytest.mark.parametrize("gas", [1, 2])
     def test_fp16_growing_loss_scale_equals_static(self, gas):
-        """The momentum takes each step's gradient unscaled by the scale of that step's backward: a power-of-two
-        scale multiplies every fp16 gradient exactly, so a scale grown on every step (from 2^8) and the static
-        2^8 give the same unscaled gradients and the same weights (tolerance 0). Unscaled by the grown scale
-        instead, the gradient of every step on which the scale grows (the second on; the first does not grow it)
-        would enter the momentum halved while the first step's would not, changing the momentum's direction."""
+        """The momentum takes each gradient unscaled by its own backward's scale: a power-of-two scale is exact in
+        fp16, so a scale grown every step (from 2^8) and the static 2^8 give the same weights (tolerance 0). Unscaled
+        by the grown scale instead, the gradients from the second step on would enter the momentum halved."""
         steps = 4
         with _fp16_supported(True):
             growing, growing_counts = _train(gas, steps, GROWING)

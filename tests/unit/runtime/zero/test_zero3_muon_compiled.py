@@ -4,11 +4,9 @@
 # DeepSpeed Team
 """The compiled path: upstream's ``torch.compile``'d Newton-Schulz kernels run through inductor in the ranks.
 
-The other tests run with ``TORCHDYNAMO_DISABLE=1`` (NS compiles slowly on the CPU), under which ``torch.compile``
-returns the kernels undecorated at import; here the ranks decorate them again for the test (inductor compiles C++ for
-each matrix shape on the CPU, hence one small model). Measured (0.19.8 base, W=2, 3 steps): compiled and eager ZeRO-3
-weights are bit-identical (inductor keeps fp32 arithmetic, no FMA contraction, and the matmuls are the same library
-calls); both are 5.8e-7 from the eager reference, gas=1 vs gas=4 6.1e-7. So the tolerance is the eager one, ``FLOOR``.
+Other tests set ``TORCHDYNAMO_DISABLE=1`` (NS compiles slowly on the CPU), leaving the kernels undecorated; here the
+ranks decorate them again (one small model: inductor compiles C++ per shape). Measured (0.19.8, W=2, 3 steps): compiled
+and eager weights are bit-identical (no FMA contraction, same matmul calls), both 5.8e-7 from the reference: ``FLOOR``.
 """
 
 import contextlib
@@ -27,8 +25,7 @@ RUN = Zero3MuonRun(model="cross", gas=4, steps=3)
 
 @contextlib.contextmanager
 def compiled_newton_schulz():
-    """Upstream's NS kernels wrapped in ``torch.compile`` (as ``@compiler.compile()`` wraps them when TorchDynamo is on
-    at import), and TorchDynamo on; both restored on exit."""
+    """Upstream's NS kernels wrapped in ``torch.compile`` as at import with TorchDynamo on; restored on exit."""
     import torch
     from deepspeed.runtime.zero.muon import original_muon
     saved = {name: getattr(original_muon, name) for name in NS_KERNELS if hasattr(original_muon, name)}

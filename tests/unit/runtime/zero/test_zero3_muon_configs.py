@@ -2,27 +2,22 @@
 # SPDX-License-Identifier: Apache-2.0
 
 # DeepSpeed Team
-"""The ZeRO-3 configurations a Muon user reaches for, each trained on W gloo ranks and compared with the single-process
-reference (``train_reference``); Newton-Schulz must run once per Muon matrix per step, summed over ranks (stock 0.19.8
-runs every matrix on every rank under CPU offload).
+"""ZeRO-3 configurations a Muon user reaches for, each on W gloo ranks against the single-process reference.
 
-Every run is 4 optimizer steps of 16 samples (24 at W=3), fp32, gas=4 unless said otherwise, so the fp32 floor holds:
-``FLOOR`` = 2e-6, about 3x the largest difference measured between runs that differ only in the order of fp32 sums
-(every run here: 0.8e-7 to 5.5e-7 from its reference; offload, ``reduce_scatter`` off, non-contiguous gradients,
-``overlap_comm``, buckets: bit-identical to the default run). Runs using the "standard" Newton-Schulz kernel, which
-computes in bf16 on the CPU, are held to ``BF16_NS_FLOOR``.
+Newton-Schulz must run once per Muon matrix per step over all ranks (stock 0.19.8 runs each on every rank under CPU
+offload). Each run: 4 steps of 16 samples (24 at W=3), fp32, gas=4 unless said otherwise. ``FLOOR`` = 2e-6, about 3x
+the largest fp32-sum-order difference measured (every run here 0.8e-7 to 5.5e-7 from its reference; offload,
+``reduce_scatter`` off, non-contiguous gradients, ``overlap_comm``, buckets: bit-identical to the default run); the
+"standard" kernel (bf16 on CPU) is held to ``BF16_NS_FLOOR``.
 
-What the runs cover: ``default``: ``{"stage": 3}`` (``reduce_scatter`` true, which stock refuses; every parameter
-partitioned); ``stage3_alone``: without ``stage3_param_persistence_threshold``, so these small parameters stay whole on
-every rank, refreshed by the coalesced all-gather; the other reduce paths; CPU and NVMe (where libaio builds) optimizer
-offload, with and without ``save_muon_momentum_buffer_in_memory``; ``groups``: two Muon groups with different momentum,
-lr and weight decay (stock refuses different momenta); ``standard_first``: one group per Newton-Schulz kernel (stock
-applies the last group's ``ns_method`` to all); ``shapes``: a 3-D expert weight, a 4-D conv weight, a matrix with fewer
-elements than ranks; ``heads``: ``per_head_muon``; ``routed``: a Muon matrix without gradient in some micro-steps and a
-whole step (stock feeds it the previous step's; fixed and tested with AdamW in
-``test_zero3_grad_partition_window.py``); a frozen layer; ``deepspeed.zero.Init``; ``hpz`` at W=4; ``buckets*``:
-``max_step_memory: "momentum_partition"`` with ``reduce_bucket_size`` small enough for one bucket per matrix, at
-pipeline depth 2, 1 and 3 (under the default cap these small models' matrices share one bucket).
+Cases: ``default`` (``{"stage": 3}``, ``reduce_scatter`` true, which stock refuses); ``stage3_alone`` (no persistence
+threshold: small parameters stay whole); the other reduce paths; CPU and NVMe (where libaio builds) offload, with and
+without ``save_muon_momentum_buffer_in_memory``; ``groups`` (different momentum, lr, weight decay; stock refuses
+different momenta); ``standard_first`` (one group per NS kernel; stock applies the last group's ``ns_method`` to all);
+``shapes`` (3-D expert, 4-D conv, fewer elements than ranks); ``heads``; ``routed`` (a matrix without gradient in some
+micro-steps and a whole step; stock feeds it the previous step's); a frozen layer; ``zero.Init``; ``hpz`` at W=4;
+``buckets*`` (one bucket per matrix at pipeline depth 2, 1, 3: ``max_step_memory: "momentum_partition"`` with
+``reduce_bucket_size`` small enough; under the default cap these matrices share one bucket).
 """
 
 import pytest
@@ -101,8 +96,7 @@ def expected_default(references, world_size):
 
 
 def standard_first_kernels(result):
-    """fc1 (its own group, ns_method "standard") goes to the standard kernel, the other two matrices to the Gram
-    kernel, once per step each, summed over ranks."""
+    """fc1 (own group, ns_method "standard") to the standard kernel, the other two to Gram, once per step each."""
     assert result.ns_by_kernel() == dict(zeropower_via_newtonschulz5=STEPS,
                                          zeropower_via_gram_newtonschulz=2 * STEPS,
                                          zeropower_via_polar_express=0)
@@ -156,8 +150,7 @@ class TestZero3MuonConfigs(DistributedTest):
     @pytest.mark.core
     @pytest.mark.parametrize("world_size", [2])
     def test_offload_equals_device_run(self, world_size, expected_default):
-        """CPU offload, with and without the momentum kept in memory: the weights of the device run, NS once per matrix
-        per step summed over ranks."""
+        """CPU offload, momentum in memory or not: the device run's weights, NS once per matrix per step."""
         device = DEFAULT.train()
         for name, run in OFFLOAD.items():
             result = run.train()
@@ -174,9 +167,7 @@ class TestZero3MuonConfigs(DistributedTest):
 
     @pytest.mark.parametrize("world_size", sorted(BUCKET_RUNS))
     def test_buckets_equal_one_bucket(self, world_size, expected_default):
-        """One bucket per matrix (two all-to-alls each per step), at pipeline depth 1, 2 and 3, gives the weights of
-        the default plan (these small matrices share one bucket under the default max_step_memory): the owners change,
-        the Newton-Schulz inputs do not."""
+        """One bucket per matrix at depth 1, 2, 3 gives the one-bucket plan's weights: owners change, NS inputs not."""
         one_bucket = default(world_size).train()
         exchanges = one_bucket.per_rank[0].stats["exchanges"]
         assert exchanges % (2 * STEPS) == 0 and 2 * STEPS <= exchanges <= 2 * 3 * STEPS
@@ -192,6 +183,5 @@ class TestZero3MuonConfigs(DistributedTest):
     pytest.param(HEADS, HEADS.with_(per_head=False), id="heads", marks=NO_PER_HEAD)
 ])
 def test_settings_matter(references, run, without):
-    """Per-group settings and per-head Newton-Schulz change the result well beyond the floor, so matching the reference
-    (``test_matches_reference[W2-groups]``, ``[W2-heads]``) means they were used."""
+    """Per-group settings and per-head NS move the result far beyond the floor: matching the reference shows use."""
     assert relative_difference(reference_of(references, without), reference_of(references, run)) > 100 * FLOOR

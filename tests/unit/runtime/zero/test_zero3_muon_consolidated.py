@@ -4,15 +4,11 @@
 # DeepSpeed Team
 """Weights out of a ZeRO-3 Muon run.
 
-- ``zero_to_fp32`` (the function, the conversion to a file and the ``zero_to_fp32.py`` script that ``save_checkpoint``
-  copies into the checkpoint folder) gives exactly the fp32 master weights the engine holds
-  (``safe_get_full_fp32_param``), for every parameter, Muon matrices and the auxiliary Adam's alike: W=2, gas=2, in
-  fp32, bf16 and with CPU optimizer offload.
-- ``save_16bit_model`` with ``stage3_gather_16bit_weights_on_model_save`` writes exactly the engine's gathered module
-  weights (bf16 in a bf16 run, fp32 in an fp32 run).
+- ``zero_to_fp32`` (function, file conversion and the copied ``zero_to_fp32.py`` script) gives exactly the engine's
+  fp32 masters (``safe_get_full_fp32_param``) for every parameter: W=2, gas=2, fp32, bf16 and CPU offload.
+- ``save_16bit_model`` with ``stage3_gather_16bit_weights_on_model_save`` writes exactly the gathered module weights.
 
-Each comparison is against the engine's own weights after a few steps (which moved every parameter away from its
-initialization), with ``torch.equal`` (same shape, dtype-matched values), over the model's full set of parameter names.
+Each is compared with ``torch.equal`` to the engine's own weights after a few steps, over every parameter name.
 """
 
 import subprocess
@@ -33,8 +29,7 @@ TAG = "consolidated"
 
 
 def trained_engine(run: Zero3MuonRun):
-    """A ZeRO-3 engine of ``run`` after ``run.steps`` optimizer steps on every rank of the current process group
-    (collective), on the samples ``Zero3MuonRun.train`` uses; the caller destroys it."""
+    """ZeRO-3 engine of ``run`` after ``run.steps`` steps on ``Zero3MuonRun.train``'s samples (collective)."""
     from deepspeed import comm as dist
     world_size, rank = dist.get_world_size(), dist.get_rank()
     input_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[run.dtype]
@@ -52,8 +47,7 @@ def trained_engine(run: Zero3MuonRun):
 
 
 def fp32_master_weights(engine) -> dict:
-    """Every parameter's full fp32 master weights by name (``safe_get_full_fp32_param``; collective), fp32 CPU tensors
-    of the parameter's shape."""
+    """Full fp32 master weights by name, fp32 CPU, the parameter's shape (collective)."""
     from deepspeed.utils import safe_get_full_fp32_param
     weights = {}
     for name, param in engine.module.named_parameters():

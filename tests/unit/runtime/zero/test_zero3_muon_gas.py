@@ -4,13 +4,11 @@
 # DeepSpeed Team
 """ZeRO-3 Muon under gradient accumulation, on W gloo ranks (``DS_ACCELERATOR=cpu``).
 
-Every step trains on the same 16 samples, split into one micro-batch per rank (gas=1) or four (gas=4), fp32, momentum
-0.95. The weights must then agree, to the fp32 floor (``FLOOR``, 2e-6: about 3x the largest difference measured between
-such runs, 6.0e-7), with the same ZeRO-3 run at gas=1, with a single-process PyTorch reference calling upstream
-``muon_update``, and (from 0.19.8, see ZERO2_MATCHES_REFERENCE) with ZeRO-2, whose Muon already runs once per step.
-Newton-Schulz must run once per Muon matrix per step, summed over ranks, and never on a non-boundary micro-step. Wrong
-results are far off: momentum advanced per micro-step gave 1e-1 on stock 0.19.7, and clipping the update instead of the
-gradient moves these weights by 4e-3.
+Each step trains on the same 16 samples, one micro-batch per rank (gas=1) or four (gas=4), fp32, momentum 0.95. The
+weights must agree to ``FLOOR`` (2e-6, about 3x the largest measured, 6.0e-7) with ZeRO-3 at gas=1, a single-process
+reference calling upstream ``muon_update``, and (from 0.19.8, ZERO2_MATCHES_REFERENCE) ZeRO-2. Newton-Schulz runs once
+per Muon matrix per step over all ranks, never on a non-boundary micro-step. Momentum advanced per micro-step (stock
+0.19.7) is 1e-1 off; clipping the update instead of the gradient 4e-3.
 """
 
 import inspect
@@ -25,9 +23,8 @@ from muon_testing.compare import FLOOR, relative_difference
 from muon_testing.models import CrossShapes, build_model, newton_schulz_problem_count
 from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 
-# Stock 0.19.7's ZeRO-2 Muon does not match upstream muon_update on this model: measured 4.6e-2 (two bias-free layers)
-# and 4.9e-2 (MixedMLP) from the reference at W=1, where our ZeRO-3 is at 0.0 and 3.7e-7. ZeRO-2 is a yardstick from
-# 0.19.8 on, and on 0.19.7 with the ZeRO-1/2 Muon of patch 0012 (the binding); the reference is one on every base.
+# Stock 0.19.7's ZeRO-2 Muon is 4.6e-2 / 4.9e-2 from upstream muon_update here (ZeRO-3: 0.0, 3.7e-7), so ZeRO-2 is a
+# yardstick only from 0.19.8 or with this series' ZeRO-1/2 binding; the reference is one on every base.
 ZERO2_MATCHES_REFERENCE = (tuple(int(v) for v in deepspeed.__version__.split("+")[0].split(".")[:3]) >= (0, 19, 8)
                            or "MuonUpdate.create" in inspect.getsource(stage_1_and_2))
 GAS4 = Zero3MuonRun(model="mixed", gas=4, steps=4)
@@ -58,8 +55,7 @@ class TestZero3MuonGas(DistributedTest):
     @pytest.mark.core
     @pytest.mark.parametrize("world_size", [1, 2, 4])
     def test_gas4_matches_gas1_zero2_and_reference(self, world_size, reference):
-        """gas=4 = gas=1 = ZeRO-2 gas=4 = reference; NS once per matrix per step; the same weights on every rank; and
-        the weights moved (a broken step cannot pass as "equal")."""
+        """gas=4 = gas=1 = ZeRO-2 gas=4 = reference; NS once per matrix per step; same weights on every rank; moved."""
         runs = {"gas4": GAS4.train(), "gas1": GAS4.with_(gas=1).train()}
         if ZERO2_MATCHES_REFERENCE:
             runs["zero2"] = GAS4.with_(stage=2).train()
@@ -84,8 +80,7 @@ class TestZero3MuonGas(DistributedTest):
     @pytest.mark.core
     @pytest.mark.parametrize("world_size", [1, 2])
     def test_clipping_feeds_the_momentum_like_clip_grad_norm(self, world_size, clipped_references):
-        """gradient_clipping 1.0 with a clip that bites: ZeRO-3 matches clip_grad_norm_ + Muon, and
-        get_global_grad_norm() reports the raw (pre-clip) norm."""
+        """A biting clip: matches clip_grad_norm_ + Muon; get_global_grad_norm() is the raw (pre-clip) norm."""
         (ref_weights, ref_norms), unclipped_weights = clipped_references
         assert min(ref_norms) > 5 * CLIPPED.clip, "the clip must bite for this test to mean anything"
         assert relative_difference(ref_weights, unclipped_weights) > 100 * FLOOR

@@ -4,16 +4,12 @@
 # DeepSpeed Team
 """fp16 with dynamic loss scaling, bf16, and gradient clipping, checked by replay.
 
-No single-process model reproduces fp16 and bf16 forward passes bit for bit, so each run (W=2, gas=2, 8 steps) records
-at every optimizer step every Muon matrix's accumulated gradient as the reduce path left it (still loss-scaled), the
-loss scale, the gradient that entered the Muon update, the momentum after it and the fp32 master weights
-(``Recorder``). The replay recomputes from the accumulated gradients and loss scales alone what ``clip_grad_norm_`` on
-the raw gradients followed by upstream ``muon_update`` in fp32 gives. Stock 0.19.8 fails this: its momentum keeps
-loss-scaled gradients (40-70% off once the scale changes) and it clips the orthogonalized update. fp16 runs on the CPU:
-``fp16_allowed_on_cpu``.
-
-Tolerance: ``REPLAY_FLOOR`` = 1e-6 (the gradient entering Muon and the momentum come out bit-identical; master weights
-within one ulp, see its docstring).
+No single-process model reproduces fp16/bf16 forward passes bit for bit, so each run (W=2, gas=2, 8 steps) records
+per step each Muon matrix's accumulated (loss-scaled) gradient, the loss scale, the gradient entering Muon, the
+momentum and the fp32 masters (``Recorder``); the replay recomputes ``clip_grad_norm_`` on raw gradients then upstream
+``muon_update`` in fp32. Stock 0.19.8 fails: its momentum keeps loss-scaled gradients (40-70% off once the scale
+changes) and it clips the orthogonalized update. fp16 runs on CPU via ``fp16_allowed_on_cpu``. Tolerance:
+``REPLAY_FLOOR`` = 1e-6 (gradient and momentum come out bit-identical, masters within one ulp).
 """
 
 import math
@@ -45,10 +41,9 @@ def loss_scale_moves_both_ways_and_overflow_steps_change_nothing(run, result):
 
 
 def clip_bites_but_muon_steps_keep_their_size(run, result):
-    """With the clip biting (raw norms 8-30 against 1.0), each Muon matrix still moves by lr times an orthogonal
-    matrix's norm, ~sqrt(min(rows, cols)) times the aspect-ratio scale: clipping only rescales what enters the
-    momentum. (Clipping the orthogonalized update instead, as stock ZeRO does, divides every step by the norm of all
-    the updates: over 7.5 here, from the three Muon matrices alone.)"""
+    """With the clip biting (raw norms 8-30 vs 1.0) each Muon matrix still moves by lr x ~sqrt(min(rows, cols)) x the
+    aspect-ratio scale: clipping only rescales what enters the momentum (stock ZeRO clips the orthogonalized update,
+    dividing every step by the norm of all updates, over 7.5 here)."""
     steps, initial = result.records
     assert min(s["norm"] for s in steps if not s["skipped"]) > 5 * run.clip
     previous = initial
@@ -84,8 +79,7 @@ MARKS = {name: [pytest.mark.core] if name in ("fp16", "bf16_clip") else [] for n
 
 
 def assert_matches_replay(run, check, result):
-    """The gradient entering Muon, the momentum and the master weights match the replay at every step; the momentum is
-    fp32; and the run's own property (loss scale, clip biting or not)."""
+    """Gradient entering Muon, fp32 momentum and masters match the replay every step; and the run's property holds."""
     steps = replay(result.records, MUON_NAMES, HYPER, clip=run.clip)
     for key in ("entered", "momentum", "master"):
         pairs = [step[n][key] for step in steps for n in MUON_NAMES if key in step[n]]
@@ -103,8 +97,8 @@ class TestZero3MuonPrecision(DistributedTest):
 
     @pytest.mark.parametrize("name", [pytest.param(n, marks=MARKS[n]) for n in RUNS])
     def test_muon_update_matches_replay(self, name):
-        """``assert_matches_replay``, and ``get_global_grad_norm()`` is the raw gradient norm (1e-5: a norm of the fp32
-        partitions summed in another order)."""
+        """Matches the replay; ``get_global_grad_norm()`` is the raw norm (1e-5: the same norm of the fp32 partitions
+        summed in another order)."""
         run, check = RUNS[name]
         result = run.train(record=True)
         assert_matches_replay(run, check, result)

@@ -4,11 +4,10 @@
 # DeepSpeed Team
 """ZeRO-3 Muon at world size 1: the configurations of the W=2 tests that one device can run.
 
-A node with one GPU runs a DistributedTest only where its world size fits the device count, so these are the variants
-``dev.py gpu-check`` runs on the GPU: bf16 and fp16 with dynamic loss scaling checked by replay
-(``test_zero3_muon_precision.py``); CPU optimizer offload, and parameter offload with it, against the reference;
-upstream's ``torch.compile``d Newton-Schulz (the W=1 checkpoint resume: ``test_zero3_muon_checkpoint.py``). Same runs,
-checks and tolerances as those tests, at W=1 gas 2 (the boundary still takes two micro-steps).
+A one-GPU node runs only DistributedTests that fit its device count, so ``dev.py gpu-check`` runs these: bf16 and fp16
+loss scaling checked by replay; CPU optimizer (and parameter) offload against the reference; upstream's
+``torch.compile``d Newton-Schulz. Same checks and tolerances as the W=2 tests, at W=1 gas 2 (the boundary still takes
+two micro-steps).
 """
 
 import pytest
@@ -52,8 +51,7 @@ class TestZero3MuonSingleRank(DistributedTest):
 
     @pytest.mark.parametrize("name", sorted(OFFLOAD))
     def test_matches_reference(self, name, offload_reference):
-        """CPU offload of the optimizer (and of the parameters): the single-process reference, to the fp32 floor;
-        Newton-Schulz once per Muon matrix per step."""
+        """CPU optimizer (and parameter) offload: the reference to the fp32 floor; NS once per matrix per step."""
         result = OFFLOAD[name].train()
         assert relative_difference(offload_reference, result.weights) <= FLOOR
         assert result.ns_off_boundary() == 0
@@ -61,8 +59,7 @@ class TestZero3MuonSingleRank(DistributedTest):
 
     @pytest.mark.compiled
     def test_compiled_newton_schulz_matches_eager_reference(self, compiled_reference):
-        """Upstream's compiled Newton-Schulz kernels (TorchDynamo on): the eager reference to the fp32 floor, and
-        TorchDynamo compiled something (else this did not test the compiled path)."""
+        """Upstream's compiled NS kernels: the eager reference to the fp32 floor, and TorchDynamo did compile."""
         with compiled_newton_schulz():
             result = COMPILED_RUN.train()
         assert sum(r.dynamo_graphs for r in result.per_rank) > 0

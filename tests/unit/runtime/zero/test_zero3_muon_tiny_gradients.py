@@ -4,20 +4,17 @@
 # DeepSpeed Team
 """Muon on a matrix whose gradient is tiny or hard-clipped (docs/user-guide.md, "Tiny or hard-clipped gradients").
 
-Newton-Schulz divides its input X (the Nesterov mix of gradient and momentum) by ``||X||_F + 1e-7`` (upstream's
-kernels; Jordan et al., "Muon", 2024). Once ``||X||_F`` is well below 1e-7 the singular values are too small for five
-iterations (each multiplies a small one by at most 3.4445) to bring them near 1: the update shrinks in proportion to
-``||X||_F`` and stops being orthogonal, on one process as under ZeRO-3. The tests pin both facts and print the measured
-sizes the user guide quotes:
+Newton-Schulz divides its input X (Nesterov mix of gradient and momentum) by ``||X||_F + 1e-7`` (upstream's kernels;
+Jordan et al., "Muon", 2024). Once ``||X||_F`` is well below 1e-7, five iterations (each scaling a small singular
+value by at most 3.4445) cannot bring the singular values near 1: the update shrinks in proportion to ``||X||_F`` and
+stops being orthogonal, on one process as under ZeRO-3. The tests pin both and print the sizes the user guide quotes:
 
-- ``test_update_size_against_input_norm``: one 64x48 Gaussian gradient G, scaled by s, through upstream ``muon_update``
-  (fresh momentum, beta 0.95, Newton-Schulz in fp32): the update's size relative to that of G, against ``||X||_F``.
-  Measured: 1.003 at ``||X||_F`` 5.4e-6, 1.07 at 5.4e-8, 0.98 at 1.6e-9, then 0.42 at 5.4e-10, 0.043 at 5.4e-11 and
-  0.0043 at 5.4e-12.
-- ``test_hard_clip_shrinks_muon_steps_as_on_one_process``: ZeRO-3 at W=2, ``gradient_clipping`` 1e-11 on raw gradient
-  norms of 2.6: the Muon weights' change (weight decay taken out) is the single-process reference's
-  (``clip_grad_norm_`` then ``muon_update``) to the fp32 rounding of the weights relative to that change (measured:
-  equal, difference 0), and under 1 percent of the unclipped run's (measured 6.6e-4).
+- ``test_update_size_against_input_norm``: a 64x48 Gaussian gradient G, scaled, through upstream ``muon_update``
+  (fresh momentum, beta 0.95, fp32 NS): update size relative to G's against ``||X||_F``. Measured 1.003 at 5.4e-6, 1.07
+  at 5.4e-8, 0.98 at 1.6e-9, 0.42 at 5.4e-10, 0.043 at 5.4e-11, 0.0043 at 5.4e-12.
+- ``test_hard_clip_shrinks_muon_steps_as_on_one_process``: ZeRO-3, W=2, ``gradient_clipping`` 1e-11 on raw norms of
+  2.6: the Muon weights' change (weight decay out) equals the single-process reference's (``clip_grad_norm_`` then
+  ``muon_update``) to the weights' fp32 rounding (measured: 0), under 1% of the unclipped run's (measured 6.6e-4).
 """
 
 import torch
@@ -31,8 +28,7 @@ from unit.runtime.zero.zero3_muon_helpers import Zero3MuonRun
 SCALES = (1.0, 1e-6, 1e-8, 3e-10, 1e-10, 1e-11, 1e-12)
 BETA = 0.95
 HARD_CLIP = 1e-11
-"""gradient_clipping of the hard-clipped run: the mixed model's raw gradient norms are 2.6, so each Muon matrix's
-Newton-Schulz input has a Frobenius norm below 1e-11."""
+"""gradient_clipping of the hard-clipped run: raw norms are 2.6, so each Newton-Schulz input's norm is below 1e-11."""
 RUN = Zero3MuonRun(model="mixed", gas=2, steps=2)
 
 
@@ -63,8 +59,7 @@ def test_update_size_against_input_norm():
 
 
 def _muon_change(weights, initial):
-    """Per Muon matrix, the weights' change from their initial values by Muon's updates: what the decoupled weight
-    decay (``lr * weight_decay`` per step, independent of the gradient) leaves of the initial values is taken out."""
+    """Per Muon matrix, the weights' change by Muon's updates, with decoupled weight decay's share taken out."""
     decayed = (1 - HYPER["muon_lr"] * HYPER["weight_decay"])**RUN.steps
     return {n: torch.as_tensor(weights[n]) - p * decayed for n, p in initial.items()}
 
@@ -84,8 +79,7 @@ class TestZero3MuonTinyGradients(DistributedTest):
         free_size = sum(float(d.norm()**2) for d in free_change.values())**0.5
         difference = relative_difference(reference_change, change)
         weights_size = sum(float(torch.as_tensor(clipped.weights[n]).norm()**2) for n in initial)**0.5
-        # The change is the difference of two fp32 weights, each rounded to eps of its size: relative to the change,
-        # that rounding is eps * ||w|| / ||change||.
+        # The change is a difference of two fp32 weights: its rounding relative to it is eps * ||w|| / ||change||.
         rounding = torch.finfo(torch.float32).eps * weights_size / size
         report = (f"raw gradient norms {norms}; clipped Muon step / unclipped {size / free_size:.2e}; "
                   f"Muon weight change vs reference {difference:.2e} (fp32 rounding of the weights relative to "

@@ -4,19 +4,14 @@
 # DeepSpeed Team
 """NorMuon (``"variant": "normuon"``) through the owner-centric Muon core, on W gloo ranks.
 
-The reference (``normuon_reference``) is written here from the paper's Algorithm 1 (Li, Liu,
-Liang, Chen, Zhao 2025, "NorMuon: Making Muon more efficient and scalable", arXiv:2510.05491),
-with the norm-preserving rescale of the authors' released code and microsoft/dion: one process,
-the whole batch of a step, upstream ``muon_update`` for O (Nesterov momentum, Newton-Schulz, the
-aspect-ratio scale), then per row of each Newton-Schulz problem ``v = beta2 v + (1 - beta2)
-mean_cols(O^2)``, ``O / (sqrt(v) + eps)`` rescaled to ``||O||_F``; AdamW for the rest. It does not
-call ``owner_state``.
+The reference (``normuon_reference``, independent of ``owner_state``) follows the paper's Algorithm 1 (Li et al. 2025,
+"NorMuon: Making Muon more efficient and scalable", arXiv:2510.05491) with the norm-preserving rescale of the authors'
+code and microsoft/dion: one process, upstream ``muon_update`` for O, then per row of each Newton-Schulz problem
+``v = beta2 v + (1 - beta2) mean_cols(O^2)``, ``O / (sqrt(v) + eps)`` rescaled to ``||O||_F``; AdamW for the rest.
 
-ZeRO-3 at W = 1, 2 (gas 1 and 4) and 4 (gas 4), ZeRO-1 and ZeRO-2 (and ZeRO-2 with optimizer
-offload, through the pipeline) must equal it to the fp32 floor ``FLOOR`` (2e-6; the measured
-differences are printed, MEASURED lines), and be far from plain Muon (the variant does something).
-The default path keeps no owner state, and ``variant: "muon"`` gives plain Muon's weights bit
-for bit, with the same exchange counters.
+ZeRO-3 at W = 1, 2 (gas 1, 4) and 4 (gas 4), ZeRO-1, ZeRO-2 (also offloaded) must equal it to ``FLOOR`` (2e-6;
+MEASURED lines) and be far from plain Muon. Without the variant no owner state is kept, and ``variant: "muon"`` gives
+plain Muon bit for bit with the same exchange counters.
 """
 
 import numpy as np
@@ -54,8 +49,7 @@ def _problem(shape, is_expert_group, num_heads):
 
 
 def normuon_reference(model_name="mixed", steps=5, samples=16, num_heads=None, ns_method="gram", ns_fp32=False):
-    """Single-process NorMuon training of ``model_name``; returns the final weights by name (numpy).
-    ``ns_method``: the Newton-Schulz kernel of O; ``ns_fp32``: every kernel in fp32 on the CPU."""
+    """Single-process NorMuon final weights by name (numpy); ``ns_fp32``: every NS kernel in fp32 on the CPU."""
     with fp32_newton_schulz(every_method=ns_fp32):
         model = build_model(model_name)
         heads = num_heads or {}
@@ -92,8 +86,7 @@ def references():
 
 
 def check_normuon(label, weights, expected, other=None, apart=1000):
-    """``weights`` equal ``expected`` to the fp32 floor and (given ``other``) lie over ``apart`` floors from ``other``
-    (``test_zero3_normuon_checkpoint`` uses it too)."""
+    """``weights`` equal ``expected`` to the fp32 floor and lie over ``apart`` floors from ``other`` (if given)."""
     diff = relative_difference(expected, weights)
     away = float("nan") if other is None else relative_difference(other, weights)
     print(f"MEASURED normuon {label}: {diff:.2e} from the reference, {away:.2e} from the other")
@@ -111,8 +104,7 @@ class TestZero3NorMuon(DistributedTest):
         for gas in gases:
             weights = normuon_run(gas=gas).train().weights
             check_normuon(f"W={world_size} gas={gas}, other: Muon", weights, references["mixed"], references["muon"])
-        # The state lives on the owners: one fp32 value per row of each Muon matrix (of each of its Newton-Schulz
-        # problems), over the ranks.
+        # The state lives on the owners: one fp32 value per row of each Newton-Schulz problem, over the ranks.
         engine = normuon_run(steps=0).build_engine(normuon_run().config(world_size))
         rows = [None] * world_size
         pipelines = engine.optimizer.muon_update.pipelines.values()
@@ -140,10 +132,10 @@ class TestZero3NorMuon(DistributedTest):
 
     @pytest.mark.world_size(2)
     def test_with_polar_express(self):
-        """NorMuon on another ns_method's result (Polar Express, patch 0017), fp32 kernels."""
+        """NorMuon on another ns_method's result (Polar Express), fp32 kernels."""
         from deepspeed.runtime.zero.muon import original_muon
         if "polar_express" not in original_muon.NS_METHODS:
-            pytest.skip("this build has no polar_express ns_method (patch 0017)")
+            pytest.skip("this build has no polar_express ns_method")
         result = normuon_run(gas=2, ns_fp32=True,
                              extra=(("optimizer", normuon_block(ns_method="polar_express")), )).train()
         expected = normuon_reference(ns_method="polar_express", ns_fp32=True)
@@ -157,8 +149,7 @@ class TestZero3NorMuon(DistributedTest):
 
     @pytest.mark.world_size(2)
     def test_default_muon_keeps_no_state_and_is_unchanged(self):
-        """No variant key: no owner state on any pipeline; ``variant: "muon"`` is the same run bit for
-        bit, with the same exchange counters (no extra collective)."""
+        """No variant key: no owner state; ``variant: "muon"`` is the same run bit for bit, no extra collective."""
         plain = Zero3MuonRun(steps=3, gas=2)
         engine = plain.build_engine(plain.config(2))
         assert all(p.owner_state is None for p in engine.optimizer.muon_update.pipelines.values())

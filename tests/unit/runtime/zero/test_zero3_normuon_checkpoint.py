@@ -4,20 +4,14 @@
 # DeepSpeed Team
 """Checkpoints of NorMuon runs: the owner-held per-row state travels per parameter.
 
-- ZeRO-3, same W = 2: save at step 3, load into a fresh engine, continue to step 6: bit-identical
-  to the run that never stopped.
-- Universal checkpoints (``CONVERSIONS``): ZeRO-3 at W = 2 saves and converts (``ds_to_universal``: a
-  ``normuon_second_moment.pt`` per parameter, the parameter's shape, beside the momentum's); ZeRO-3 at W' = 1
-  and 4 loads the saved state exactly, ZeRO-1/2 at W' = 1 and 2 (ZeRO-2 also with optimizer offload) keeps each
-  rank's per-row state exactly; ZeRO-2 at W = 2 (with and without offload) saves, and ZeRO-2 at W' = 1 and ZeRO-3
-  at W' = 2 load. Each continued run equals the single-process NorMuon reference to the fp32 floor (another W is
-  another owner plan: the state reaches each matrix's new owner; at the same W these small models get the same
-  plan whatever ``reduce_bucket_size`` is: it plays no part under the default ``max_step_memory``).
-- ZeRO-1/2 (stage 2, with and without optimizer offload), same W: bit-identical resume; one of an older build
-  (no layout mark) loads and trains on bit-identically.
-- Refused: a plain Muon checkpoint loaded into a NorMuon run, a NorMuon checkpoint whose state was
-  removed (regular and universal; from one rank's file only: the same error on every rank), and a
-  universal file whose rows are not constant.
+- ZeRO-3, W = 2: save at step 3, resume to step 6 bit-identically to the run that never stopped.
+- Universal (``CONVERSIONS``): ZeRO-3 at W = 2 converts (``normuon_second_moment.pt`` per parameter, its shape);
+  ZeRO-3 at W' = 1, 4 and ZeRO-1/2 at W' = 1, 2 (ZeRO-2 also offloaded) load the state exactly; ZeRO-2 at W = 2 (with
+  and without offload) loads at ZeRO-2 W' = 1 and ZeRO-3 W' = 2. Each continued run matches the single-process NorMuon
+  reference to the fp32 floor (another W is another owner plan: the state reaches each new owner).
+- ZeRO-2 (with and without offload), same W: bit-identical resume, also from an older build (no layout mark).
+- Refused: a plain Muon checkpoint into a NorMuon run, a NorMuon checkpoint without its state (regular and universal;
+  missing from one rank's file: the same error on every rank), a universal file whose rows are not constant.
 """
 
 import glob
@@ -98,8 +92,7 @@ class TestNorMuonCheckpoint(DistributedTest):
         _on_rank_0(damage)
         with pytest.raises(RuntimeError, match=f"the loaded optimizer state has no '{KEY}'"):
             normuon_run(gas=2, steps=4, resume_from=SAVED_AT).train(checkpoint_dir=dropped)
-        # Dropped from rank 1's file only: rank 1's check fails, and every rank raises the same error at once
-        # (rank 0 would otherwise wait in the owner state's all-reduce).
+        # Dropped from rank 1's file only: every rank raises the same error (rank 0 would else hang in the all-reduce).
         from deepspeed.runtime.rank_agreement import RankAgreedError
         with pytest.raises(RankAgreedError, match=f"failed on rank 1 of 2: RuntimeError: .* has no '{KEY}'") as e:
             normuon_run(gas=2, steps=4, resume_from=SAVED_AT).train(checkpoint_dir=str(tmp_path / "one"))
@@ -165,6 +158,16 @@ class TestNorMuonUniversal(DistributedTest):
         check_normuon(f"universal ZeRO-{saved} W=2 -> ZeRO-{stage} offload={offload} W'={world_size[1]}",
                       resumed.weights, normuon_reference(steps=5, samples=24))
 
+    @pytest.mark.parametrize("stage", [3, 2])
+    def test_saved_before_the_first_step(self, stage, tmp_path):
+        """A universal checkpoint saved before the first step (NorMuon's per-row state all zeros; at ZeRO-1/2 no
+        momentum) loads as a fresh start instead of being refused."""
+        resumed = UNIVERSAL.with_(stage=stage, restart_after=0).train(checkpoint_dir=str(tmp_path))
+        names = os.listdir(tmp_path / "restart_universal" / "zero" / "fc1.weight")
+        assert f"{KEY}.pt" in names and ("momentum_buffer.pt" in names) == (stage == 3), names
+        expected = normuon_reference(steps=5, samples=24)
+        check_normuon(f"universal ZeRO-{stage} saved at step 0", resumed.weights, expected)
+
     @pytest.mark.parametrize("world_size", [[2, 2]])
     def test_refusals(self, world_size, tmp_path):
         if not (tmp_path / "restart_universal").exists():
@@ -172,11 +175,14 @@ class TestNorMuonUniversal(DistributedTest):
             return
         config = dict(UNIVERSAL.config(2), checkpoint={"load_universal": True})
 
-        def damage():  # a copy without the state; one whose rows are not one value each
-            for tag in ("missing", "uneven"):
+        def damage():  # a copy without the state; one whose rows are not one value each; one with only the state
+            for tag in ("missing", "uneven", "only_state"):
                 shutil.copytree(tmp_path / "restart_universal", tmp_path / tag)
             for path in glob.glob(str(tmp_path / "missing" / "zero" / "*" / f"{KEY}.pt")):
                 os.remove(path)
+            for path in glob.glob(str(tmp_path / "only_state" / "zero" / "*" / "*.pt")):
+                if os.path.basename(path) not in ("fp32.pt", "step.pt", f"{KEY}.pt"):
+                    os.remove(path)
             path = tmp_path / "uneven" / "zero" / "fc1.weight" / f"{KEY}.pt"
             saved = torch.load(path, weights_only=False)
             tensor = saved["param"] if isinstance(saved, dict) else saved
@@ -187,6 +193,11 @@ class TestNorMuonUniversal(DistributedTest):
         engine = universal_engine(UNIVERSAL)
         with pytest.raises(ValueError, match=f"has no {KEY}"):
             engine.load_checkpoint(str(tmp_path), tag="missing")
+        engine.destroy()
+        # Every other optimizer state gone: the stepped (non-zero) variant state is not a fresh start.
+        engine = universal_engine(UNIVERSAL)
+        with pytest.raises(ValueError, match="has no momentum_buffer"):
+            engine.load_checkpoint(str(tmp_path), tag="only_state")
         engine.destroy()
         # Into a plain Muon run: refused (the state would be dropped).
         plain = Zero3MuonRun(gas=2, steps=5, samples=24, universal=True)
@@ -205,9 +216,8 @@ class TestNorMuonUniversal(DistributedTest):
 
 @pytest.mark.parametrize("offload", [None, "cpu"])
 class TestNorMuonOlderZero12Checkpoints(DistributedTest):
-    """A ZeRO-2 NorMuon checkpoint of an older build (rows of the whole matrices a rank holds a piece
-    of, or with offload of the matrices it owns with their indices: ``to_older_zero12_layout``) loads
-    and trains on bit-identically to the uninterrupted run (W=3: two matrices straddle)."""
+    """An older build's ZeRO-2 NorMuon checkpoint (``to_older_zero12_layout``) resumes bit-identically (W=3: two
+    matrices straddle)."""
     world_size = 3
     reuse_dist_env = True
 

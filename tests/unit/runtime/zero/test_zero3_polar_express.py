@@ -4,18 +4,13 @@
 # DeepSpeed Team
 """``ns_method: "polar_express"`` through DeepSpeed, on W gloo ranks (``DS_ACCELERATOR=cpu``).
 
-MixedMLP, 4 optimizer steps of the same 16 samples, fp32, with Newton-Schulz in fp32 for every
-method (``Zero3MuonRun(ns_fp32=True)``: Polar Express computes in bf16 on DeepSpeed's CPU
-accelerator, like "standard", and one bf16 rounding that falls the other way would hide the fp32
-agreement). The weights must equal the single-process reference (``train_reference``: upstream
-``muon_update`` with "polar_express", patch 0017) to the fp32 floor ``FLOOR`` (2e-6; measured
-below 5e-7 here) at ZeRO-3 for W=1, 2 (gas 1 and 4) and 4 (gas 4), at ZeRO-2 with optimizer
-offload (the same distributed core, W=2) and at stage 0 (no ZeRO: upstream's optimizer runs
-``muon_update`` itself), with Polar Express run once per Muon matrix per step summed over ranks
-and no other kernel; with "polar_express" in one parameter group only, that group's matrix goes
-to it and the others to "gram". The method matters: the same run with "gram" ends 1e-2 away.
-An ``ns_method`` Muon has no kernel for is refused at ``deepspeed.initialize`` at every stage, in
-the config and in a parameter group, naming the key and the accepted methods.
+MixedMLP, 4 steps of the same 16 samples, fp32, NS in fp32 for every method (``ns_fp32=True``: on the CPU Polar Express
+computes in bf16, and one rounding falling the other way would hide the fp32 agreement). The weights must equal the
+single-process reference (upstream ``muon_update`` with "polar_express") to ``FLOOR`` (2e-6; measured < 5e-7) at
+ZeRO-3 for W=1, 2 (gas 1, 4) and 4 (gas 4), ZeRO-2 with offload (W=2) and stage 0, with Polar Express once per Muon
+matrix per step over all ranks and no other kernel; set in one group only, only that group's matrix uses it. "gram"
+ends 1e-2 away. An unknown ``ns_method`` (config or group) is refused at ``deepspeed.initialize`` naming the key and
+the accepted methods.
 """
 
 import deepspeed
@@ -39,8 +34,7 @@ def references():
 
 
 def check(name, result, references):
-    """``result`` equals RUN's reference, far from the "gram" one; Polar Express once per problem
-    per step summed over ranks, no other kernel."""
+    """``result`` equals RUN's reference, far from "gram"'s; Polar Express once per problem per step, nothing else."""
     reference, gram, _ = references
     diff = relative_difference(reference, result.weights)
     print(f"MEASURED {name}: {diff:.2e} from the reference, {relative_difference(gram, result.weights):.2e} "

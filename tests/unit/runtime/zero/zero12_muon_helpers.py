@@ -12,15 +12,13 @@ import torch
 
 
 def to_older_zero12_layout(checkpoint_dir, tag, shapes, world_size, offload, owners=None):
-    """Rewrite a ZeRO-1/2 checkpoint of this build (one process, every rank's optimizer file) into the
-    layout stock DeepSpeed and older builds of the Muon patch wrote, without ``muon_state_layout``.
+    """Rewrite a ZeRO-1/2 checkpoint of this build (one process, every rank's file) into the layout of stock DeepSpeed
+    and older builds (no ``muon_state_layout``).
 
-    Without offload the Muon group's momentum becomes the whole momentum of every matrix the rank's
-    partition touches, concatenated in order; a variant's state (NorMuon's, in its checkpoint form)
-    becomes the rows of those whole matrices, or with offload the rows of the matrices the rank owns
-    (``owners``: owner rank per matrix) with their indices under ``<key>_matrices``. The flat
-    buffer is the group's matrices back to back (``shapes``, in group order, no parameter padding),
-    cut into equal partitions.
+    Without offload the momentum becomes the whole momentum of every matrix the partition touches, in order; a
+    variant's state becomes those matrices' rows, or with offload the rows of the matrices the rank owns (``owners``:
+    owner rank per matrix) with indices under ``<key>_matrices``. The flat buffer is ``shapes`` back to back, no
+    padding, cut into equal partitions.
     """
     from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT
     from deepspeed.runtime.zero.muon.owner_state import state_keys

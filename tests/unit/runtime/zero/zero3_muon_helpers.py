@@ -4,12 +4,10 @@
 # DeepSpeed Team
 """The ZeRO Muon tests' harness, on top of ``muon_testing`` (models, data, comparisons, reference).
 
-- ``Zero3MuonRun``: one DeepSpeed training run as data; ``train()`` runs it on every rank and returns a
-  ``Zero3MuonResult``; ``initialize_error``: the error ``deepspeed.initialize`` raises for one.
-- ``Recorder`` / ``replay``: what the boundary update saw and did at every step, recomputed with upstream
-  ``muon_update`` (no single-process model reproduces fp16/bf16 runs bit for bit).
-- Checkpoints: the optimizer state gathered whole, universal conversion, older layouts.
-- Tolerances beyond ``FLOOR``: ``BF16_NS_FLOOR``, ``REPLAY_FLOOR`` (measurements: docs/configurations.md).
+``Zero3MuonRun`` (one training run as data; ``train()`` runs it on every rank), ``initialize_error``, ``Recorder`` /
+``replay`` (each boundary update's inputs and outputs, recomputed with upstream ``muon_update``: no single-process
+model reproduces fp16/bf16 runs bit for bit), checkpoint helpers (optimizer state gathered whole, universal
+conversion, older layouts), tolerances beyond ``FLOOR`` (measurements: docs/configurations.md).
 """
 
 import contextlib
@@ -30,14 +28,12 @@ from muon_testing.models import HYPER, TOTAL_SAMPLES, build_model, loss_fn, para
 from muon_testing.reference import device, fp32_newton_schulz, train_reference
 
 BF16_NS_FLOOR = 5e-3
-"""For runs using the "standard" Newton-Schulz kernel, which computes in bf16 on the CPU: one bf16 rounding that falls
-the other way (2^-8 relative) after a 1e-7 input difference moves the weights by up to ~1e-3 (5.3e-4 measured in a
-two-group run)."""
+"""Runs with the "standard" Newton-Schulz kernel (bf16 on the CPU): one bf16 rounding falling the other way (2^-8
+relative) after a 1e-7 input difference moves the weights by up to ~1e-3 (5.3e-4 measured in a two-group run)."""
 
 REPLAY_FLOOR = 1e-6
-"""Replay of recorded fp16/bf16/fp32 steps: the gradient entering Muon and the momentum come out bit-identical
-(measured 0.0); master weights differ by at most one ulp (3.4e-7 to 4.2e-7 measured) where the vectorized
-flat-partition update and the whole-matrix replay put different elements in the scalar remainder loop."""
+"""Replay of recorded fp16/bf16/fp32 steps: gradient entering Muon and momentum bit-identical; master weights within
+one ulp (3.4e-7 to 4.2e-7 measured): the flat-partition update and the whole-matrix replay vectorize differently."""
 
 OVERFLOW_FACTOR = 1e6
 """Multiplies the inputs of a step's first micro-batch on an ``overflow_steps`` step: fp16 overflows."""
@@ -61,9 +57,8 @@ def ds_config(stage: int,
               hyper=HYPER,
               samples: int = TOTAL_SAMPLES,
               partition_all: bool = True) -> dict:
-    """A DeepSpeed config for ``samples`` samples per step split over ranks and micro-steps. With ``partition_all``
-    (stage 3) every parameter is partitioned, as a large model's matrices are
-    (``stage3_param_persistence_threshold: 0``; at the default 1e5 these small ones would stay whole)."""
+    """A config for ``samples`` samples per step split over ranks and micro-steps. ``partition_all`` (stage 3):
+    every parameter partitioned, as a large model's are (persistence threshold 0; at 1e5 these would stay whole)."""
     zero = {"stage": stage}
     if stage == 3 and partition_all:
         zero["stage3_param_persistence_threshold"] = 0
@@ -88,18 +83,17 @@ ADAMW = {
                    eps=HYPER["eps"],
                    weight_decay=HYPER["weight_decay"])
 }
-"""DeepSpeed's ``AdamW`` with the reference's hyper-parameters (``Zero3MuonRun(optimizer="AdamW")``; each run
-gets its own copy)."""
+"""DeepSpeed's ``AdamW`` with the reference's hyper-parameters (``Zero3MuonRun(optimizer="AdamW")``)."""
 
 FP16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
-"""fp16 section of ``Zero3MuonRun(dtype="fp16")``: loss scale 256, grown after 2 clean steps, cut at the first
-overflow, so a few steps see it move both ways."""
+"""``Zero3MuonRun(dtype="fp16")``: loss scale 256, grown after 2 clean steps, cut at the first overflow, so a few steps
+see the loss scale move both ways."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Zero3MuonRun:
-    """One DeepSpeed training run of a test model: ``steps`` optimizer steps of ``samples`` samples each
-    (``step_batch``) split over W ranks and ``gas`` micro-steps, the same samples whatever ``gas`` and W are.
+    """One DeepSpeed training run of a test model: ``steps`` optimizer steps of ``samples`` samples (``step_batch``)
+    split over W ranks and ``gas`` micro-steps, the same samples whatever ``gas`` and W are.
 
     Attributes (config keys where not said; None: not set):
         model: a key of MODELS. dtype: "fp32", "bf16" or "fp16" (``FP16``; ``fp16_allowed_on_cpu``). clip:
@@ -107,19 +101,19 @@ class Zero3MuonRun:
         offload: ``offload_optimizer.device`` ("cpu", "nvme": needs ``train(nvme_dir=...)``). momentum_in_memory:
             ``save_muon_momentum_buffer_in_memory``. zero / extra: more ``zero_optimization`` / top-level keys.
         partition_all: see ``ds_config``. optimizer: "Muon" or "AdamW" (``ADAMW``). groups: a key of GROUPINGS.
-        zero_init: the model built under ``deepspeed.zero.Init``. overflow_steps: steps whose first micro-batch
-            is scaled by OVERFLOW_FACTOR. pipeline_depth: buckets in flight ahead of the one the owner
-            orthogonalizes (1: serial; default 2).
+        zero_init: build under ``deepspeed.zero.Init``. overflow_steps: steps whose first micro-batch is scaled by
+            OVERFLOW_FACTOR. pipeline_depth: buckets in flight ahead of the one orthogonalized (1: serial; default 2).
+            max_step_memory: Muon's per-rank cap (bytes or a fraction). per_head: ``per_head_muon`` (also the
+            reference's).
         restart_after: after that many steps ``save_checkpoint`` (tag ``restart``), a fresh engine,
             ``load_checkpoint``, go on (needs ``train(checkpoint_dir=...)``); equal to ``steps``: save and stop.
-        universal: checkpoints go through ``ds_to_universal`` (tag ``restart_universal``, on rank 0) and load
-            with ``"checkpoint": {"load_universal": true}``.
-        resume_from: start at this step from the checkpoint a run with ``restart_after`` equal to it saved
-            in ``checkpoint_dir`` (at any world size when ``universal``).
-        ns_method: also the reference's (None: upstream's "gram"). ns_fp32: every Newton-Schulz kernel in
-            fp32 in the run and its reference (``fp32_newton_schulz(every_method=True)``); fp32 runs only.
-        momentum_to_bf16: before that ``load_checkpoint``, the checkpoint's Muon momentum stored in bf16, as
-            stock 0.19.8 writes it under bf16 training.
+        universal: checkpoints go through ``ds_to_universal`` (tag ``restart_universal``, on rank 0) and load with
+            ``"checkpoint": {"load_universal": true}``. resume_from: start at this step from the checkpoint a run
+            with ``restart_after`` equal to it saved in ``checkpoint_dir`` (any world size when ``universal``).
+        ns_method: also the reference's (None: upstream's "gram"). ns_fp32: every Newton-Schulz kernel in fp32 in
+            the run and its reference (``fp32_newton_schulz(every_method=True)``); fp32 runs only.
+        momentum_to_bf16: before that ``load_checkpoint``, the checkpoint's Muon momentum stored in bf16, as stock
+            0.19.8 writes it under bf16 training.
     """
     model: str = "mixed"
     stage: int = 3
@@ -152,7 +146,6 @@ class Zero3MuonRun:
         return dataclasses.replace(self, **changes)
 
     def config(self, world_size: int, nvme_dir=None) -> dict:
-        """The DeepSpeed config of this run on ``world_size`` ranks."""
         zero = dict(self.zero)
         if self.offload is not None:
             zero["offload_optimizer"] = {"device": self.offload}
@@ -213,9 +206,8 @@ class Zero3MuonRun:
         return engine
 
     def train(self, checkpoint_dir=None, nvme_dir=None, record=False) -> "Zero3MuonResult":
-        """Train on every rank (collective). Micro-step ``m`` of rank ``r`` takes samples
-        ``[(m * W + r) * mb, ... + mb)`` of the step. ``record``: with a ``Recorder`` (ZeRO-3 Muon runs only).
-        Newton-Schulz computes in fp32 (``fp32_newton_schulz``)."""
+        """Train on every rank (collective); micro-step ``m`` of rank ``r`` takes the step's samples
+        ``[(m * W + r) * mb, ... + mb)``. ``record``: with a ``Recorder`` (ZeRO-3 Muon only). Newton-Schulz in fp32."""
         with fp32_newton_schulz(every_method=self.ns_fp32):
             return self._train(checkpoint_dir, nvme_dir, record)
 
@@ -307,16 +299,16 @@ class Zero3MuonResult:
     """What ``Zero3MuonRun.train`` returns, the same on every rank.
 
     Attributes:
-        weights: full parameters by name (fp32 CPU tensors) after training. norms:
-            ``get_global_grad_norm()`` per step. loss_scales: the loss scale after each step (1.0 without one).
-        per_rank: per rank: ``ns_per_step`` (NS calls at each boundary), ``ns_off_boundary`` (NS calls on
-            other micro-steps), ``ns_by_kernel``, ``stats`` (the boundary's counters as a dict, or None),
-            ``dynamo_graphs`` (graphs TorchDynamo compiled during the run: 0 when it is disabled).
+        weights: full parameters by name (fp32 CPU tensors) after training. norms: ``get_global_grad_norm()`` per
+            step. loss_scales: the loss scale after each step (1.0 without one).
+        per_rank: per rank: ``ns_per_step`` (NS calls at each boundary), ``ns_off_boundary`` (on other micro-steps),
+            ``ns_by_kernel``, ``stats`` (the boundary's counters as a dict, or None), ``dynamo_graphs`` (graphs
+            TorchDynamo compiled during the run: 0 when it is disabled).
         final_momentum_dtypes / optimizer_state: ZeRO-3: the Muon momentum buffers' dtypes and
-            ``gathered_optimizer_state`` at the end. loaded_state: with ``resume_from``, the latter right
-            after ``load_checkpoint``. muon_num_heads: by parameter name, as DeepSpeed tagged them.
-        records / momentum_dtypes: with ``train(record=True)``, ``(Recorder.steps, Recorder.initial_master)``
-            and ``Recorder.momentum_dtypes``.
+            ``gathered_optimizer_state`` at the end. loaded_state: with ``resume_from``, the latter right after
+            ``load_checkpoint``. muon_num_heads: by parameter name, as DeepSpeed tagged them.
+        records / momentum_dtypes: with ``train(record=True)``, ``(Recorder.steps, Recorder.initial_master)`` and
+            ``Recorder.momentum_dtypes``.
     """
     weights: dict
     norms: list
@@ -346,9 +338,8 @@ class Zero3MuonResult:
 
 
 def ds_to_universal_args(checkpoint_dir, tag, inject_missing_state=False) -> types.SimpleNamespace:
-    """``ds_to_universal.main``'s arguments for ``checkpoint_dir/tag`` into ``checkpoint_dir/<tag>_universal``:
-    one worker, no child processes, as upstream's tests run it (``inject_missing_state``: for a ZeRO-1/2
-    checkpoint of a model without ``universal_checkpoint_info``)."""
+    """``ds_to_universal.main``'s arguments, ``checkpoint_dir/tag`` into ``checkpoint_dir/<tag>_universal``, one
+    worker as upstream's tests run it; ``inject_missing_state``: ZeRO-1/2 without ``universal_checkpoint_info``."""
     return types.SimpleNamespace(input_folder=os.path.join(checkpoint_dir, tag),
                                  output_folder=os.path.join(checkpoint_dir, f"{tag}_universal"),
                                  num_extract_workers=1,
@@ -371,10 +362,9 @@ def convert_to_universal(checkpoint_dir, tag, inject_missing_state=False) -> str
 
 
 def gathered_optimizer_state(engine) -> dict:
-    """A ZeRO-3 engine's per-parameter optimizer state, whole: ``{(name, key): ndarray}`` for ``key`` "fp32" (the
-    master weights) and each flat state of the sub-group (``momentum_buffer``, ``exp_avg``, ...) in the parameter's
-    shape, as fp32 (exact for fp32 and bf16 states), plus ``(name, "step")`` where the sub-group has a step; a Muon
-    variant's owner state is saved to its checkpoint form first. Collective."""
+    """A ZeRO-3 engine's optimizer state, whole (collective): ``{(name, key): ndarray}``, fp32 (exact for fp32/bf16)
+    of the parameter's shape, for ``key`` "fp32" (master weights) and each flat state of the sub-group, plus
+    ``(name, "step")``; a Muon variant's owner state is first saved to its checkpoint form."""
     opt = engine.optimizer
     if getattr(opt, "muon_update", None) is not None:
         opt.muon_update.save_owner_state()
@@ -425,8 +415,7 @@ def initialize_error(run: Zero3MuonRun, nvme_dir=None) -> Optional[str]:
     return None
 
 
-# Recording and replay: where no single-process model reproduces a run bit for bit (fp16 and bf16 forward passes, loss
-# scaling), the optimizer is checked on the gradients DeepSpeed accumulated.
+# Recording and replay: the optimizer checked on the gradients DeepSpeed accumulated (fp16/bf16 runs, loss scaling).
 
 
 def _full(opt, sub_group_id, flat, param):
@@ -444,12 +433,11 @@ class Recorder:
     """Hooks on a ZeRO-3 optimizer that record every Muon matrix at every optimizer step (on every rank).
 
     Attributes:
-        steps: one dict per optimizer step: ``skipped`` (no update: overflow), ``loss_scale`` (the scale of
-            the step's backward passes, read before ``step()`` may change it), ``norm``
-            (``get_global_grad_norm()``), ``norm_from_gradients`` (the norm of every parameter's accumulated
-            gradient over the loss scale), and per Muon parameter name ``accumulated`` (before unscaling),
-            ``entered`` (what the Muon update received), ``momentum`` (after) and ``master`` (fp32 weights
-            after the step); all numpy fp32 of the full shape.
+        steps: one dict per optimizer step: ``skipped`` (no update: overflow), ``loss_scale`` (of the step's
+            backward passes, read before ``step()`` may change it), ``norm`` (``get_global_grad_norm()``),
+            ``norm_from_gradients`` (of every parameter's accumulated gradient, over the loss scale), and per Muon
+            parameter name ``accumulated`` (before unscaling), ``entered`` (what the Muon update received),
+            ``momentum`` (after) and ``master`` (fp32 weights after the step); all numpy fp32 of the full shape.
         initial_master: fp32 master weights before training, by name.
         momentum_dtypes: dtype of every Muon sub-group's momentum buffer at every step, as strings.
     """
@@ -511,7 +499,6 @@ class Recorder:
         norm = self.engine.get_global_grad_norm()
         step["norm"] = None if norm is None else float(norm)
         if not step["skipped"]:
-            # The raw norm of all parameters' accumulated gradients, from the partitions.
             from deepspeed.accelerator import get_accelerator
             total = torch.tensor([step.pop("local_sq")],
                                  dtype=torch.float64,
@@ -532,18 +519,10 @@ def replay(*args, **kwargs):
 
 
 def _replay(records, names, hyper, clip=0.0):
-    """What clip_grad_norm_ + upstream ``muon_update`` give on the recorded accumulated gradients.
-
-    Args:
-        records: ``Recorder.steps`` and ``Recorder.initial_master`` as ``(steps, initial)``.
-        names: the Muon parameter names to replay.
-        hyper: ``muon_lr``, ``momentum``, ``weight_decay`` (one Muon group).
-        clip: ``gradient_clipping`` (0: off).
-
-    Returns:
-        list (per step) of dicts name -> ``(expected, recorded)`` for ``entered``, ``momentum``
-        and ``master``; a skipped step expects momentum and master unchanged.
-    """
+    """What clip_grad_norm_ (``clip``: ``gradient_clipping``, 0: off) + upstream ``muon_update`` give on the recorded
+    accumulated gradients of the Muon parameters ``names``. ``records``: ``(Recorder.steps, Recorder.initial_master)``;
+    ``hyper``: ``muon_lr``, ``momentum``, ``weight_decay`` (one Muon group). Returns per step a dict name ->
+    ``(expected, recorded)`` for ``entered``, ``momentum`` and ``master`` (a skipped step: the last two unchanged)."""
     from deepspeed.runtime.zero.muon.original_muon import muon_update
     steps, initial = records
     dev = device()
