@@ -4,8 +4,8 @@
 # DeepSpeed Team
 """The test models, the samples of every optimizer step, the loss and the parameter groups.
 
-Each model is small, its matrix sizes not divisible by W = 2, 3, 4, and covers a case Muon or ZeRO-3 must handle
-(shapes, routing, frozen layers, heads, expert and conv weights). ``step_batch`` gives a step the same samples whatever
+Each model is small and covers a case Muon or ZeRO-3 must handle (padding, shapes, routing, frozen layers, heads,
+expert and conv weights). ``step_batch`` gives a step the same samples whatever
 the world size and gradient accumulation, so runs that cut them differently must end equal (``FLOOR``).
 """
 
@@ -22,8 +22,8 @@ HYPER = dict(muon_lr=0.02, adam_lr=0.003, momentum=0.95, weight_decay=0.01, beta
 
 
 class MixedMLP(torch.nn.Module):
-    """Muon matrices 33x21, 17x33, 7x17 (no size divisible by 2, 3 or 4); AdamW: two biases and a LayerNorm.
-    Input (N, 21) fp32, output (N, 7)."""
+    """Muon matrices 33x21, 17x33, 7x17 (odd numels; 1427 parameters in all, divisible by none of W = 2, 3, 4); AdamW:
+    two biases and a LayerNorm. Input (N, 21) fp32, output (N, 7)."""
     in_dim, out_dim = 21, 7
 
     def __init__(self):

@@ -11,8 +11,8 @@ three times with one ``tmp_path`` (``world_size`` ``[2, 1, 2]``):
   with ``--inject_missing_state``; the folders must hold exactly every recorded state (fp32 masters, optimizer states,
   step, group settings). One more step follows.
 - W'=1, then 2: a ``load_universal`` engine must hold exactly the recorded state and, after the same step, the
-  uninterrupted run's, bit for bit. 16 samples per step in micro-batches of 8 (W=2: gas 1; W'=1: 2) keep each fp32
-  gradient sum identical (halving is exact) and the step is elementwise.
+  uninterrupted run's, bit for bit (AdamW at W'=1: within ``ADAM_ULPS``). 16 samples per step in micro-batches of 8
+  (W=2: gas 1; W'=1: 2) keep each fp32 gradient sum identical (halving is exact) and the step is elementwise.
 
 Cases: SGD with momentum and weight decay (client optimizer; ``zero_force_ds_cpu_optimizer: false`` with offload) at
 ZeRO-1, 2, 2 + CPU offload; DeepSpeed's AdamW (FusedAdam, DeepSpeedCPUAdam with offload) at ZeRO-1 and 2 + offload. A

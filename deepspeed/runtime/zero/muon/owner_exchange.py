@@ -207,8 +207,8 @@ class InFlight:
 
 
 class ExchangeBuffers:
-    """One partition's exchange buffers for one step, allocated up front (an out-of-memory error comes at the step's
-    start, not mid-exchange) and shared by its Muon pipelines, which run one after the other.
+    """One pipeline run's exchange buffers (``MuonUpdate.update`` makes a set per pipeline in turn, each sized by its
+    own plan), allocated before the run's first all-to-all: an out-of-memory error comes there, not mid-exchange.
 
     Each of ``slots`` holds one bucket in flight: an outgoing (this rank's pieces) and an incoming buffer (the owner's
     matrices) of ``outgoing_numel`` / ``incoming_numel`` fp32 elements on ``device``, raw bytes viewed as each step's

@@ -103,7 +103,7 @@ class Zero3MuonRun:
         partition_all: see ``ds_config``. optimizer: "Muon" or "AdamW" (``ADAMW``). groups: a key of GROUPINGS.
         zero_init: build under ``deepspeed.zero.Init``. overflow_steps: steps whose first micro-batch is scaled by
             OVERFLOW_FACTOR. pipeline_depth: buckets in flight ahead of the one orthogonalized (1: serial; default 2).
-            max_step_memory: Muon's per-rank cap (bytes or a fraction). per_head: ``per_head_muon`` (also the
+            max_step_memory: Muon's per-rank cap (bytes or "momentum_partition"). per_head: ``per_head_muon`` (also the
             reference's).
         restart_after: after that many steps ``save_checkpoint`` (tag ``restart``), a fresh engine,
             ``load_checkpoint``, go on (needs ``train(checkpoint_dir=...)``); equal to ``steps``: save and stop.
