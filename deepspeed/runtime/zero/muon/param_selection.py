@@ -183,8 +183,11 @@ C_ATTN_COLUMNS = frozenset(("GPT2Attention", "DecisionTransformerGPT2Attention",
 
 def recognized_split(parent, path: Tuple[str, ...], shape: Sequence[int]) -> Optional[Split]:
     """The split of parameter ``path`` of ``parent`` (``("gate_up_proj",)``: its own; ``("qkv_proj", "weight")``: a
-    child's) of whole ``shape``, for the layouts listed above by ``parent``'s class; else None (kept whole)."""
+    child's) of whole ``shape``, for the layouts listed above by ``parent``'s class and PyTorch's
+    ``MultiheadAttention.in_proj_weight``; else None (kept whole)."""
     shape, kind = tuple(shape), type(parent).__name__
+    if path == ("in_proj_weight", ) and isinstance(parent, torch.nn.MultiheadAttention) and shape[0] % 3 == 0:
+        return (-2, (shape[0] // 3, ) * 3)  # query, key and value rows of ``embed_dim`` each
     if path == ("gate_up_proj", ) and len(shape) == 3:
         if kind in EXPERTS_GATE_UP_ROWS and shape[-2] % 2 == 0:
             return (-2, (shape[-2] // 2, ) * 2)

@@ -47,6 +47,10 @@ def test_recognized_layouts():
         "model.layers.0.self_attn.qkv_proj.weight": (-2, (32, 16, 16)),  # 4 query and 2 key-value heads of 8
         "model.layers.0.mlp.gate_up_proj.weight": (-2, (48, 48)),
     }
+    fused, separate = torch.nn.MultiheadAttention(24, 4), torch.nn.MultiheadAttention(24, 4, kdim=8)
+    torch_attention = torch.nn.Sequential(fused, separate)
+    select_muon_parameters(torch_attention)  # the second's query, key and value are separate parameters
+    assert tag_fused_projections(torch_attention) == {"0.in_proj_weight": (-2, (24, 24, 24))}
 
 
 @pytest.mark.parametrize(
