@@ -122,7 +122,8 @@ def scheduler_params_for_groups(scheduler_name: Optional[str], params: Optional[
                          f"optimizer would overwrite their configured learning rates, which differ: "
                          f"{_describe(groups, names)} (muon_lr for the Muon groups, adam_lr for the Adam "
                          f"groups, or a group's own lr). Give one value per group, in this order: \"{key}\": "
-                         f"{form} (the configured rates are {rates}); or {instead}.")
+                         f"{form} (the configured rates are {rates}); or {instead} (the way under the Hugging "
+                         "Face Trainer, whose \"auto\" fills in one value).")
     return resolved
 
 

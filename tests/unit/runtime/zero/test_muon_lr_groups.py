@@ -131,7 +131,8 @@ class TestSchedulerRatesPerGroup(DistributedTest):
         error = init_error(scheduled_config(stage, dist.get_world_size(), "WarmupDecayLR", params))
         assert error is not None and error.startswith("ValueError: scheduler.params.warmup_max_lr: one value, 0.001,")
         for part in ("muon-params (Muon) 0.02", "adam-params (Adam) 0.003",
-                     '"warmup_max_lr": [<muon-params>, <adam-params>]', "[0.02, 0.003]", "leave it unset"):
+                     '"warmup_max_lr": [<muon-params>, <adam-params>]', "[0.02, 0.003]",
+                     "leave it unset: each group then uses its configured rate (the way under the Hugging Face"):
             assert part in error, (part, error)
 
     @pytest.mark.parametrize("stage", [1, 3])
