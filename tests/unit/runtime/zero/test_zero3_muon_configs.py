@@ -16,8 +16,9 @@ without ``save_muon_momentum_buffer_in_memory``; ``groups`` (different momentum,
 different momenta); ``standard_first`` (one group per NS kernel; stock applies the last group's ``ns_method`` to all);
 ``shapes`` (3-D expert, 4-D conv, fewer elements than ranks); ``heads``; ``routed`` (a matrix without gradient in some
 micro-steps and a whole step; stock feeds it the previous step's); a frozen layer; ``zero.Init``; ``hpz`` at W=4;
-``buckets*`` (one bucket per matrix at pipeline depth 2, 1, 3: ``max_step_memory: "momentum_partition"`` with
-``reduce_bucket_size`` small enough; under the default cap these matrices share one bucket).
+``buckets*`` (one bucket per matrix: ``max_step_memory: "momentum_partition"`` with ``reduce_bucket_size`` small
+enough, where the depth falls to 1 as these matrices' NS working set exceeds their momentum partition; and at pipeline
+depth 1, 2, 3 with the plan replaced by one bucket per matrix: ``every_matrix_alone``).
 """
 
 import pytest
@@ -69,7 +70,8 @@ OFFLOAD = {
 NVME = DEFAULT.with_(offload="nvme")
 BUCKETS = DEFAULT.with_(zero=(("reduce_bucket_size", BUCKET), ), max_step_memory="momentum_partition")
 BUCKET_RUNS = {2: {"buckets": BUCKETS}, 3: {"buckets": BUCKETS.with_(samples=SAMPLES[3])}}
-BUCKET_RUNS[2].update(buckets_serial=BUCKETS.with_(pipeline_depth=1), buckets_depth3=BUCKETS.with_(pipeline_depth=3))
+DEPTHS = {f"buckets_depth{d}": DEFAULT.with_(every_matrix_alone=True, pipeline_depth=d) for d in (1, 2, 3)}
+BUCKET_RUNS[2].update(DEPTHS)
 
 
 @pytest.fixture(scope="module")
@@ -167,13 +169,17 @@ class TestZero3MuonConfigs(DistributedTest):
 
     @pytest.mark.parametrize("world_size", sorted(BUCKET_RUNS))
     def test_buckets_equal_one_bucket(self, world_size, expected_default):
-        """One bucket per matrix at depth 1, 2, 3 gives the one-bucket plan's weights: owners change, NS inputs not."""
+        """One bucket per matrix, run at depth 1, 2, 3, gives the one-bucket plan's weights: owners change, NS inputs
+        not."""
         one_bucket = default(world_size).train()
+        assert one_bucket.per_rank[0].plan[1] == 1
         exchanges = one_bucket.per_rank[0].stats["exchanges"]
         assert exchanges % (2 * STEPS) == 0 and 2 * STEPS <= exchanges <= 2 * 3 * STEPS
         for name, bucketed in BUCKET_RUNS[world_size].items():
             result = bucketed.train()
             check_against_reference(name, bucketed, result, expected_default)
+            depth = 1 if bucketed.max_step_memory == "momentum_partition" else bucketed.pipeline_depth
+            assert result.per_rank[0].plan == (depth, 3), (name, result.per_rank[0].plan)
             assert result.per_rank[0].stats["exchanges"] == 2 * 3 * STEPS, name
             assert relative_difference(one_bucket.weights, result.weights) <= FLOOR, name
 

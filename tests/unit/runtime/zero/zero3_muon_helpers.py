@@ -103,8 +103,10 @@ class Zero3MuonRun:
         partition_all: see ``ds_config``. optimizer: "Muon" or "AdamW" (``ADAMW``). groups: a key of GROUPINGS.
         zero_init: build under ``deepspeed.zero.Init``. overflow_steps: steps whose first micro-batch is scaled by
             OVERFLOW_FACTOR. pipeline_depth: buckets in flight ahead of the one orthogonalized (1: serial; default 2).
-            max_step_memory: Muon's per-rank cap (bytes or "momentum_partition"). per_head: ``per_head_muon`` (also the
-            reference's).
+            max_step_memory: Muon's per-rank cap (bytes or "momentum_partition"). every_matrix_alone: the owner plan
+            replaced by one bucket per matrix at the configured depth (``binding.plan_partition`` patched), so that
+            the pipeline runs at that depth: for these models' few elements the planner takes one bucket, or depth 1
+            under "momentum_partition". per_head: ``per_head_muon`` (also the reference's).
         restart_after: after that many steps ``save_checkpoint`` (tag ``restart``), a fresh engine,
             ``load_checkpoint``, go on (needs ``train(checkpoint_dir=...)``); equal to ``steps``: save and stop.
         universal: checkpoints go through ``ds_to_universal`` (tag ``restart_universal``, on rank 0) and load with
@@ -134,6 +136,7 @@ class Zero3MuonRun:
     zero_init: bool = False
     pipeline_depth: Optional[int] = None
     max_step_memory: Optional[object] = None
+    every_matrix_alone: bool = False
     overflow_steps: tuple = ()
     restart_after: Optional[int] = None
     momentum_to_bf16: bool = False
@@ -208,7 +211,7 @@ class Zero3MuonRun:
     def train(self, checkpoint_dir=None, nvme_dir=None, record=False) -> "Zero3MuonResult":
         """Train on every rank (collective); micro-step ``m`` of rank ``r`` takes the step's samples
         ``[(m * W + r) * mb, ... + mb)``. ``record``: with a ``Recorder`` (ZeRO-3 Muon only). Newton-Schulz in fp32."""
-        with fp32_newton_schulz(every_method=self.ns_fp32):
+        with fp32_newton_schulz(every_method=self.ns_fp32), _every_matrix_alone(self.every_matrix_alone):
             return self._train(checkpoint_dir, nvme_dir, record)
 
     def _save(self, engine, checkpoint_dir, rank):
@@ -273,6 +276,7 @@ class Zero3MuonRun:
         boundary = getattr(engine.optimizer, "muon_update", None)
         local = dict(ns_per_step=ns_per_step, ns_off_boundary=ns_off_boundary, ns_by_kernel=dict(counter.by_kernel))
         local.update(stats=dataclasses.asdict(boundary.stats) if boundary is not None else None,
+                     plan=(boundary.figures.depth, boundary.figures.buckets) if boundary is not None else None,
                      dynamo_graphs=int(counters["stats"]["unique_graphs"]) - graphs_before)
         per_rank = [None] * world_size
         dist.all_gather_object(per_rank, local)
@@ -294,6 +298,25 @@ class Zero3MuonRun:
         return result
 
 
+@contextlib.contextmanager
+def _every_matrix_alone(enabled: bool):
+    """While open (if ``enabled``): ``binding.plan_partition`` plans every matrix in a bucket of its own and keeps the
+    depth it is given."""
+    from deepspeed.runtime.zero.muon import binding, owner_plan
+
+    def alone(specs, pieces, world_size, max_step_memory, max_bucket_numel, depth, **plan_args):
+        plan = owner_plan.plan_owners(specs,
+                                      world_size,
+                                      1,
+                                      initial_load=plan_args.get("initial_load"),
+                                      holders=plan_args.get("holders"),
+                                      ns_itemsize=plan_args.get("result_itemsize", 4))
+        return plan, depth
+
+    with mock.patch.object(binding, "plan_partition", alone) if enabled else contextlib.nullcontext():
+        yield
+
+
 @dataclasses.dataclass
 class Zero3MuonResult:
     """What ``Zero3MuonRun.train`` returns, the same on every rank.
@@ -302,7 +325,8 @@ class Zero3MuonResult:
         weights: full parameters by name (fp32 CPU tensors) after training. norms: ``get_global_grad_norm()`` per
             step. loss_scales: the loss scale after each step (1.0 without one).
         per_rank: per rank: ``ns_per_step`` (NS calls at each boundary), ``ns_off_boundary`` (on other micro-steps),
-            ``ns_by_kernel``, ``stats`` (the boundary's counters as a dict, or None), ``dynamo_graphs`` (graphs
+            ``ns_by_kernel``, ``stats`` (the boundary's counters as a dict, or None), ``plan`` (the pipeline depth
+            that ran and the buckets: ``PlanFigures.depth``, ``.buckets``; or None), ``dynamo_graphs`` (graphs
             TorchDynamo compiled during the run: 0 when it is disabled).
         final_momentum_dtypes / optimizer_state: ZeRO-3: the Muon momentum buffers' dtypes and
             ``gathered_optimizer_state`` at the end. loaded_state: with ``resume_from``, the latter right after
