@@ -118,12 +118,13 @@ def scheduler_params_for_groups(scheduler_name: Optional[str], params: Optional[
             continue
         instead = ("leave it unset: each group then uses its configured rate"
                    if unset == CONFIGURED else "leave it unset: 0 for every group")
+        if key == "warmup_max_lr":  # what the Hugging Face Trainer's "auto" fills in (a list it refuses)
+            instead += " (the way under the Hugging Face Trainer, whose \"auto\" fills in one value)"
         raise ValueError(f"{where}: one value, {value}, for all {len(groups)} parameter groups of the Muon "
                          f"optimizer would overwrite their configured learning rates, which differ: "
                          f"{_describe(groups, names)} (muon_lr for the Muon groups, adam_lr for the Adam "
                          f"groups, or a group's own lr). Give one value per group, in this order: \"{key}\": "
-                         f"{form} (the configured rates are {rates}); or {instead} (the way under the Hugging "
-                         "Face Trainer, whose \"auto\" fills in one value).")
+                         f"{form} (the configured rates are {rates}); or {instead}.")
     return resolved
 
 
